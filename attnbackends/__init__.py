@@ -1,0 +1,57 @@
+"""attnbackends: pluggable, tested paged-KV attention backends for LLM inference engines.
+
+An engine describes a layer once (:class:`AttentionSpec`), asks :func:`select` for a backend, and drives the
+backend's metadata builder (once per batch) and impl (once per layer).
+"""
+
+from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from .metadata import (
+    CommonAttentionMetadata,
+    DecodePrefillSplit,
+    build_common_metadata,
+    decode_first_order,
+    split_decodes_and_prefills,
+    validate_common_metadata,
+)
+from .platform import DeviceInfo
+from .registry import (
+    BackendNotSupportedError,
+    Explanation,
+    backend_names,
+    explain,
+    get_backend_class,
+    priority_list,
+    register_backend,
+    select,
+    unregister_backend,
+)
+from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec, AttentionType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "CudaGraphSupport",
+    "CommonAttentionMetadata",
+    "DecodePrefillSplit",
+    "build_common_metadata",
+    "decode_first_order",
+    "split_decodes_and_prefills",
+    "validate_common_metadata",
+    "DeviceInfo",
+    "BackendNotSupportedError",
+    "Explanation",
+    "backend_names",
+    "explain",
+    "get_backend_class",
+    "priority_list",
+    "register_backend",
+    "select",
+    "unregister_backend",
+    "BACKEND_ENV_VAR",
+    "AttentionConfig",
+    "AttentionSpec",
+    "AttentionType",
+]

@@ -1,0 +1,300 @@
+"""The three objects an engine drives: the backend class (static facts), its metadata builder (once per batch,
+shared by every layer) and its impl (one per layer). See DESIGN.md, "Contracts"."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Generic, Optional, TypeVar
+
+import torch
+
+from .metadata import CommonAttentionMetadata
+from .platform import DeviceInfo, package_available
+from .spec import AttentionSpec, AttentionType
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "CudaGraphSupport",
+    "STANDARD_KV_CACHE_LAYOUT",
+]
+
+STANDARD_KV_CACHE_LAYOUT = "[num_blocks, 2, block_size, num_kv_heads, head_size]"
+
+M = TypeVar("M")
+
+
+class CudaGraphSupport(enum.IntEnum):
+    """How much of a backend's forward can be captured in a CUDA graph and replayed with new metadata."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # batches where every request decodes exactly one token
+    UNIFORM_BATCH = 2  # batches where every request has the same query length
+    ALWAYS = 3  # any batch, mixed prefills and decodes included
+
+
+class AttentionBackend(ABC):
+    """Static facts about a backend: what it supports, its cache layout, and its builder and impl classes.
+
+    Never instantiated. Capabilities are class attributes (data); :meth:`not_supported_reasons` checks a spec and a
+    device against them, and subclasses extend it by calling ``super()`` and appending their own reasons.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    # Capabilities as data. None means "any".
+    supported_dtypes: ClassVar[frozenset[str]] = frozenset({"float16", "bfloat16"})
+    supported_kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto", "float16", "bfloat16"})
+    supported_head_sizes: ClassVar[Optional[frozenset[int]]] = None
+    min_head_size: ClassVar[int] = 1
+    max_head_size: ClassVar[Optional[int]] = None
+    head_size_multiple: ClassVar[int] = 1
+    block_size_multiple: ClassVar[int] = 1
+    min_compute_capability: ClassVar[Optional[tuple[int, int]]] = None
+    max_compute_capability: ClassVar[Optional[tuple[int, int]]] = None
+    runs_on_cpu: ClassVar[bool] = False  # True: pure torch; "triton" also runs on the CPU under TRITON_INTERPRET=1
+    needs_triton: ClassVar[bool] = False
+    required_packages: ClassVar[tuple[str, ...]] = ()
+    supported_attn_types: ClassVar[frozenset[AttentionType]] = frozenset({AttentionType.DECODER})
+    supports_sliding_window: ClassVar[bool] = False
+    supports_alibi: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
+    supports_separate_v_head_size: ClassVar[bool] = False
+    is_mla: ClassVar[bool] = False  # True: serves MLA specs only; False: standard specs only
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    kv_cache_layout: ClassVar[str] = STANDARD_KV_CACHE_LAYOUT
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The capability data as a plain dict (for `attnbackends list`)."""
+
+        def fmt_cc(cc: Optional[tuple[int, int]]) -> Optional[str]:
+            return None if cc is None else f"{cc[0]}.{cc[1]}"
+
+        if cls.supported_head_sizes is not None:
+            heads = ",".join(str(h) for h in sorted(cls.supported_head_sizes))
+        else:
+            upper = cls.max_head_size if cls.max_head_size is not None else "inf"
+            heads = f"{cls.min_head_size}..{upper}" + (
+                f" (multiple of {cls.head_size_multiple})" if cls.head_size_multiple > 1 else ""
+            )
+        features = [
+            f
+            for f, on in (
+                ("sliding_window", cls.supports_sliding_window),
+                ("alibi", cls.supports_alibi),
+                ("soft_cap", cls.supports_logits_soft_cap),
+                ("sinks", cls.supports_sinks),
+                ("mla", cls.is_mla),
+            )
+            if on
+        ]
+        return {
+            "dtypes": sorted(cls.supported_dtypes),
+            "kv_cache_dtypes": sorted(cls.supported_kv_cache_dtypes),
+            "head_sizes": heads,
+            "block_size_multiple": cls.block_size_multiple,
+            "compute_capability": (fmt_cc(cls.min_compute_capability), fmt_cc(cls.max_compute_capability)),
+            "cpu": cls.runs_on_cpu,
+            "attn_types": sorted(t.value for t in cls.supported_attn_types),
+            "features": features,
+            "cudagraph": cls.cudagraph_support.name,
+            "packages": list(cls.required_packages),
+        }
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        if cls.supported_head_sizes is not None:
+            return head_size in cls.supported_head_sizes
+        if head_size < cls.min_head_size or head_size % cls.head_size_multiple:
+            return False
+        return cls.max_head_size is None or head_size <= cls.max_head_size
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Every reason this backend cannot serve ``spec`` on ``device``; empty when it can."""
+        reasons: list[str] = []
+        if spec.is_mla and not cls.is_mla:
+            reasons.append("MLA specs need an MLA backend")
+        if cls.is_mla and not spec.is_mla:
+            reasons.append("serves MLA specs only (kv_lora_rank etc. unset)")
+        for pkg in cls.required_packages:
+            if not package_available(pkg):
+                reasons.append(f"{pkg} is not installed")
+        reasons += cls._device_reasons(device)
+        if spec.dtype not in cls.supported_dtypes:
+            reasons.append(f"dtype {spec.dtype} not supported (supported: {', '.join(sorted(cls.supported_dtypes))})")
+        if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            allowed = ", ".join(sorted(cls.supported_kv_cache_dtypes))
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} not supported (supported: {allowed})")
+        if not cls.supports_head_size(spec.head_size):
+            reasons.append(f"head_size {spec.head_size} not supported (supported: {cls.capabilities()['head_sizes']})")
+        if (
+            not spec.is_mla
+            and spec.head_size_v is not None
+            and spec.head_size_v != spec.head_size
+            and not cls.supports_separate_v_head_size
+        ):
+            reasons.append(f"head_size_v ({spec.head_size_v}) != head_size ({spec.head_size}) not supported")
+        if spec.block_size % cls.block_size_multiple:
+            reasons.append(f"block_size {spec.block_size} is not a multiple of {cls.block_size_multiple}")
+        if spec.attn_type not in cls.supported_attn_types:
+            allowed = ", ".join(sorted(t.value for t in cls.supported_attn_types))
+            reasons.append(f"attn_type {spec.attn_type.value} not supported (supported: {allowed})")
+        for feature, wanted, supported in (
+            ("sliding window", spec.sliding_window is not None, cls.supports_sliding_window),
+            ("ALiBi", spec.alibi_slopes is not None, cls.supports_alibi),
+            ("logit soft-cap", spec.logits_soft_cap is not None, cls.supports_logits_soft_cap),
+            ("attention sinks", spec.has_sinks, cls.supports_sinks),
+        ):
+            if wanted and not supported:
+                reasons.append(f"{feature} not supported")
+        return reasons
+
+    @classmethod
+    def _device_reasons(cls, device: DeviceInfo) -> list[str]:
+        if not device.is_cuda:
+            if cls.runs_on_cpu:
+                return []
+            if cls.needs_triton and device.triton_interpreted:
+                return []
+            if cls.needs_triton:
+                return ["needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"]
+            return ["needs a CUDA GPU"]
+        cc = device.compute_capability
+        reasons = []
+        if cls.min_compute_capability is not None and cc < cls.min_compute_capability:
+            lo = cls.min_compute_capability
+            reasons.append(f"compute capability {cc[0]}.{cc[1]} < {lo[0]}.{lo[1]}")
+        if cls.max_compute_capability is not None and cc > cls.max_compute_capability:
+            hi = cls.max_compute_capability
+            reasons.append(f"compute capability {cc[0]}.{cc[1]} > {hi[0]}.{hi[1]}")
+        return reasons
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
+        """Shape of one layer's KV cache: [num_blocks, 2, block_size, num_kv_heads, head_size] by default."""
+        return (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    @classmethod
+    def allocate_kv_cache(
+        cls, num_blocks: int, spec: AttentionSpec, device: "torch.device | str" = "cpu"
+    ) -> torch.Tensor:
+        """An uninitialised KV cache for one layer, in this backend's layout and the spec's cache dtype."""
+        return torch.empty(cls.kv_cache_shape(num_blocks, spec), dtype=spec.kv_cache_torch_dtype, device=device)
+
+    @classmethod
+    @abstractmethod
+    def get_builder_cls(cls) -> type["AttentionMetadataBuilder"]:
+        """The metadata builder class."""
+
+    @classmethod
+    @abstractmethod
+    def get_impl_cls(cls) -> type["AttentionImpl"]:
+        """The per-layer impl class."""
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Built once per model; :meth:`build` turns one batch's common metadata into this backend's metadata.
+
+    Parameters
+    ----------
+    spec : the spec of the layers this builder serves (all layers sharing it must agree on it).
+    device : where the batch tensors live.
+    max_num_reqs, max_num_tokens : sizes of persistent buffers (CUDA graphs replay on fixed addresses).
+    """
+
+    #: Requests with query_len <= this count as decodes; the engine puts them first in the batch.
+    reorder_batch_threshold: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        device: "torch.device | str" = "cpu",
+        *,
+        max_num_reqs: int = 256,
+        max_num_tokens: int = 8192,
+        debug: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.debug = debug
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M:
+        """This backend's metadata for one batch, shared by every layer."""
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
+        """Metadata for a capture-time batch; by default the same as :meth:`build`."""
+        return self.build(common)
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """One per layer: writes the layer's new K/V into its cache and computes attention.
+
+    Parameters
+    ----------
+    spec : the layer's spec.
+    sinks : [num_heads] float32, the learned sink logits, when ``spec.has_sinks``.
+    k_scale, v_scale : per-tensor fp8 KV-cache scales (stored = saturate(x / scale)); ignored otherwise.
+    """
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        *,
+        sinks: Optional[torch.Tensor] = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        if spec.has_sinks and sinks is None:
+            raise ValueError("spec.has_sinks is set: pass sinks, a [num_heads] tensor of sink logits")
+        if sinks is not None:
+            if not spec.has_sinks:
+                raise ValueError("sinks given but spec.has_sinks is False")
+            if sinks.shape != (spec.num_heads,):
+                raise ValueError(f"sinks must have shape ({spec.num_heads},), got {tuple(sinks.shape)}")
+            sinks = sinks.float()
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (float(value) > 0):
+                raise ValueError(f"{name} must be a positive number, got {value}")
+        self.spec = spec
+        self.sinks = sinks
+        self.k_scale = float(k_scale)
+        self.v_scale = float(v_scale)
+        self.scale = spec.softmax_scale
+
+    @abstractmethod
+    def update_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write new tokens into the cache.
+
+        key : [num_tokens, num_kv_heads, head_size]; value : [num_tokens, num_kv_heads, value_head_size];
+        slot_mapping : [num_tokens] int64, -1 = padding (skipped).
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        value: Optional[torch.Tensor],
+        kv_cache: Optional[torch.Tensor],
+        metadata: M,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention for one batch, written into ``output``.
+
+        query : [num_tokens, num_heads, head_size]
+        key, value : [num_tokens, num_kv_heads, head_size] new tokens' K and V (written to the cache first), or
+            None when the cache already holds them (cross-attention after its first step).
+        kv_cache : this layer's cache in the backend's layout, or None for encoder layers without a cache.
+        output : [num_tokens, num_heads, value_head_size]; rows past num_actual_tokens are left untouched.
+        Returns ``output``.
+        """

@@ -1,0 +1,104 @@
+"""The machine a backend would run on, as plain data, so selection for any GPU can be tested on a CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["DeviceInfo", "package_available"]
+
+
+def package_available(name: str) -> bool:
+    """Whether the top-level package ``name`` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class DeviceInfo(BaseModel):
+    """A device as the registry sees it.
+
+    Build one by hand (``DeviceInfo.cuda(9, 0)``, ``DeviceInfo.cpu()``) to ask what would be selected on another
+    machine, or read the current one with :meth:`current`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["cpu", "cuda"]
+    compute_capability: Optional[tuple[int, int]] = None
+    sm_count: int = Field(default=0, ge=0)
+    triton_interpreted: bool = False
+    name: str = ""
+    index: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeviceInfo":
+        if self.kind == "cuda" and self.compute_capability is None:
+            raise ValueError("compute_capability is required for a cuda device, e.g. (9, 0)")
+        if self.kind == "cpu" and self.compute_capability is not None:
+            raise ValueError("compute_capability must be None for a cpu device")
+        return self
+
+    @classmethod
+    def cpu(cls, triton_interpreted: Optional[bool] = None) -> "DeviceInfo":
+        if triton_interpreted is None:
+            triton_interpreted = _triton_interpret_env()
+        return cls(kind="cpu", triton_interpreted=triton_interpreted, name="cpu")
+
+    @classmethod
+    def cuda(cls, major: int, minor: int = 0, sm_count: int = 132, name: str = "") -> "DeviceInfo":
+        return cls(kind="cuda", compute_capability=(major, minor), sm_count=sm_count, name=name or f"sm_{major}{minor}")
+
+    @classmethod
+    def current(cls, device: "torch.device | str | None" = None) -> "DeviceInfo":
+        """The device ``device`` (default: CUDA device 0 where CUDA is available, else the CPU)."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return _cuda_info(index)
+        if device.type == "cpu":
+            return cls.cpu()
+        raise ValueError(f"device type {device.type!r} is not supported; allowed: cpu, cuda")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.index) if self.is_cuda else torch.device("cpu")
+
+    @property
+    def runs_triton(self) -> bool:
+        """Triton kernels can run here: natively on CUDA, or under TRITON_INTERPRET=1 on the CPU."""
+        return self.is_cuda or self.triton_interpreted
+
+    def describe(self) -> str:
+        if self.is_cuda:
+            major, minor = self.compute_capability
+            return f"cuda {self.name} (compute capability {major}.{minor}, {self.sm_count} SMs)"
+        return "cpu" + (" (Triton interpreted)" if self.triton_interpreted else "")
+
+
+def _triton_interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@lru_cache(maxsize=None)
+def _cuda_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceInfo(
+        kind="cuda",
+        compute_capability=(props.major, props.minor),
+        sm_count=props.multi_processor_count,
+        name=props.name,
+        index=index,
+    )

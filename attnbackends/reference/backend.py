@@ -1,0 +1,141 @@
+"""The reference backend: straightforward per-request torch code, any device, every feature.
+
+It is slow (a Python loop over requests) and exists to be right: the CPU default, the fallback of last resort on
+GPUs, and the baseline the other backends are compared with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from ..metadata import CommonAttentionMetadata, validate_common_metadata
+from ..ops.quant import dequantize_from_cache, quantize_for_cache
+from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
+from .functional import sequence_attention
+
+__all__ = ["ReferenceBackend", "ReferenceMetadata", "ReferenceMetadataBuilder", "ReferenceImpl"]
+
+
+@dataclass
+class ReferenceMetadata:
+    """The common metadata plus host lists the per-request loop walks (built from the CPU copies: no sync)."""
+
+    common: CommonAttentionMetadata
+    query_start_loc: list[int]
+    seq_lens: list[int]
+
+
+class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
+    def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
+        if self.debug:
+            validate_common_metadata(common, block_size=self.spec.block_size)
+        return ReferenceMetadata(
+            common=common,
+            query_start_loc=common.query_start_loc_cpu.tolist(),
+            seq_lens=common.seq_lens_cpu.tolist(),
+        )
+
+
+class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
+    def __init__(self, spec: AttentionSpec, **kwargs) -> None:
+        super().__init__(spec, **kwargs)
+        self.alibi_slopes = (
+            torch.tensor(spec.alibi_slopes, dtype=torch.float32) if spec.alibi_slopes is not None else None
+        )
+
+    def update_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        slots = slot_mapping[: key.shape[0]]
+        keep = slots >= 0
+        slots = slots[keep]
+        blocks, offsets = slots // block_size, slots % block_size
+        kv_cache[blocks, 0, offsets] = quantize_for_cache(key[keep], kv_cache.dtype, self.k_scale)
+        kv_cache[blocks, 1, offsets] = quantize_for_cache(value[keep], kv_cache.dtype, self.v_scale)
+
+    def _gather(self, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``seq_len`` cached keys and values of one request, dequantized: [L, Hkv, D] each."""
+        block_size = kv_cache.shape[2]
+        pages = kv_cache[block_row[: -(-seq_len // block_size)].long()]  # [P, 2, bs, Hkv, D]
+        key = pages[:, 0].reshape(-1, *pages.shape[3:])[:seq_len]
+        value = pages[:, 1].reshape(-1, *pages.shape[3:])[:seq_len]
+        compute = torch.float32
+        return (
+            dequantize_from_cache(key, compute, self.k_scale),
+            dequantize_from_cache(value, compute, self.v_scale),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        value: Optional[torch.Tensor],
+        kv_cache: Optional[torch.Tensor],
+        metadata: ReferenceMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        spec = self.spec
+        common = metadata.common
+        if kv_cache is not None and key is not None:
+            self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+        if kv_cache is None and (key is None or value is None):
+            raise ValueError("key and value are required when there is no kv_cache (encoder attention)")
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
+        sinks = self.sinks.to(query.device) if self.sinks is not None else None
+        causal = spec.causal and common.causal
+        qsl = metadata.query_start_loc
+        for i in range(common.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            seq_len = metadata.seq_lens[i]
+            if kv_cache is not None:
+                k, v = self._gather(kv_cache, common.block_table[i], seq_len)
+            else:
+                k, v = key[start:end], value[start:end]
+            context = seq_len - (end - start)
+            positions = torch.arange(context, seq_len, device=query.device)
+            out, _ = sequence_attention(
+                query[start:end],
+                k,
+                v,
+                positions,
+                scale=self.scale,
+                causal=causal,
+                sliding_window=spec.sliding_window,
+                logits_soft_cap=spec.logits_soft_cap,
+                alibi_slopes=alibi,
+                sinks=sinks,
+                compute_dtype=compute,
+            )
+            output[start:end] = out.to(output.dtype)
+        return output
+
+
+class ReferenceBackend(AttentionBackend):
+    """Pure torch; every dtype, KV dtype, head size, attention type and feature; any device."""
+
+    name = "reference"
+    description = "pure torch, per-request loop; any device; the correctness baseline"
+    supported_dtypes = frozenset({"float16", "bfloat16", "float32"})
+    supported_kv_cache_dtypes = frozenset(KV_CACHE_DTYPES)
+    runs_on_cpu = True
+    supported_attn_types = frozenset(AttentionType)
+    supports_sliding_window = True
+    supports_alibi = True
+    supports_logits_soft_cap = True
+    supports_sinks = True
+    supports_separate_v_head_size = False
+    cudagraph_support = CudaGraphSupport.NEVER
+
+    @classmethod
+    def get_builder_cls(cls) -> type[ReferenceMetadataBuilder]:
+        return ReferenceMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[ReferenceImpl]:
+        return ReferenceImpl

@@ -1,0 +1,273 @@
+"""Backend registry: names mapped lazily to classes, per-platform priority lists, selection and its explanation.
+
+A backend is registered as ``name -> "module:Class"`` (imported only when needed), by the
+:func:`register_backend` decorator, or by a third-party package through the ``attnbackends.backends`` entry-point
+group. :func:`select` returns the first backend of the platform's priority list whose ``not_supported_reasons`` is
+empty; an explicit choice (``AttentionConfig.backend`` or ``ATTNBACKENDS_BACKEND``) is validated and never replaced.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Callable, Optional, Union
+
+from .interface import AttentionBackend
+from .platform import DeviceInfo
+from .spec import AttentionConfig, AttentionSpec
+
+__all__ = [
+    "BackendNotSupportedError",
+    "Explanation",
+    "ENTRY_POINT_GROUP",
+    "backend_names",
+    "explain",
+    "get_backend_class",
+    "priority_list",
+    "register_backend",
+    "select",
+    "unregister_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "attnbackends.backends"
+
+_Target = Union[str, type[AttentionBackend]]
+
+# Built-in backends, imported on first use.
+_REGISTRY: dict[str, _Target] = {
+    "reference": "attnbackends.reference.backend:ReferenceBackend",
+    "triton": "attnbackends.triton.backend:TritonAttentionBackend",
+    "flashinfer": "attnbackends.flashinfer.backend:FlashInferBackend",
+    "triton_mla": "attnbackends.mla.backends:TritonMLABackend",
+    "flashinfer_mla": "attnbackends.mla.backends:FlashInferMLABackend",
+}
+
+# Auto-selection order per (platform, MLA?). The reference backend ends the CUDA lists: it is slow but correct,
+# and is chosen there (with a warning) only when no fast backend fits.
+_PRIORITIES: dict[tuple[str, bool], list[str]] = {
+    ("cuda", False): ["flashinfer", "triton", "reference"],
+    ("cuda", True): ["flashinfer_mla", "triton_mla", "reference"],
+    ("cpu", False): ["reference"],
+    ("cpu", True): ["reference"],
+}
+
+_entry_points_loaded = False
+
+
+class BackendNotSupportedError(ValueError):
+    """No backend (or not the one asked for) can serve the spec on the device; ``explanation`` says why."""
+
+    def __init__(self, message: str, explanation: "Explanation") -> None:
+        super().__init__(f"{message}\n{explanation}")
+        self.explanation = explanation
+
+
+@dataclass
+class ExplanationRow:
+    name: str
+    reasons: list[str]
+    rank: Optional[int]  # position in the priority list that was walked, None if not in it
+    chosen: bool = False
+
+
+@dataclass
+class Explanation:
+    """Why each registered backend was or was not chosen for a spec on a device."""
+
+    spec: AttentionSpec
+    device: DeviceInfo
+    rows: list[ExplanationRow] = field(default_factory=list)
+    chosen: Optional[str] = None
+    requested: str = "auto"
+
+    def as_table(self) -> list[tuple[str, str, str]]:
+        """Rows of (backend, status, reasons) in priority order, then the backends outside the list."""
+        out = []
+        for row in sorted(self.rows, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.name)):
+            if row.chosen:
+                status = "chosen"
+            elif row.reasons:
+                status = "rejected"
+            elif row.rank is None:
+                status = "fits (not in priority list)"
+            else:
+                status = "fits (lower priority)"
+            out.append((row.name, status, "; ".join(row.reasons) or "-"))
+        return out
+
+    def __str__(self) -> str:
+        head = f"device: {self.device.describe()}; backend requested: {self.requested}; chosen: {self.chosen or 'none'}"
+        width = max((len(r[0]) for r in self.as_table()), default=8)
+        lines = [head] + [f"  {n:<{width}}  {s:<9}  {why}" for n, s, why in self.as_table()]
+        return "\n".join(lines)
+
+
+def register_backend(
+    name: Optional[str] = None, *, select_before: Optional[str] = None, replace: bool = False
+) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    """Class decorator that registers a backend under ``name`` (default: the class's ``name``).
+
+    select_before : join the auto-selection lists right before this backend (in every list that holds it);
+        by default a registered backend is chosen only explicitly or through ``AttentionConfig.priority``.
+    replace : allow replacing an existing registration of the same name.
+    """
+
+    def decorate(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise TypeError(f"register_backend expects an AttentionBackend subclass, got {cls!r}")
+        key = (name or getattr(cls, "name", "") or "").lower()
+        if not key:
+            raise ValueError(f"{cls.__name__} has no name: set the class attribute `name` or pass register_backend(name)")
+        if key in _REGISTRY and not replace and _REGISTRY[key] is not cls:
+            raise ValueError(f"a backend named {key!r} is already registered; pass replace=True to override it")
+        _REGISTRY[key] = cls
+        if select_before is not None:
+            lists = [order for order in _PRIORITIES.values() if select_before in order]
+            if not lists:
+                raise ValueError(f"select_before={select_before!r} is in no priority list; known: {backend_names()}")
+            for order in lists:
+                if key in order:
+                    order.remove(key)
+                order.insert(order.index(select_before), key)
+        return cls
+
+    return decorate
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a registration (and its place in the priority lists)."""
+    _REGISTRY.pop(name, None)
+    for order in _PRIORITIES.values():
+        if name in order:
+            order.remove(name)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        key = ep.name.lower()
+        if key in _REGISTRY:
+            logger.warning("entry point %s=%s ignored: the name is already registered", ep.name, ep.value)
+            continue
+        _REGISTRY[key] = ep.value
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name (built-in, decorated and entry points)."""
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def _import(target: str) -> type[AttentionBackend]:
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, attr)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise TypeError(f"{target} is not an AttentionBackend subclass")
+    return cls
+
+
+def _resolve(name: str) -> tuple[Optional[type[AttentionBackend]], list[str]]:
+    """The class registered as ``name``, or None with the reason it cannot be loaded."""
+    target = _REGISTRY[name]
+    if not isinstance(target, str):
+        return target, []
+    try:
+        cls = _import(target)
+    except ModuleNotFoundError as exc:
+        module_name = target.partition(":")[0]
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return None, [f"not available in this version of attnbackends ({module_name} is missing)"]
+        return None, [f"cannot be imported: {exc}"]
+    except Exception as exc:  # a broken plugin must not break selection of the others
+        return None, [f"cannot be imported: {type(exc).__name__}: {exc}"]
+    _REGISTRY[name] = cls
+    return cls, []
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name``; ValueError if unknown or not importable."""
+    _load_entry_points()
+    key = name.lower()
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(backend_names())}")
+    cls, reasons = _resolve(key)
+    if cls is None:
+        raise ValueError(f"backend {name!r} {reasons[0]}")
+    return cls
+
+
+def priority_list(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
+    """The platform's auto-selection order for this kind of spec."""
+    return list(_PRIORITIES[(device.kind, spec.is_mla)])
+
+
+def _reasons(name: str, spec: AttentionSpec, device: DeviceInfo) -> tuple[Optional[type[AttentionBackend]], list[str]]:
+    cls, reasons = _resolve(name)
+    if cls is None:
+        return None, reasons
+    return cls, cls.not_supported_reasons(spec, device)
+
+
+def explain(
+    spec: AttentionSpec, device: Optional[DeviceInfo] = None, config: Optional[AttentionConfig] = None
+) -> Explanation:
+    """Every registered backend with its reasons, and which one :func:`select` would return (never raises)."""
+    _load_entry_points()
+    device = device or DeviceInfo.current()
+    config = AttentionConfig.from_env(config)
+    order = list(config.priority) if config.priority else priority_list(device, spec)
+    unknown = [n for n in order if n not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"priority names unknown backends {unknown}; registered: {', '.join(backend_names())}")
+    result = Explanation(spec=spec, device=device, requested=config.backend)
+    for name in sorted(_REGISTRY):
+        _, reasons = _reasons(name, spec, device)
+        rank = order.index(name) if name in order else None
+        result.rows.append(ExplanationRow(name=name, reasons=reasons, rank=rank))
+    if config.backend != "auto":
+        if config.backend not in _REGISTRY:
+            raise ValueError(f"unknown backend {config.backend!r}; registered: {', '.join(backend_names())}")
+        candidates = [config.backend]
+    else:
+        candidates = order
+    by_name = {row.name: row for row in result.rows}
+    for name in candidates:
+        if not by_name[name].reasons:
+            by_name[name].chosen = True
+            result.chosen = name
+            break
+    return result
+
+
+def select(
+    spec: AttentionSpec, device: Optional[DeviceInfo] = None, config: Optional[AttentionConfig] = None
+) -> type[AttentionBackend]:
+    """The backend class for ``spec`` on ``device`` (default: the current device).
+
+    Raises
+    ------
+    BackendNotSupportedError
+        when the explicitly requested backend does not fit (with its reasons), or when none on the priority list
+        does (with every backend's reasons).
+    ValueError
+        when the requested backend name is unknown.
+    """
+    result = explain(spec, device, config)
+    if result.chosen is None:
+        if result.requested != "auto":
+            raise BackendNotSupportedError(
+                f"the requested backend {result.requested!r} cannot serve this spec", result
+            )
+        raise BackendNotSupportedError("no registered backend can serve this spec", result)
+    cls = get_backend_class(result.chosen)
+    if result.requested == "auto" and cls.name == "reference" and result.device.is_cuda:
+        logger.warning("no fast backend fits this spec on %s; using the slow reference backend:\n%s", result.device.describe(), result)
+    return cls

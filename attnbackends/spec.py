@@ -1,0 +1,280 @@
+"""What an attention layer needs (:class:`AttentionSpec`) and what the user asks for (:class:`AttentionConfig`).
+
+Both are frozen pydantic models: invalid values and combinations raise a ``pydantic.ValidationError`` (a subclass
+of ``ValueError``) whose message names the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "AttentionType",
+    "AttentionSpec",
+    "AttentionConfig",
+    "KV_CACHE_DTYPES",
+    "DTYPES",
+    "BACKEND_ENV_VAR",
+    "torch_dtype_of",
+    "kv_cache_torch_dtype",
+]
+
+BACKEND_ENV_VAR = "ATTNBACKENDS_BACKEND"
+
+DTYPES = ("float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+_FP8_TORCH_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+class AttentionType(str, Enum):
+    """Which tokens a query may see and whether a KV cache is involved."""
+
+    DECODER = "decoder"  # causal self-attention over a paged KV cache
+    ENCODER = "encoder"  # bidirectional self-attention of an encoder-decoder model, no KV cache
+    ENCODER_ONLY = "encoder_only"  # bidirectional self-attention (BERT-like), no KV cache
+    ENCODER_DECODER = "encoder_decoder"  # cross-attention: decoder queries over encoder keys, non-causal, cached
+
+    @property
+    def is_causal(self) -> bool:
+        return self is AttentionType.DECODER
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """torch dtype of a model dtype name ("float16", "bfloat16", "float32")."""
+    return _TORCH_DTYPES[name]
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
+    """torch dtype the KV cache is stored in: the model dtype for "auto", else the named one."""
+    if kv_cache_dtype == "auto":
+        return _TORCH_DTYPES[model_dtype]
+    if kv_cache_dtype in _FP8_TORCH_DTYPES:
+        return _FP8_TORCH_DTYPES[kv_cache_dtype]
+    return _TORCH_DTYPES[kv_cache_dtype]
+
+
+def _dtype_name(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        for name, dt in _TORCH_DTYPES.items():
+            if dt == value:
+                return name
+        raise ValueError(f"dtype {value} is not supported; allowed: {', '.join(DTYPES)}")
+    if isinstance(value, str):
+        return {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(value, value)
+    return value
+
+
+class AttentionSpec(BaseModel):
+    """Everything a backend must know about one attention layer, fixed for the model's lifetime.
+
+    MLA layers (DeepSeek-V2/V3) set all four of ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
+    ``v_head_dim``; their cache holds one latent "KV head" of ``head_size = kv_lora_rank + qk_rope_head_dim``
+    (576 for DeepSeek-V3), so ``num_kv_heads`` must be 1. Build them with :meth:`AttentionSpec.mla`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+    num_heads: int = Field(gt=0, description="query heads of this layer (on this rank)")
+    num_kv_heads: int = Field(gt=0, description="key/value heads; num_heads must be a multiple")
+    head_size: int = Field(gt=0, description="query/key head size (MLA: kv_lora_rank + qk_rope_head_dim)")
+    head_size_v: Optional[int] = Field(default=None, gt=0, description="value head size where it differs")
+    dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    block_size: int = Field(default=16, gt=0, description="tokens per KV-cache page")
+    attn_type: AttentionType = AttentionType.DECODER
+    sliding_window: Optional[int] = Field(default=None, gt=0, description="keys visible per query, self included")
+    logits_soft_cap: Optional[float] = Field(default=None, gt=0)
+    alibi_slopes: Optional[tuple[float, ...]] = None
+    has_sinks: bool = Field(default=False, description="one learned sink logit per query head (gpt-oss)")
+    scale: Optional[float] = Field(default=None, gt=0, description="softmax scale; default 1/sqrt(head size)")
+    kv_lora_rank: Optional[int] = Field(default=None, gt=0)
+    qk_nope_head_dim: Optional[int] = Field(default=None, gt=0)
+    qk_rope_head_dim: Optional[int] = Field(default=None, gt=0)
+    v_head_dim: Optional[int] = Field(default=None, gt=0)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _normalise_dtype(cls, value: Any) -> Any:
+        return _dtype_name(value)
+
+    @field_validator("attn_type", mode="before")
+    @classmethod
+    def _normalise_attn_type(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in {t.value for t in AttentionType}:
+            allowed = ", ".join(t.value for t in AttentionType)
+            raise ValueError(f"attn_type {value!r} is not one of: {allowed}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "AttentionSpec":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_heads:
+            raise ValueError(
+                f"alibi_slopes has {len(self.alibi_slopes)} values; it needs one per query head (num_heads={self.num_heads})"
+            )
+        if self.alibi_slopes is not None and not all(math.isfinite(s) for s in self.alibi_slopes):
+            raise ValueError("alibi_slopes must be finite numbers")
+        mla_fields = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        given = [f for f in mla_fields if getattr(self, f) is not None]
+        if given and len(given) != len(mla_fields):
+            missing = [f for f in mla_fields if f not in given]
+            raise ValueError(f"MLA specs need all of {', '.join(mla_fields)}; missing: {', '.join(missing)}")
+        if given:
+            latent = self.kv_lora_rank + self.qk_rope_head_dim
+            if self.head_size != latent:
+                raise ValueError(
+                    f"head_size ({self.head_size}) of an MLA spec must be kv_lora_rank + qk_rope_head_dim ({latent})"
+                )
+            if self.num_kv_heads != 1:
+                raise ValueError(f"num_kv_heads of an MLA spec must be 1 (one latent head), got {self.num_kv_heads}")
+            if self.head_size_v is not None and self.head_size_v != self.kv_lora_rank:
+                raise ValueError(
+                    f"head_size_v of an MLA spec is the latent value size kv_lora_rank ({self.kv_lora_rank}); "
+                    f"got {self.head_size_v}"
+                )
+            if self.attn_type is not AttentionType.DECODER:
+                raise ValueError(f"attn_type of an MLA spec must be 'decoder', got {self.attn_type.value!r}")
+        if self.sliding_window is not None and not self.attn_type.is_causal:
+            raise ValueError(
+                f"sliding_window is defined for causal decoder layers only (attn_type={self.attn_type.value!r})"
+            )
+        return self
+
+    @classmethod
+    def mla(
+        cls,
+        num_heads: int,
+        kv_lora_rank: int = 512,
+        qk_nope_head_dim: int = 128,
+        qk_rope_head_dim: int = 64,
+        v_head_dim: int = 128,
+        **kwargs: Any,
+    ) -> "AttentionSpec":
+        """An MLA layer spec (defaults: DeepSeek-V3) with the model's scale 1/sqrt(P + R) unless given."""
+        kwargs.setdefault("scale", 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim))
+        return cls(
+            num_heads=num_heads,
+            num_kv_heads=1,
+            head_size=kv_lora_rank + qk_rope_head_dim,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            **kwargs,
+        )
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def value_head_size(self) -> int:
+        """Head size of V (and of the output): head_size_v, kv_lora_rank for MLA, else head_size."""
+        if self.is_mla:
+            return self.kv_lora_rank
+        return self.head_size_v if self.head_size_v is not None else self.head_size
+
+    @property
+    def softmax_scale(self) -> float:
+        if self.scale is not None:
+            return self.scale
+        if self.is_mla:
+            return 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+        return 1.0 / math.sqrt(self.head_size)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def is_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in _FP8_TORCH_DTYPES
+
+    @property
+    def causal(self) -> bool:
+        return self.attn_type.is_causal
+
+
+class AttentionConfig(BaseModel):
+    """The user's choice: ``backend`` ("auto" or a registered name) and an optional priority override.
+
+    Load it from a dict (``AttentionConfig.model_validate``), a YAML or JSON file (:meth:`from_file`), and the
+    environment (:meth:`from_env`: ``ATTNBACKENDS_BACKEND`` overrides ``backend``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str = Field(default="auto", min_length=1, description='"auto" or a registered backend name')
+    priority: Optional[tuple[str, ...]] = Field(
+        default=None, description="backend names tried in this order instead of the platform's list"
+    )
+    debug: bool = Field(default=False, description="validate metadata on every build (slow; off the fast path)")
+
+    @field_validator("backend")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not value:
+            raise ValueError("backend must be 'auto' or a backend name, got an empty string")
+        return value
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "AttentionConfig":
+        """Read a config from a ``.yaml``/``.yml`` or ``.json`` file; an ``attention:`` section is used if present."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"config file {path} must end in .yaml, .yml or .json")
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        data = data.get("attention", data)
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_env(cls, base: "AttentionConfig | None" = None, environ: "dict[str, str] | None" = None) -> "AttentionConfig":
+        """``base`` (default: an empty config) with ``ATTNBACKENDS_BACKEND`` applied when it is set."""
+        environ = os.environ if environ is None else environ
+        base = base or cls()
+        name = environ.get(BACKEND_ENV_VAR, "").strip()
+        if not name:
+            return base
+        return base.model_copy(update={"backend": cls._strip(name)})

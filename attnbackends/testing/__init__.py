@@ -1,0 +1,34 @@
+"""Test support shared by our tests and third-party backends: random batches, the float64 oracle, tolerances and
+the conformance suite."""
+
+from .cases import SEQUENCE_KINDS, RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes
+from .conformance import (
+    CaseNotSupported,
+    ConformanceCase,
+    check_backend_case,
+    check_backend_on_batch,
+    conformance_cases,
+    run_backend_on_batch,
+    sweep,
+)
+from .oracle import oracle_attention
+from .tolerances import Tolerance, assert_close_to_oracle, tolerance_for
+
+__all__ = [
+    "SEQUENCE_KINDS",
+    "RandomBatch",
+    "SequenceShape",
+    "make_random_batch",
+    "random_sequence_shapes",
+    "CaseNotSupported",
+    "ConformanceCase",
+    "check_backend_case",
+    "check_backend_on_batch",
+    "conformance_cases",
+    "run_backend_on_batch",
+    "sweep",
+    "oracle_attention",
+    "Tolerance",
+    "assert_close_to_oracle",
+    "tolerance_for",
+]

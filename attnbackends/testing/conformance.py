@@ -1,0 +1,177 @@
+"""A conformance suite any backend (ours or a third party's) can run against the oracle.
+
+    from attnbackends.testing import conformance_cases, check_backend_case
+    @pytest.mark.parametrize("case", conformance_cases(), ids=str)
+    def test_my_backend(case):
+        check_backend_case(MyBackend, case, device="cuda")
+
+A case whose spec the backend declares unsupported (``not_supported_reasons``) raises ``CaseNotSupported`` so the
+caller can skip it with the backend's own reasons; every other mismatch is an AssertionError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..interface import AttentionBackend
+from ..ops.quant import dequantize_from_cache
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec
+from .cases import RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes
+from .oracle import oracle_attention
+from .tolerances import assert_close_to_oracle, tolerance_for
+
+__all__ = [
+    "CaseNotSupported",
+    "ConformanceCase",
+    "conformance_cases",
+    "run_backend_on_batch",
+    "check_backend_on_batch",
+    "check_backend_case",
+]
+
+
+class CaseNotSupported(Exception):
+    """The backend declares the case's spec unsupported on this device; ``reasons`` says why."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """A named spec and batch recipe."""
+
+    name: str
+    spec_kwargs: dict[str, Any]
+    shapes: Optional[tuple[SequenceShape, ...]] = None  # None: random shapes from the seed
+    seed: int = 0
+    num_seqs: int = 4
+    pad_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(**self.spec_kwargs)
+
+    def batch(self, device: "torch.device | str" = "cpu") -> RandomBatch:
+        spec = self.spec()
+        shapes = self.shapes
+        if shapes is None:
+            kinds = ("prefill",) if not spec.attn_type.uses_kv_cache else ("decode", "prefill", "chunked_prefill")
+            shapes = random_sequence_shapes(random.Random(self.seed), self.num_seqs, spec.block_size, kinds=kinds)
+        return make_random_batch(spec, shapes, seed=self.seed, device=device, pad_tokens=self.pad_tokens, **self.extra)
+
+
+def conformance_cases(dtype: str = "float16", head_size: int = 64, block_size: int = 16) -> list[ConformanceCase]:
+    """The standard cases, one feature each plus mixed batches, for the given dtype/head/block size."""
+    base = dict(num_heads=4, num_kv_heads=2, head_size=head_size, dtype=dtype, block_size=block_size)
+    mixed = tuple(
+        [SequenceShape(1, 0), SequenceShape(1, block_size), SequenceShape(1, 3 * block_size + 5)]
+        + [SequenceShape(block_size + 1, 0), SequenceShape(7, 2 * block_size - 1)]
+    )
+    cases = [
+        ConformanceCase("decode", base, tuple(SequenceShape(1, c) for c in (1, block_size - 1, block_size, 70))),
+        ConformanceCase("prefill", base, (SequenceShape(1, 0), SequenceShape(block_size + 1, 0), SequenceShape(40, 0))),
+        ConformanceCase("chunked_prefill", base, (SequenceShape(9, block_size), SequenceShape(block_size, 33))),
+        ConformanceCase("mixed", base, mixed),
+        ConformanceCase("mixed_padded", base, mixed, pad_tokens=3),
+        ConformanceCase("random_mix", base, None, seed=7, num_seqs=6),
+        ConformanceCase("mqa", {**base, "num_kv_heads": 1}, mixed),
+        ConformanceCase("mha", {**base, "num_kv_heads": 4}, mixed),
+        ConformanceCase("sliding_window", {**base, "sliding_window": 11}, mixed),
+        ConformanceCase("alibi", {**base, "alibi_slopes": (0.5, 0.25, 0.125, 0.0625)}, mixed),
+        ConformanceCase("soft_cap", {**base, "logits_soft_cap": 5.0}, mixed, extra={"logit_magnitude": 4.0}),
+        ConformanceCase("sinks", {**base, "has_sinks": True}, mixed),
+        ConformanceCase("fp8_e4m3", {**base, "kv_cache_dtype": "fp8_e4m3"}, mixed),
+        ConformanceCase("fp8_e5m2", {**base, "kv_cache_dtype": "fp8_e5m2"}, mixed),
+        ConformanceCase(
+            "encoder_only",
+            {**base, "attn_type": "encoder_only"},
+            (SequenceShape(5, 0), SequenceShape(block_size + 3, 0), SequenceShape(1, 0)),
+        ),
+    ]
+    suffix = f"-{dtype}-h{head_size}-b{block_size}"
+    return [dataclasses.replace(case, name=case.name + suffix) for case in cases]
+
+
+def _device_info(device: torch.device) -> DeviceInfo:
+    return DeviceInfo.current(device)
+
+
+def run_backend_on_batch(
+    backend_cls: type[AttentionBackend], batch: RandomBatch, *, check_support: bool = True
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run one forward of ``batch`` through the backend; returns (output, kv_cache after the step)."""
+    spec = batch.spec
+    device = batch.query.device
+    if check_support:
+        reasons = backend_cls.not_supported_reasons(spec, _device_info(device))
+        if reasons:
+            raise CaseNotSupported(reasons)
+    builder = backend_cls.get_builder_cls()(spec, device)
+    metadata = builder.build(batch.common)
+    impl = backend_cls.get_impl_cls()(spec, sinks=batch.sinks, k_scale=batch.k_scale, v_scale=batch.v_scale)
+    kv_cache = batch.kv_cache.clone() if batch.kv_cache is not None else None
+    output = batch.new_output()
+    returned = impl.forward(batch.query, batch.key, batch.value, kv_cache, metadata, output)
+    if returned is not output:
+        raise AssertionError("forward must return the caller's output tensor")
+    return output, kv_cache
+
+
+def check_backend_on_batch(backend_cls: type[AttentionBackend], batch: RandomBatch) -> None:
+    """Run the batch and check: output against the oracle, padding rows untouched, new K/V in their slots."""
+    output, kv_cache = run_backend_on_batch(backend_cls, batch)
+    n = batch.num_actual_tokens
+    tol = tolerance_for(batch.spec.torch_dtype, batch.spec.kv_cache_dtype)
+    assert_close_to_oracle(output[:n], oracle_attention(batch), tol, what=f"{backend_cls.name} output")
+    if output.shape[0] > n and not bool(torch.isnan(output[n:].float()).all()):
+        raise AssertionError(f"{backend_cls.name} wrote into padding rows past num_actual_tokens={n}")
+    if kv_cache is not None:
+        _check_cache_writes(backend_cls.name, batch, kv_cache)
+
+
+def _check_cache_writes(name: str, batch: RandomBatch, kv_cache: torch.Tensor) -> None:
+    slots = batch.common.slot_mapping[: batch.num_actual_tokens].cpu()
+    block_size = kv_cache.shape[2]
+    cache = kv_cache.cpu()
+    stored_k = dequantize_from_cache(cache[slots // block_size, 0, slots % block_size], torch.float64, batch.k_scale)
+    stored_v = dequantize_from_cache(cache[slots // block_size, 1, slots % block_size], torch.float64, batch.v_scale)
+    want_k = torch.cat([k[s.context_len :] for k, s in zip(batch.dense_keys, batch.shapes)])
+    want_v = torch.cat([v[s.context_len :] for v, s in zip(batch.dense_values, batch.shapes)])
+    # fp8 conversions may round the last bit differently from torch's; other dtypes must match exactly.
+    fp8 = batch.spec.is_fp8_kv_cache
+    rtol = 0.13 if fp8 else 0.0
+    atol = 1e-3 * max(batch.k_scale, batch.v_scale) if fp8 else 0.0
+    for what, got, want in (("key", stored_k, want_k), ("value", stored_v, want_v)):
+        if not torch.allclose(got, want, rtol=rtol, atol=atol):
+            worst = float((got - want).abs().max())
+            raise AssertionError(f"{name}: new {what}s were not written to their slots (max abs diff {worst:.3g})")
+
+
+def check_backend_case(backend_cls: type[AttentionBackend], case: ConformanceCase, device: "torch.device | str" = "cpu") -> None:
+    """Build the case's batch on ``device`` and check the backend on it (CaseNotSupported if it declines)."""
+    check_backend_on_batch(backend_cls, case.batch(device))
+
+
+def sweep(backend_cls: type[AttentionBackend], cases: Sequence[ConformanceCase], device: "torch.device | str" = "cpu") -> dict[str, str]:
+    """Run many cases; returns {case name: "ok" | "unsupported: reasons" | "FAILED: message"}."""
+    results = {}
+    for case in cases:
+        try:
+            check_backend_case(backend_cls, case, device)
+            results[case.name] = "ok"
+        except CaseNotSupported as exc:
+            results[case.name] = f"unsupported: {exc}"
+        except AssertionError as exc:
+            results[case.name] = f"FAILED: {exc}"
+    return results

@@ -1,0 +1,54 @@
+"""The test oracle: dense float64 attention per request, from the batch's own dense K/V (never from the paged
+cache), written independently of the reference backend."""
+
+from __future__ import annotations
+
+import torch
+
+from .cases import RandomBatch
+
+__all__ = ["oracle_attention"]
+
+
+def oracle_attention(batch: RandomBatch) -> torch.Tensor:
+    """The exact answer for ``batch``: [num_actual_tokens, num_heads, value_head_size] float64 on the CPU."""
+    spec = batch.spec
+    hq, hkv = spec.num_heads, spec.num_kv_heads
+    group = hq // hkv
+    scale = spec.softmax_scale
+    slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float64) if spec.alibi_slopes is not None else None
+    sinks = batch.sinks.double().cpu() if batch.sinks is not None else None
+    query = batch.query.double().cpu()
+    outputs = []
+    start = 0
+    for shape, keys, values in zip(batch.shapes, batch.dense_keys, batch.dense_values):
+        q = query[start : start + shape.query_len]  # [Q, Hq, D]
+        start += shape.query_len
+        q = q.reshape(shape.query_len, hkv, group, -1).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
+        k = keys.permute(1, 0, 2)[:, None]  # [Hkv, 1, L, D]
+        v = values.permute(1, 0, 2)[:, None]  # [Hkv, 1, L, Dv]
+        s = (q @ k.transpose(-1, -2)) * scale  # [Hkv, G, Q, L]
+        if spec.logits_soft_cap is not None:
+            s = torch.tanh(s / spec.logits_soft_cap) * spec.logits_soft_cap
+        p_pos = torch.arange(shape.context_len, shape.seq_len, dtype=torch.float64)[:, None]  # [Q, 1]
+        k_pos = torch.arange(shape.seq_len, dtype=torch.float64)[None, :]  # [1, L]
+        if slopes is not None:
+            s = s + slopes.reshape(hkv, group, 1, 1) * (k_pos - p_pos)
+        allowed = torch.ones(shape.query_len, shape.seq_len, dtype=torch.bool)
+        if spec.causal:
+            allowed &= k_pos <= p_pos
+        if spec.sliding_window is not None:
+            allowed &= k_pos > p_pos - spec.sliding_window
+        s = torch.where(allowed, s, torch.full_like(s, -torch.inf))
+        row_max = s.amax(dim=-1, keepdim=True)
+        if sinks is not None:
+            row_max = torch.maximum(row_max, sinks.reshape(hkv, group, 1, 1))
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        weights = torch.exp(s - row_max)
+        denom = weights.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            denom = denom + torch.exp(sinks.reshape(hkv, group, 1, 1) - row_max)
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+        o = (weights / denom) @ v  # [Hkv, G, Q, Dv]
+        outputs.append(o.permute(2, 0, 1, 3).reshape(shape.query_len, hq, -1))
+    return torch.cat(outputs)

@@ -1,0 +1,1 @@
+"""Triton unified paged attention."""
