@@ -40,6 +40,7 @@ _Target = Union[str, type[AttentionBackend]]
 # Built-in backends, imported on first use.
 _REGISTRY: dict[str, _Target] = {
     "reference": "attnbackends.reference.backend:ReferenceBackend",
+    "reference_mla": "attnbackends.mla.reference:ReferenceMLABackend",
     "triton": "attnbackends.triton.backend:TritonAttentionBackend",
     "flashinfer": "attnbackends.flashinfer.backend:FlashInferBackend",
     "triton_mla": "attnbackends.mla.backends:TritonMLABackend",
@@ -50,9 +51,9 @@ _REGISTRY: dict[str, _Target] = {
 # and is chosen there (with a warning) only when no fast backend fits.
 _PRIORITIES: dict[tuple[str, bool], list[str]] = {
     ("cuda", False): ["flashinfer", "triton", "reference"],
-    ("cuda", True): ["flashinfer_mla", "triton_mla", "reference"],
+    ("cuda", True): ["flashinfer_mla", "triton_mla", "reference_mla"],
     ("cpu", False): ["reference"],
-    ("cpu", True): ["reference"],
+    ("cpu", True): ["reference_mla"],
 }
 
 _entry_points_loaded = False
@@ -268,6 +269,6 @@ def select(
             )
         raise BackendNotSupportedError("no registered backend can serve this spec", result)
     cls = get_backend_class(result.chosen)
-    if result.requested == "auto" and cls.name == "reference" and result.device.is_cuda:
+    if result.requested == "auto" and cls.name in ("reference", "reference_mla") and result.device.is_cuda:
         logger.warning("no fast backend fits this spec on %s; using the slow reference backend:\n%s", result.device.describe(), result)
     return cls
