@@ -184,7 +184,8 @@ def _resolve(name: str) -> tuple[Optional[type[AttentionBackend]], list[str]]:
         cls = _import(target)
     except ModuleNotFoundError as exc:
         module_name = target.partition(":")[0]
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+        ours = module_name.startswith("attnbackends.")
+        if ours and exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             return None, [f"not available in this version of attnbackends ({module_name} is missing)"]
         return None, [f"cannot be imported: {exc}"]
     except Exception as exc:  # a broken plugin must not break selection of the others

@@ -1,0 +1,103 @@
+"""A tiny Llama-architecture model with seeded random weights: RMSNorm, rotary embeddings, GQA attention through
+any attention backend, SwiGLU MLP. ``forward_dense`` recomputes a whole sequence with torch SDPA: the reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TinyLlamaConfig", "TinyLlama"]
+
+
+@dataclass(frozen=True)
+class TinyLlamaConfig:
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 64
+    intermediate_size: int = 512
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: TinyLlamaConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_size
+        self.input_norm = nn.RMSNorm(h, eps=cfg.rms_eps)
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.post_norm = nn.RMSNorm(h, eps=cfg.rms_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+# attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TinyLlama(nn.Module):
+    """Llama-style decoder. ``forward(tokens, positions, attend)`` leaves attention to the caller's backend."""
+
+    def __init__(self, cfg: TinyLlamaConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if name == "embed.weight" else p.shape[-1] ** -0.5))
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2, dtype=torch.float32) / cfg.head_size))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding, half-split convention. x: [T, H, D]; positions: [T]."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """tokens, positions: [T] int64 -> logits [T, vocab] float32."""
+        cfg = self.cfg
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_norm(x)
+            q = self._rope(layer.q_proj(h).view(-1, cfg.num_heads, cfg.head_size), positions)
+            k = self._rope(layer.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size), positions)
+            v = layer.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size)
+            o = attend(i, q, k, v)
+            x = x + layer.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_size))
+            x = x + layer.mlp(layer.post_norm(x))
+        return self.lm_head(self.norm(x)).float()
+
+    def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole sequence recomputed with causal SDPA (no cache): tokens [L] -> logits [L, vocab]."""
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+
+        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+            return o.transpose(0, 1)
+
+        positions = torch.arange(tokens.shape[0], device=tokens.device)
+        return self.forward(tokens, positions, attend)

@@ -1,0 +1,125 @@
+"""Selection: explicit choices, the environment override, plugins by decorator and entry point, explanations."""
+
+from importlib import metadata as importlib_metadata
+
+import pytest
+
+import attnbackends.registry as registry
+from attnbackends import (
+    AttentionConfig,
+    AttentionSpec,
+    BackendNotSupportedError,
+    DeviceInfo,
+    backend_names,
+    explain,
+    get_backend_class,
+    register_backend,
+    select,
+    unregister_backend,
+)
+from attnbackends.reference.backend import ReferenceBackend
+
+SPEC = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64)
+CPU = DeviceInfo.cpu(triton_interpreted=False)
+
+
+def test_cpu_default_is_reference(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    assert select(SPEC, CPU) is ReferenceBackend
+    assert explain(SPEC, CPU).chosen == "reference"
+
+
+def test_every_builtin_name_is_registered():
+    for name in ("reference", "reference_mla", "triton", "flashinfer", "triton_mla", "flashinfer_mla"):
+        assert name in backend_names()
+
+
+def test_explicit_choice_that_does_not_fit_raises_with_its_reasons(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    with pytest.raises(BackendNotSupportedError) as err:
+        select(SPEC, CPU, AttentionConfig(backend="flashinfer"))
+    assert "requested backend 'flashinfer'" in str(err.value)
+    row = dict((n, (s, r)) for n, s, r in err.value.explanation.as_table())["flashinfer"]
+    assert row[0] == "rejected" and row[1]
+
+
+def test_environment_variable_overrides_config(monkeypatch):
+    monkeypatch.setenv("ATTNBACKENDS_BACKEND", "flashinfer")
+    with pytest.raises(BackendNotSupportedError, match="flashinfer"):
+        select(SPEC, CPU, AttentionConfig(backend="reference"))
+    monkeypatch.setenv("ATTNBACKENDS_BACKEND", "reference")
+    assert select(SPEC, CPU) is ReferenceBackend
+
+
+def test_unknown_backend_name(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    with pytest.raises(ValueError, match="unknown backend 'nope'.*registered: .*reference"):
+        select(SPEC, CPU, AttentionConfig(backend="nope"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        get_backend_class("nope")
+    with pytest.raises(ValueError, match="priority names unknown backends"):
+        select(SPEC, CPU, AttentionConfig(priority=("nope",)))
+
+
+def test_nothing_fits_lists_every_backend(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype="float32")
+    with pytest.raises(BackendNotSupportedError) as err:
+        select(spec, DeviceInfo.cuda(9, 0), AttentionConfig(priority=("flashinfer",)))
+    names = [row[0] for row in err.value.explanation.as_table()]
+    assert set(names) == set(backend_names())
+    assert "dtype float32 not supported" in str(err.value)
+
+
+def test_decorator_registration_and_priority(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+
+    @register_backend("telemetry_ref", select_before="reference")
+    class TelemetryReference(ReferenceBackend):
+        name = "telemetry_ref"
+
+    try:
+        assert select(SPEC, CPU) is TelemetryReference
+        assert select(SPEC, CPU, AttentionConfig(priority=("reference",))) is ReferenceBackend
+        with pytest.raises(ValueError, match="already registered"):
+            register_backend("telemetry_ref")(ReferenceBackend)
+    finally:
+        unregister_backend("telemetry_ref")
+    assert select(SPEC, CPU) is ReferenceBackend
+    with pytest.raises(TypeError):
+        register_backend("bad")(object)
+
+
+class PluginBackend(ReferenceBackend):
+    name = "plugin_ref"
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+
+def test_entry_point_plugins(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    eps = [_FakeEntryPoint("plugin_ref", f"{__name__}:PluginBackend"), _FakeEntryPoint("broken", "no_such_module_xyz:B")]
+    monkeypatch.setattr(importlib_metadata, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    try:
+        assert "plugin_ref" in backend_names()
+        assert select(SPEC, CPU, AttentionConfig(backend="plugin_ref")) is PluginBackend
+        rows = {n: (s, r) for n, s, r in explain(SPEC, CPU).as_table()}
+        assert rows["plugin_ref"][0] == "fits (not in priority list)"
+        assert rows["broken"][0] == "rejected" and "cannot be imported" in rows["broken"][1]
+    finally:
+        unregister_backend("plugin_ref")
+        unregister_backend("broken")
+
+
+def test_device_info():
+    dev = DeviceInfo.cuda(8, 9, sm_count=100)
+    assert dev.is_cuda and dev.compute_capability == (8, 9) and dev.runs_triton
+    assert not DeviceInfo.cpu(triton_interpreted=False).runs_triton
+    assert DeviceInfo.cpu(triton_interpreted=True).runs_triton
+    with pytest.raises(ValueError, match="compute_capability"):
+        DeviceInfo(kind="cuda")
+    assert DeviceInfo.current("cpu").kind == "cpu"
