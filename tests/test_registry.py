@@ -65,7 +65,7 @@ def test_nothing_fits_lists_every_backend(monkeypatch):
     monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype="float32")
     with pytest.raises(BackendNotSupportedError) as err:
-        select(spec, DeviceInfo.cuda(9, 0), AttentionConfig(priority=("flashinfer",)))
+        select(spec, DeviceInfo.cuda(9, 0), AttentionConfig(priority=("triton",)))
     names = [row[0] for row in err.value.explanation.as_table()]
     assert set(names) == set(backend_names())
     assert "dtype float32 not supported" in str(err.value)
