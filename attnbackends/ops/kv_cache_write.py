@@ -1,0 +1,189 @@
+"""Write new tokens' keys and values into the standard paged KV cache (optionally quantising to fp8).
+
+Cache layout: ``kv_cache`` ``[num_blocks, 2, block_size, num_kv_heads, head_size]``; slot ``s`` is block
+``s // block_size``, offset ``s % block_size``; slot ``-1`` marks a padding token and is skipped.
+fp8: stored = saturate(x / scale) in the cache's fp8 dtype.
+
+On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) a Triton kernel does the write with no host-device sync;
+elsewhere an equivalent torch implementation is used.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["reshape_and_cache", "reshape_and_cache_torch", "check_reshape_and_cache_args"]
+
+Scale = Union[float, torch.Tensor]
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round-to-nearest-even onto the fp8 grid in float32. Only for the interpreter, whose float32 -> fp8 cast
+    does not round to nearest even like the GPU's (and torch's); afterwards the cast is exact."""
+    e = tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30)))
+    ulp = tl.exp2(tl.maximum(e, MIN_EXP) - MANT_BITS)
+    r = x / ulp
+    f = tl.floor(r)
+    d = r - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return (f + tl.where(up, 1.0, 0.0)) * ulp
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    num_kv_heads,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid: (num_tokens, cdiv(num_kv_heads, HEADS_PER_PROGRAM))."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        offs_d = tl.arange(0, HEAD_PAD)
+        mask = (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_SIZE)
+        k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        if FP8:
+            if SCALES_ARE_PTRS:
+                ks = tl.load(k_scale).to(tl.float32)
+                vs = tl.load(v_scale).to(tl.float32)
+            else:
+                ks = k_scale
+                vs = v_scale
+            k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
+            if INTERPRET:
+                k = _round_to_fp8_grid(k, FP8_MANT_BITS, FP8_MIN_EXP)
+                v = _round_to_fp8_grid(v, FP8_MANT_BITS, FP8_MIN_EXP)
+        dst = cache_ptr + blk * stride_cb + off * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _is_interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(_reshape_and_cache_kernel, InterpretedFunction)
+
+
+def _use_triton(device: torch.device) -> bool:
+    return device.type == "cuda" or _is_interpreted()
+
+
+def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                                 slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
+    """Raise ValueError naming the argument when the inputs of :func:`reshape_and_cache` do not fit together."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError("kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_size], got "
+                         f"{tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    _, _, _, num_kv_heads, head_size = kv_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_size):
+            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] to match kv_cache, got "
+                             f"{tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype {value.dtype} must equal key dtype {key.dtype}")
+    if kv_cache.dtype not in _FP8_DTYPES and key.dtype != kv_cache.dtype:
+        raise ValueError(f"key dtype {key.dtype} must equal kv_cache dtype {kv_cache.dtype} (or the cache is fp8)")
+    if key.shape[0] != value.shape[0]:
+        raise ValueError(f"key ({key.shape[0]}) and value ({value.shape[0]}) token counts differ")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] > key.shape[0]:
+        raise ValueError(f"slot_mapping must be a 1-D int64 tensor of at most num_tokens={key.shape[0]} entries, "
+                         f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if slot_mapping.device != kv_cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, kv_cache on {kv_cache.device}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, torch.Tensor):
+            if s.numel() != 1 or s.dtype != torch.float32 or s.device != kv_cache.device:
+                raise ValueError(f"{name} must be a python float or a 1-element float32 tensor on kv_cache's device")
+        elif not isinstance(s, (float, int)) or isinstance(s, bool) or not s > 0:
+            raise ValueError(f"{name} must be a positive python float or a 1-element float32 tensor, got {s!r}")
+    if isinstance(k_scale, torch.Tensor) != isinstance(v_scale, torch.Tensor):
+        raise ValueError("k_scale and v_scale must both be floats or both be tensors")
+
+
+def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
+    """Pure-torch :func:`reshape_and_cache` (syncs the host: for CPUs and tests)."""
+    block_size = kv_cache.shape[2]
+    n = slot_mapping.shape[0]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blk, off = slots // block_size, slots % block_size
+    for i, (x, scale) in enumerate(((key[:n][valid], k_scale), (value[:n][valid], v_scale))):
+        if kv_cache.dtype in _FP8_DTYPES:
+            limit = float(torch.finfo(kv_cache.dtype).max)
+            scale = scale.to(x.device) if isinstance(scale, torch.Tensor) else float(scale)
+            x = (x.float() / scale).clamp(-limit, limit)
+        kv_cache[blk, i, off] = x.to(kv_cache.dtype)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: Scale = 1.0, v_scale: Scale = 1.0, *, validate: bool = True) -> None:
+    """Write the new tokens' keys and values into the paged cache.
+
+    Parameters
+    ----------
+    key, value : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_size]`` float16 / bfloat16 / float32, last dim contiguous (strided views
+        of a fused QKV projection are fine).
+    kv_cache : torch.Tensor
+        ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` in the key dtype or float8_e4m3fn / float8_e5m2;
+        updated in place.
+    slot_mapping : torch.Tensor
+        ``[n <= num_tokens]`` int64; slot of each token, ``-1`` to skip (padding). Tokens past ``n`` are skipped.
+    k_scale, v_scale : float or torch.Tensor
+        fp8 quantisation scales (python floats or 1-element float32 tensors); ignored for a non-fp8 cache.
+    validate : bool
+        Check the arguments first (:func:`check_reshape_and_cache_args`).
+    """
+    if validate:
+        check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    if not _use_triton(kv_cache.device):
+        reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        return
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    head_pad = triton.next_power_of_2(head_size)
+    heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
+    fp8 = kv_cache.dtype in _FP8_DTYPES
+    scales_are_ptrs = isinstance(k_scale, torch.Tensor)
+    grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
+    _reshape_and_cache_kernel[grid](
+        key, value, kv_cache, slot_mapping,
+        k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        num_kv_heads,
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEADS_PER_PROGRAM=heads_per_program, BLOCK_SIZE=block_size,
+        FP8=fp8, FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if fp8 else 0.0, SCALES_ARE_PTRS=scales_are_ptrs,
+        FP8_MANT_BITS=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14, INTERPRET=_is_interpreted(),
+        num_warps=4 if heads_per_program * head_pad >= 1024 else 2,
+    )

@@ -1,0 +1,175 @@
+"""The Triton backend: one unified paged-attention launch per layer for a whole mixed batch.
+
+Split-KV decode buffers live in the builder (allocated once), so a pure-decode step can be captured in a CUDA graph
+and replayed with new sequence lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
+from ..ops.kv_cache_write import reshape_and_cache
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec, AttentionType
+from .launch import (
+    MAX_HEAD_SIZE,
+    MAX_KV_SPLITS,
+    MIN_HEAD_SIZE,
+    SplitKVWorkspace,
+    choose_num_kv_splits,
+    unified_attention,
+    varlen_attention,
+)
+
+__all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
+
+
+@dataclass
+class TritonMetadata:
+    """One batch for the Triton kernels: the common tensors plus the launch decisions made on the host."""
+
+    common: CommonAttentionMetadata
+    num_decodes: int  # leading requests with query_len 1, run on the decode tiles
+    num_kv_splits: int  # KV segments per decode (1: no split-KV)
+    workspace: Optional[SplitKVWorkspace]
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
+    """Chooses the split-KV factor per batch and owns the split-KV workspace (``max_num_reqs`` decode rows)."""
+
+    def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", **kwargs) -> None:
+        super().__init__(spec, device, **kwargs)
+        self.num_sms = DeviceInfo.current(self.device).sm_count if self.device.type == "cuda" else 1
+        self.workspace: Optional[SplitKVWorkspace] = None
+        if self.device.type == "cuda":
+            self.workspace = SplitKVWorkspace.allocate(
+                self.max_num_reqs, spec.num_heads, spec.head_size, MAX_KV_SPLITS, device=self.device
+            )
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        if self.debug:
+            validate_common_metadata(common, block_size=self.spec.block_size)
+        if not self.spec.attn_type.uses_kv_cache:
+            return TritonMetadata(common, 0, 1, None)  # encoder attention: no decodes, one varlen launch
+        split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
+        num_kv_splits = 1
+        if self.workspace is not None and split.num_decodes and split.num_prefills == 0:
+            num_kv_splits = choose_num_kv_splits(
+                split.num_decodes,
+                self.spec.num_kv_heads,
+                self.spec.num_heads,
+                self.num_sms,
+                common.max_seq_len,
+                max_query_len=common.max_query_len,
+            )
+            if not self.workspace.fits(split.num_decode_tokens, self.spec.num_heads, self.spec.head_size, num_kv_splits):
+                num_kv_splits = 1
+        return TritonMetadata(common, split.num_decodes, num_kv_splits, self.workspace if num_kv_splits > 1 else None)
+
+
+class TritonImpl(AttentionImpl[TritonMetadata]):
+    """Writes K/V with the shared write op, then one unified-attention launch (plus a reduction for split-KV)."""
+
+    def __init__(self, spec: AttentionSpec, **kwargs) -> None:
+        super().__init__(spec, **kwargs)
+        self._alibi_host = (
+            torch.tensor(spec.alibi_slopes, dtype=torch.float32) if spec.alibi_slopes is not None else None
+        )
+        self._on_device: dict[torch.device, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
+        self._validated = False
+
+    def _features(self, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """ALiBi slopes and sinks on ``device``, copied once (never on the hot path after the first step)."""
+        if device not in self._on_device:
+            alibi = self._alibi_host.to(device) if self._alibi_host is not None else None
+            sinks = self.sinks.to(device).contiguous() if self.sinks is not None else None
+            self._on_device[device] = (alibi, sinks)
+        return self._on_device[device]
+
+    def update_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        reshape_and_cache(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale, validate=not self._validated)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        value: Optional[torch.Tensor],
+        kv_cache: Optional[torch.Tensor],
+        metadata: TritonMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        spec, common = self.spec, metadata.common
+        alibi, sinks = self._features(query.device)
+        validate = not self._validated
+        causal = spec.causal and common.causal
+        if kv_cache is None:
+            if key is None or value is None:
+                raise ValueError("key and value are required when there is no kv_cache (encoder attention)")
+            varlen_attention(
+                query, key, value, output, common.query_start_loc, common.max_seq_len, self.scale, causal,
+                sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+                alibi_slopes=alibi, sinks=sinks, validate=validate,
+            )
+        else:
+            if validate and kv_cache.shape[1:] != (2, spec.block_size, spec.num_kv_heads, spec.head_size):
+                raise ValueError(
+                    f"kv_cache must be [num_blocks, 2, {spec.block_size}, {spec.num_kv_heads}, {spec.head_size}], "
+                    f"got {tuple(kv_cache.shape)}"
+                )
+            if key is not None:
+                self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+            unified_attention(
+                query, kv_cache[:, 0], kv_cache[:, 1], output,
+                common.query_start_loc, common.seq_lens, common.block_table,
+                common.max_query_len, common.max_seq_len, self.scale,
+                causal=causal, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+                alibi_slopes=alibi, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
+                workspace=metadata.workspace, num_decodes=metadata.num_decodes,
+                num_kv_splits=metadata.num_kv_splits, validate=validate,
+            )
+        self._validated = True
+        return output
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Our unified paged-attention kernels (Triton): mixed batches in one launch, split-KV decode, fp8 KV."""
+
+    name = "triton"
+    description = "Triton unified paged attention: mixed batches in one launch, split-KV decode, fp8 KV"
+    supported_dtypes = frozenset({"float16", "bfloat16"})
+    supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+    min_head_size = MIN_HEAD_SIZE
+    max_head_size = MAX_HEAD_SIZE
+    block_size_multiple = 16
+    min_compute_capability = (8, 0)
+    needs_triton = True
+    supported_attn_types = frozenset(AttentionType)
+    supports_sliding_window = True
+    supports_alibi = True
+    supports_logits_soft_cap = True
+    supports_sinks = True
+    cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        reasons = super().not_supported_reasons(spec, device)
+        if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda and device.compute_capability < (8, 9):
+            reasons.append("fp8 e4m3 KV cache needs compute capability >= 8.9 in Triton")
+        if spec.kv_cache_dtype in ("float16", "bfloat16") and spec.kv_cache_dtype != spec.dtype:
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} must equal dtype {spec.dtype} (or be auto/fp8)")
+        return reasons
+
+    @classmethod
+    def get_builder_cls(cls) -> type[TritonMetadataBuilder]:
+        return TritonMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[TritonImpl]:
+        return TritonImpl

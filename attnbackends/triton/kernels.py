@@ -1,0 +1,370 @@
+"""Triton kernels for unified paged attention (decodes, prefills and chunked prefills in one launch).
+
+Only ``@triton.jit`` code lives here; :mod:`attnbackends.triton.launch` validates arguments, picks tile
+configurations and launches.
+
+Tiling: a program owns one KV head and a tile of ``BLOCK_M`` rows = ``BLOCK_Q`` query tokens x the
+``QPK`` query heads that share that KV head (GQA packing), so even a single decode token feeds the tensor
+cores through ``tl.dot``. It walks the keys ``TILE_N`` at a time (several pages per iteration) with an online
+softmax in the log2 domain. Tiles that no mask can touch run without masks; only the edge tiles (causal
+diagonal, sliding-window start, the sequence's last partial tile) pay for them.
+
+Split-KV: with ``NUM_SEGMENTS > 1`` the key range of each program is cut into segments (grid axis 2); each
+writes its normalised partial output and log2-sum-exp to a workspace, and ``_reduce_segments_kernel`` merges
+them. The grid depends only on shapes and host ints, never on ``seq_lens`` values (CUDA-graph safe).
+"""
+
+import triton
+import triton.language as tl
+
+RCP_LN2 = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tanh(x):
+    # exp-based so that it also runs under TRITON_INTERPRET; saturates correctly at +-inf.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * RCP_LN2)) + 1.0)
+
+
+@triton.jit
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def _attn_tile(
+    acc, l_i, m_i, q, j,
+    key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    offs_n = j * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
+    n_ok = offs_n < kv_end
+    if PAGED:
+        if MASKED:
+            blk = tl.load(block_table_ptr + seq_idx * stride_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+        else:
+            blk = tl.load(block_table_ptr + seq_idx * stride_bt + offs_n // BLOCK_SIZE)
+        k_off = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+        v_off = blk.to(tl.int64) * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs
+    else:
+        k_off = (kv_row_start + offs_n).to(tl.int64) * stride_ks
+        v_off = (kv_row_start + offs_n).to(tl.int64) * stride_vs
+    k_ptrs = key_ptr + kv_head * stride_kh + k_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
+    v_ptrs = value_ptr + kv_head * stride_vh + v_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
+    if MASKED:
+        if HEAD_PAD != HEAD_SIZE:
+            d_ok = offs_d < HEAD_SIZE
+            k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        if HEAD_PAD != HEAD_SIZE:
+            d_ok = offs_d < HEAD_SIZE
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    if INTERPRET:
+        # The interpreter's tl.dot on bfloat16 is wrong (numpy has no bfloat16): compute in float32 there.
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        # fp8 cache: the per-tensor scales are folded into qk_scale and the final output instead.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+
+    s = tl.dot(q, k)  # [BLOCK_M, TILE_N] fp32
+    if USE_SOFTCAP:
+        s = soft_cap * _tanh(s * qk_scale / soft_cap) * RCP_LN2
+    else:
+        s = s * qk_scale
+    if USE_ALIBI:
+        s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
+    if MASKED:
+        if CAUSAL:
+            vis = offs_n[None, :] <= pos[:, None]
+        else:
+            vis = n_ok[None, :] & (pos[:, None] >= 0)
+        if SLIDING_WINDOW > 0:
+            vis = vis & (offs_n[None, :] > pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_range(
+    acc, l_i, m_i, q, lo, hi,
+    key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Tiles lo..hi-1. Compiled: a pipelined for-loop. Interpreted: a while-loop, because the interpreter
+    (with numpy >= 2.3) cannot turn its 1-element scalar arrays into range() bounds."""
+    if INTERPRET:
+        j = lo
+        while j < hi:
+            acc, l_i, m_i = _attn_tile(
+                acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                MASKED, INTERPRET)
+            j += 1
+    else:
+        for j in range(lo, hi):
+            acc, l_i, m_i = _attn_tile(
+                acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                MASKED, INTERPRET)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend(
+    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
+    seq_idx, q_block, kv_head, segm,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    q_scale, qk_scale, soft_cap, v_scale,
+    QPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, Q_FP16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    if q_block * BLOCK_Q < q_len:
+        if PAGED:
+            seq_len = tl.load(seq_lens_ptr + seq_idx)
+        else:
+            seq_len = q_len
+        ctx = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_PAD)
+        tok = q_block * BLOCK_Q + offs_m // QPK  # [BLOCK_M] token index inside the sequence
+        head = kv_head * QPK + offs_m % QPK  # [BLOCK_M] query head
+        row_ok = (offs_m < BLOCK_Q * QPK) & (tok < q_len)
+        pos = ctx + tok
+        q_ptrs = query_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+        if HEAD_PAD != HEAD_SIZE:
+            q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
+        else:
+            q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_PAD]
+        if Q_FP16:
+            # fp8 cache: e4m3/e5m2 -> fp16 is one cvt per pair (-> bf16 is several), so the dots run in fp16.
+            # The softmax scale is folded into q first: fp16 has bf16's range only up to 65504.
+            q = (q.to(tl.float32) * q_scale).to(tl.float16)
+        if INTERPRET:
+            q = q.to(tl.float32)
+
+        first_pos = ctx + q_block * BLOCK_Q
+        last_pos = ctx + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+        if CAUSAL:
+            kv_end = last_pos + 1
+            full_hi = (first_pos + 1) // TILE_N
+        else:
+            kv_end = seq_len
+            full_hi = seq_len // TILE_N
+        if SLIDING_WINDOW > 0:
+            kv_lo = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0)
+            full_lo = _cdiv(tl.maximum(last_pos - SLIDING_WINDOW + 1, 0), TILE_N)
+        else:
+            kv_lo = 0
+            full_lo = 0
+        tile_lo = kv_lo // TILE_N
+        tile_hi = _cdiv(kv_end, TILE_N)
+        # This program's share of the tiles (all of them when NUM_SEGMENTS == 1).
+        per_seg = _cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+        seg_lo = tl.minimum(tile_lo + segm * per_seg, tile_hi)
+        seg_hi = tl.minimum(seg_lo + per_seg, tile_hi)
+        mid_lo = tl.minimum(tl.maximum(full_lo, seg_lo), seg_hi)
+        mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), seg_hi)
+
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * RCP_LN2
+            m_i = tl.where(segm == 0, sink, float("-inf"))
+            l_i = tl.where(segm == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        if USE_ALIBI:
+            slope = tl.load(alibi_ptr + head).to(tl.float32) * RCP_LN2
+        else:
+            slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+        kv_row_start = q_start
+
+        acc, l_i, m_i = _attn_range(
+            acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+            True, INTERPRET)
+        acc, l_i, m_i = _attn_range(
+            acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+            False, INTERPRET)
+        acc, l_i, m_i = _attn_range(
+            acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+            True, INTERPRET)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc * (v_scale / l_safe)[:, None]
+        d_ok = offs_d < HEAD_SIZE
+        tok_glob = (q_start + tok).to(tl.int64)
+        if NUM_SEGMENTS == 1:
+            o_ptrs = output_ptr + tok_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            p_ptrs = (partial_out_ptr + tok_glob[:, None] * stride_pt + head[:, None] * stride_ph
+                      + segm * stride_ps + offs_d[None, :])
+            tl.store(p_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(partial_lse_ptr + tok_glob * stride_lt + head * stride_lh + segm, lse, mask=row_ok)
+
+
+@triton.jit
+def _unified_attention_kernel(
+    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, k_scale, v_scale,
+    num_seqs, num_decodes,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    softmax_scale, soft_cap,
+    QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DECODE_PATH: tl.constexpr, DECODE_BLOCK_M: tl.constexpr, DECODE_TILE_N: tl.constexpr,
+    GENERIC_PATH: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid: (num_decodes + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
+    NUM_SEGMENTS). Programs below num_decodes take one decode sequence each (query_len 1, BLOCK_Q = 1); the
+    others map to (sequence, query block) by a binary search over query_start_loc."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segm = tl.program_id(2)
+
+    if KV_FP8:
+        if SCALES_ARE_PTRS:
+            ks = tl.load(k_scale).to(tl.float32)
+            vs = tl.load(v_scale).to(tl.float32)
+        else:
+            ks = k_scale
+            vs = v_scale
+    else:
+        ks = 1.0
+        vs = 1.0
+    if KV_FP8:
+        q_scale = softmax_scale
+        qk_scale = ks
+    else:
+        q_scale = 1.0
+        qk_scale = softmax_scale
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * RCP_LN2
+
+    if DECODE_PATH:
+        if pid < num_decodes:
+            _attend(
+                query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
+                pid, 0, kv_head, segm,
+                stride_qt, stride_qh, stride_ot, stride_oh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                q_scale, qk_scale, soft_cap, vs,
+                QPK, 1, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, INTERPRET)
+    if GENERIC_PATH:
+        if pid >= num_decodes:
+            # Sequence i >= num_decodes owns query blocks starting at (qsl[i] - qsl[nd]) // BLOCK_Q + (i - nd):
+            # an upper bound on its block count, so the grid needs only num_tokens and num_seqs.
+            target = pid - num_decodes
+            base = tl.load(query_start_loc_ptr + num_decodes)
+            lo = num_decodes
+            hi = num_seqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                start = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_Q + mid - num_decodes
+                if start <= target:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            seq_idx = lo - 1
+            q_start = tl.load(query_start_loc_ptr + seq_idx)
+            q_block = target - ((q_start - base) // BLOCK_Q + seq_idx - num_decodes)
+            # Heaviest (last) query blocks first: under a causal mask they see the most keys, and starting them
+            # early shortens the tail of the launch. Blocks past the end map to n_blk and are skipped.
+            n_blk = _cdiv(tl.load(query_start_loc_ptr + seq_idx + 1) - q_start, BLOCK_Q)
+            q_block = tl.where(q_block < n_blk, n_blk - 1 - q_block, n_blk)
+            _attend(
+                query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
+                seq_idx, q_block, kv_head, segm,
+                stride_qt, stride_qh, stride_ot, stride_oh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                q_scale, qk_scale, soft_cap, vs,
+                QPK, BLOCK_Q, BLOCK_M, TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, INTERPRET)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    output_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_seqs,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+):
+    """Grid: (num_tokens, num_heads). Merges the per-segment (output, log2-sum-exp) pairs of one row."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok < tl.load(query_start_loc_ptr + num_seqs):
+        offs_s = tl.arange(0, SEG_PAD)
+        offs_d = tl.arange(0, HEAD_PAD)
+        s_ok = offs_s < NUM_SEGMENTS
+        d_ok = offs_d < HEAD_SIZE
+        lse = tl.load(partial_lse_ptr + tok * stride_lt + head * stride_lh + offs_s, mask=s_ok,
+                      other=float("-inf"))  # [SEG_PAD]
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        p_ptrs = (partial_out_ptr + tok * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps
+                  + offs_d[None, :])
+        parts = tl.load(p_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [SEG_PAD, HEAD_PAD]
+        parts = tl.where(w[:, None] > 0.0, parts, 0.0)
+        out = tl.sum(parts * w[:, None], 0) / denom
+        tl.store(output_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(output_ptr.dtype.element_ty),
+                 mask=d_ok)

@@ -1,0 +1,583 @@
+"""Launchers for the Triton unified paged-attention kernels.
+
+``unified_attention`` runs a whole mixed batch (decodes, prefills, chunked prefills) in one kernel launch, plus
+one reduction launch when split-KV is used. It performs no host-device synchronisation, and allocates nothing
+when a :class:`SplitKVWorkspace` is passed, so a decode step can be captured in a CUDA graph: the grid depends
+only on tensor shapes and on host ints fixed at capture (``num_decodes``, ``num_kv_splits``), never on the
+values of ``seq_lens``.
+
+Argument checks live in :func:`check_unified_attention_args`; call it once (``validate=True``, the default, calls
+it on every launch) and pass ``validate=False`` on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Union
+
+import torch
+
+from attnbackends.triton.kernels import _reduce_segments_kernel, _unified_attention_kernel
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "KernelConfig",
+    "SplitKVWorkspace",
+    "check_unified_attention_args",
+    "choose_num_kv_splits",
+    "pick_kernel_config",
+    "unified_attention",
+    "varlen_attention",
+]
+
+Scale = Union[float, torch.Tensor]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUERY_DTYPES = (torch.float16, torch.bfloat16)
+MIN_HEAD_SIZE = 32
+MAX_HEAD_SIZE = 256
+MAX_KV_SPLITS = 32
+
+
+@lru_cache(maxsize=None)
+def _is_interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - older triton
+        return False
+    return isinstance(_unified_attention_kernel, InterpretedFunction)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Split-KV workspace and heuristic
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class SplitKVWorkspace:
+    """Preallocated buffers for split-KV partial results (allocate once, reuse every step and in CUDA graphs).
+
+    Attributes
+    ----------
+    partial_out : torch.Tensor
+        ``[max_num_tokens, num_heads, max_segments, head_size]`` float32, normalised per-segment outputs.
+    partial_lse : torch.Tensor
+        ``[max_num_tokens, num_heads, max_segments]`` float32, per-segment log2-sum-exp (``-inf``: no keys).
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_num_tokens: int, num_heads: int, head_size: int, max_segments: int = MAX_KV_SPLITS,
+                 device: Union[torch.device, str, None] = None) -> "SplitKVWorkspace":
+        """Allocate buffers for up to ``max_num_tokens`` query tokens and ``max_segments`` KV segments."""
+        for name, value in (("max_num_tokens", max_num_tokens), ("num_heads", num_heads),
+                            ("head_size", head_size), ("max_segments", max_segments)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        partial_out = torch.empty(max_num_tokens, num_heads, max_segments, head_size, dtype=torch.float32,
+                                  device=device)
+        partial_lse = torch.empty(max_num_tokens, num_heads, max_segments, dtype=torch.float32, device=device)
+        return cls(partial_out, partial_lse)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.partial_out.shape[0]
+
+    @property
+    def max_segments(self) -> int:
+        return self.partial_out.shape[2]
+
+    def fits(self, num_tokens: int, num_heads: int, head_size: int, num_segments: int) -> bool:
+        """Whether a batch of this shape can use the workspace with ``num_segments`` segments."""
+        t, h, s, d = self.partial_out.shape
+        return num_tokens <= t and num_heads == h and head_size == d and num_segments <= s
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int,
+                         max_seq_len: Optional[int] = None, *, max_query_len: int = 1,
+                         max_splits: int = MAX_KV_SPLITS, min_keys_per_split: int = 128,
+                         programs_per_sm: int = 3) -> int:
+    """Number of KV segments per (sequence, KV head) for split-KV decode; 1 means no split.
+
+    Pure Python, so it can be evaluated once at CUDA-graph capture and unit-tested on a CPU. A program owns one
+    KV head of one sequence (its ``num_heads // num_kv_heads`` query heads are packed into one tile), so a
+    decode batch launches ``num_seqs * num_kv_heads`` programs; when that is under ``programs_per_sm`` programs
+    per SM the key range is cut so the memory system gets enough loads in flight. The result is a power of two
+    (few compiled variants), at most ``max_splits``, and leaves at least ``min_keys_per_split`` keys of
+    ``max_seq_len`` (when given) to each segment. Batches with long queries (``max_query_len > 16``) already
+    have enough programs and never split.
+
+    H100 (132 SMs, 32/8 heads, head 128): B=1 x 1024 -> 8 (17.6 us; 16: 19.4, 32: 18.4), B=1 x 16384 -> 32
+    (46 us; 16: 52), B=16 x 4096 -> 4, B >= 64 -> 1 (2 was 5-10% slower).
+    """
+    if num_seqs < 1 or num_kv_heads < 1 or num_heads < 1 or num_sms < 1:
+        raise ValueError("num_seqs, num_kv_heads, num_heads and num_sms must be positive")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if max_query_len > 16:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = programs_per_sm * num_sms
+    if programs >= target:
+        return 1
+    splits = _next_pow2(math.ceil(target / programs))
+    if max_seq_len is not None:
+        splits = min(splits, max(1, max_seq_len // max(1, min_keys_per_split)))
+    splits = min(splits, max(1, max_splits))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tile configuration
+# --------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shapes and launch options.
+
+    ``decode_block_m``/``decode_tile_n`` are used by the decode path (one query token per program),
+    ``block_m``/``tile_n`` by the generic path (``block_m // queries_per_kv`` query tokens per program).
+    """
+
+    decode_block_m: int = 16
+    decode_tile_n: int = 64
+    block_m: int = 128
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, *, has_decode_path: bool,
+                       has_generic_path: bool, kv_fp8: bool = False, keys_per_split: Optional[int] = None,
+                       max_seq_len: Optional[int] = None) -> KernelConfig:
+    """Default tiles, from sweeps on an H100 (benchmarks/NOTES-triton.md).
+
+    Decode: ``max(16, queries_per_kv)`` rows; 128 keys (8 pages of 16) per step, or 64 when split-KV leaves
+    fewer than 512 keys per segment; 4 warps, 3 stages. Prefill: up to 128 rows; 128 keys per step with
+    8 warps for long sequences, 32 keys with 4 warps for short ones.
+    """
+    head_pad = _next_pow2(head_size)
+    qpk_pad = _next_pow2(queries_per_kv)
+    decode_block_m = max(16, qpk_pad)
+    big_head = head_pad > 128
+    if big_head:
+        decode_tile_n = 32
+    elif keys_per_split is not None and keys_per_split < 512 and not kv_fp8:
+        decode_tile_n = 64
+    else:
+        decode_tile_n = 128
+    rows = max_query_len * queries_per_kv
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+    if big_head:
+        block_m = min(block_m, 64)
+    block_m = max(block_m, qpk_pad)
+    long_seqs = max_seq_len is None or max_seq_len >= 2048
+    if big_head:
+        tile_n = 32
+    elif block_m >= 128:
+        tile_n = 128 if long_seqs else 32
+    else:
+        tile_n = 64
+    if has_generic_path and has_decode_path and block_m >= 128 and not big_head:
+        # One launch for decodes + prefills: 4 warps and 32-key prefill steps suit both paths
+        # (H100, 60 decodes x 4096 + 4 x 512 on 2k: 564 µs vs 605-618 with 8 warps and 128-key steps).
+        tile_n, num_warps, num_stages = 32, 4, 3
+    elif has_generic_path and block_m >= 128 and long_seqs:
+        num_warps, num_stages = 8, 3
+    else:
+        num_warps, num_stages = 4, (2 if big_head else 3)
+    return KernelConfig(decode_block_m, decode_tile_n, block_m, tile_n, num_warps, num_stages)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------------------
+def _check_scale(name: str, scale: Scale, device: torch.device) -> None:
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"{name} must be a python float or a 1-element float32 tensor, got "
+                             f"{tuple(scale.shape)} {scale.dtype}")
+        if scale.device != device:
+            raise ValueError(f"{name} is on {scale.device}, expected {device}")
+    elif isinstance(scale, (float, int)) and not isinstance(scale, bool):
+        if not scale > 0 or not math.isfinite(scale):
+            raise ValueError(f"{name} must be a positive finite number, got {scale}")
+    else:
+        raise ValueError(f"{name} must be a python float or a 1-element float32 tensor, got {type(scale).__name__}")
+
+
+def _check_common(query: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor, num_kv_heads: int,
+                  head_size: int, causal: bool, sliding_window, logits_soft_cap, alibi_slopes, sinks,
+                  softmax_scale) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
+    allowed = QUERY_DTYPES + ((torch.float32,) if (query.device.type == "cpu") else ())
+    if query.dtype not in allowed:
+        raise ValueError(f"query dtype must be one of {allowed}, got {query.dtype}")
+    if query.stride(-1) != 1:
+        raise ValueError("query must be contiguous in its last dimension (stride(-1) == 1)")
+    num_heads = query.shape[1]
+    if query.shape[2] != head_size:
+        raise ValueError(f"query head_size {query.shape[2]} does not match the key head_size {head_size}")
+    if not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE:
+        raise ValueError(f"head_size must be in [{MIN_HEAD_SIZE}, {MAX_HEAD_SIZE}], got {head_size}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if output.shape != query.shape:
+        raise ValueError(f"output shape {tuple(output.shape)} must equal query shape {tuple(query.shape)}")
+    if output.dtype not in QUERY_DTYPES + (torch.float32,):
+        raise ValueError(f"output dtype must be float16, bfloat16 or float32, got {output.dtype}")
+    if output.stride(-1) != 1:
+        raise ValueError("output must be contiguous in its last dimension (stride(-1) == 1)")
+    if query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32 or query_start_loc.numel() < 2:
+        raise ValueError("query_start_loc must be a 1-D int32 tensor [num_seqs + 1], got "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    for name, t in (("output", output), ("query_start_loc", query_start_loc)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device} (query's device)")
+    if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive python float, got {softmax_scale!r}")
+    if sliding_window is not None:
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+        if not causal:
+            raise NotImplementedError("sliding_window is only supported with causal=True")
+    if logits_soft_cap is not None:
+        if not isinstance(logits_soft_cap, (float, int)) or not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be None or a positive float, got {logits_soft_cap!r}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != (num_heads,) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor of shape [num_heads] = [{num_heads}]")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+        if t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+
+
+def check_unified_attention_args(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
+                                 max_query_len, max_seq_len, softmax_scale, *, causal=True, sliding_window=None,
+                                 logits_soft_cap=None, alibi_slopes=None, sinks=None, k_scale=1.0, v_scale=1.0,
+                                 workspace=None, num_decodes=None, num_kv_splits=None) -> None:
+    """Validate the arguments of :func:`unified_attention`; raises ValueError / NotImplementedError naming the
+    offending argument. Reads only shapes, dtypes, strides and devices (no host-device sync)."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got "
+                             f"{getattr(t, 'shape', None)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride(-1) == 1)")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    _check_common(query, output, query_start_loc, num_kv_heads, head_size, causal, sliding_window,
+                  logits_soft_cap, alibi_slopes, sinks, softmax_scale)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in FP8_DTYPES and t.dtype != query.dtype:
+            raise ValueError(f"{name} dtype must be query's dtype ({query.dtype}) or one of {FP8_DTYPES}, "
+                             f"got {t.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
+                         f"{tuple(value_cache.shape)} {value_cache.dtype} must match")
+    if block_size < 16 or block_size % 16:
+        raise ValueError(f"block_size (key_cache.shape[1]) must be a positive multiple of 16, got {block_size}")
+    num_seqs = query_start_loc.numel() - 1
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.numel() != num_seqs:
+        raise ValueError(f"seq_lens must be a 1-D int32 tensor [num_seqs] = [{num_seqs}], got "
+                         f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table must be a 2-D int32 tensor [>= num_seqs, max_blocks], got "
+                         f"{tuple(block_table.shape)} {block_table.dtype}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous in its last dimension")
+    for name, t in (("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+    for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative python int (host value), got {v!r}")
+    if max_seq_len > block_table.shape[1] * block_size:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds block_table capacity "
+                         f"{block_table.shape[1]} x {block_size}")
+    _check_scale("k_scale", k_scale, query.device)
+    _check_scale("v_scale", v_scale, query.device)
+    if isinstance(k_scale, torch.Tensor) != isinstance(v_scale, torch.Tensor):
+        raise ValueError("k_scale and v_scale must both be floats or both be tensors")
+    if num_decodes is not None:
+        if not isinstance(num_decodes, int) or not 0 <= num_decodes <= num_seqs:
+            raise ValueError(f"num_decodes must be None or an int in [0, num_seqs={num_seqs}], got {num_decodes!r}")
+        if num_decodes > query.shape[0]:
+            raise ValueError(f"num_decodes ({num_decodes}) exceeds num_tokens ({query.shape[0]})")
+    if num_kv_splits is not None:
+        if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= 64:
+            raise ValueError(f"num_kv_splits must be None or an int in [1, 64], got {num_kv_splits!r}")
+    if workspace is not None and not isinstance(workspace, SplitKVWorkspace):
+        raise ValueError(f"workspace must be a SplitKVWorkspace, got {type(workspace).__name__}")
+    if workspace is not None and workspace.partial_out.device != query.device:
+        raise ValueError(f"workspace is on {workspace.partial_out.device}, expected {query.device}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------------------
+def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *, paged, block_size,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            max_query_len, max_seq_len, softmax_scale, causal, sliding_window, logits_soft_cap, alibi_slopes,
+            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config):
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[-2]
+    qpk = num_heads // num_kv_heads
+    num_seqs = query_start_loc.shape[0] - 1
+    kv_fp8 = key.dtype in FP8_DTYPES
+
+    if num_decodes is None:
+        num_decodes = num_seqs if max_query_len <= 1 else 0
+    decode_path = num_decodes > 0
+    generic_path = num_decodes < num_seqs
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        if output.device.type == "cuda":
+            num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, num_heads, _device_sm_count(output.device),
+                                                 max_seq_len, max_query_len=max_query_len)
+    if config is None:
+        config = pick_kernel_config(head_size, qpk, max_query_len, has_decode_path=decode_path,
+                                    has_generic_path=generic_path, kv_fp8=kv_fp8,
+                                    keys_per_split=max_seq_len // num_kv_splits, max_seq_len=max_seq_len)
+    block_m = max(config.block_m, _next_pow2(qpk))
+    block_q = max(1, block_m // qpk)
+    if num_kv_splits > 1:
+        if workspace is None:
+            workspace = SplitKVWorkspace.allocate(num_tokens, num_heads, head_size, num_kv_splits, output.device)
+        elif not workspace.fits(num_tokens, num_heads, head_size, num_kv_splits):
+            logger.debug("split-KV workspace too small for %d tokens x %d segments; not splitting",
+                         num_tokens, num_kv_splits)
+            num_kv_splits = 1
+    if num_kv_splits > 1:
+        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
+        pstrides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+                    partial_lse.stride(0), partial_lse.stride(1))
+    else:
+        partial_out, partial_lse = output, output
+        pstrides = (0, 0, 0, 0, 0)
+
+    grid0 = 0
+    if decode_path:
+        grid0 += num_decodes
+    if generic_path:
+        grid0 += num_tokens // block_q + num_seqs - num_decodes
+    if grid0 == 0:
+        return output
+    scales_are_ptrs = isinstance(k_scale, torch.Tensor)
+    dummy = output
+    _unified_attention_kernel[(grid0, num_kv_heads, num_kv_splits)](
+        query, key, value, output, block_table if paged else dummy, seq_lens if paged else dummy,
+        query_start_loc,
+        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
+        partial_out, partial_lse,
+        k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
+        num_seqs, num_decodes,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        *pstrides,
+        float(softmax_scale), float(logits_soft_cap) if logits_soft_cap else 0.0,
+        QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=_next_pow2(head_size), BLOCK_SIZE=block_size,
+        DECODE_PATH=decode_path, DECODE_BLOCK_M=max(config.decode_block_m, _next_pow2(qpk)),
+        DECODE_TILE_N=config.decode_tile_n,
+        GENERIC_PATH=generic_path, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.tile_n,
+        PAGED=paged, CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
+        USE_SOFTCAP=bool(logits_soft_cap), USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
+        SCALES_ARE_PTRS=scales_are_ptrs, KV_FP8=kv_fp8, NUM_SEGMENTS=num_kv_splits, INTERPRET=_is_interpreted(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_kv_splits > 1:
+        head_pad = _next_pow2(head_size)
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            output, partial_out, partial_lse, query_start_loc, num_seqs,
+            output.stride(0), output.stride(1), *pstrides,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=num_kv_splits,
+            SEG_PAD=_next_pow2(num_kv_splits), num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
+        )
+    return output
+
+
+def unified_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    softmax_scale: float,
+    *,
+    causal: bool = True,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    workspace: Optional[SplitKVWorkspace] = None,
+    num_decodes: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+    validate: bool = True,
+    config: Optional[KernelConfig] = None,
+) -> torch.Tensor:
+    """Paged attention over a mixed batch of decodes, prefills and chunked prefills, in one launch.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[num_tokens, num_heads, head_size]`` float16 / bfloat16 (float32 on CPU), last dim contiguous. Tokens at
+        index ``>= query_start_loc[-1]`` are padding: their output rows are left untouched.
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, head_size]``, query's dtype or float8_e4m3fn / float8_e5m2;
+        strided views such as ``kv_cache[:, 0]`` / ``kv_cache[:, 1]`` of a
+        ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` cache. ``block_size`` is a multiple of 16.
+        The new tokens' keys and values must already be written.
+    output : torch.Tensor
+        ``[num_tokens, num_heads, head_size]`` float16 / bfloat16 / float32, written in place and returned.
+    query_start_loc : torch.Tensor
+        ``[num_seqs + 1]`` int32, cumulative query lengths (``query_start_loc[0] == 0``).
+    seq_lens : torch.Tensor
+        ``[num_seqs]`` int32, context + new tokens per sequence.
+    block_table : torch.Tensor
+        ``[>= num_seqs, max_blocks]`` int32, physical block of each logical block.
+    max_query_len, max_seq_len : int
+        Host upper bounds of the query lengths and sequence lengths (pick tile shapes and the split count).
+    softmax_scale : float
+        Scale applied to ``q . k``.
+    causal : bool
+        Query at position ``p`` sees keys ``0..p`` (True) or every key of its sequence (False).
+    sliding_window : int, optional
+        Key ``j`` is visible from position ``p`` iff ``p - W < j <= p``. Causal only.
+    logits_soft_cap : float, optional
+        ``cap * tanh(s / cap)`` applied to the scaled logits, before ALiBi and masking.
+    alibi_slopes : torch.Tensor, optional
+        ``[num_heads]`` float32; adds ``slope_h * (j - p)`` to the logits.
+    sinks : torch.Tensor, optional
+        ``[num_heads]`` float32; one extra logit per head in the softmax denominator, carrying no value.
+    k_scale, v_scale : float or torch.Tensor
+        fp8 dequantisation scales (``read = stored * scale``): python floats or 1-element float32 tensors
+        (tensors avoid recompiles and host syncs). Ignored for a non-fp8 cache.
+    workspace : SplitKVWorkspace, optional
+        Buffers for split-KV partials; without it, split-KV allocates (not CUDA-graph capturable).
+    num_decodes : int, optional
+        The first ``num_decodes`` sequences have query length 1 and run on the decode tiles, the rest on the
+        prefill tiles, in the same launch. Default: all sequences when ``max_query_len <= 1``, else none.
+    num_kv_splits : int, optional
+        Force the number of KV segments (1: no split). Default: :func:`choose_num_kv_splits` on CUDA, 1 on CPU.
+        Fix it when capturing a CUDA graph.
+    validate : bool
+        Run :func:`check_unified_attention_args` first (pass False on the hot path once checked).
+    config : KernelConfig, optional
+        Override the tile configuration (tuning).
+
+    Returns
+    -------
+    torch.Tensor
+        ``output``.
+    """
+    if validate:
+        check_unified_attention_args(
+            query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, max_query_len,
+            max_seq_len, softmax_scale, causal=causal, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
+            v_scale=v_scale, workspace=workspace, num_decodes=num_decodes, num_kv_splits=num_kv_splits)
+    return _launch(
+        query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, paged=True,
+        block_size=key_cache.shape[1],
+        stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
+        stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
+        stride_bt=block_table.stride(0),
+        max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, workspace=workspace, num_decodes=num_decodes,
+        num_kv_splits=num_kv_splits, config=config)
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_seq_len: int,
+    softmax_scale: float,
+    causal: bool = False,
+    *,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    validate: bool = True,
+    config: Optional[KernelConfig] = None,
+) -> torch.Tensor:
+    """Attention over contiguous variable-length sequences without a KV cache (encoder self-attention).
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[num_tokens, num_heads, head_size]`` float16 / bfloat16 (float32 on CPU), last dim contiguous.
+    key, value : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_size]``, query's dtype, last dim contiguous. Sequence ``i`` owns rows
+        ``query_start_loc[i]:query_start_loc[i+1]`` of query, key and value.
+    output : torch.Tensor
+        ``[num_tokens, num_heads, head_size]``, written in place (padding rows untouched) and returned.
+    query_start_loc : torch.Tensor
+        ``[num_seqs + 1]`` int32 cumulative sequence lengths.
+    max_seq_len : int
+        Host upper bound of the sequence lengths.
+    softmax_scale : float
+        Scale applied to ``q . k``.
+    causal : bool
+        Default False (every token sees its whole sequence).
+    sliding_window, logits_soft_cap, alibi_slopes, sinks
+        As in :func:`unified_attention`.
+    """
+    if validate:
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or t.shape[0] != query.shape[0] or t.shape[2] != query.shape[2]:
+                raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_size] matching query "
+                                 f"{tuple(query.shape)}, got {tuple(t.shape)}")
+            if t.dtype != query.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} must equal query dtype {query.dtype}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension")
+            if t.device != query.device:
+                raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+        if key.shape != value.shape:
+            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+        _check_common(query, output, query_start_loc, key.shape[1], key.shape[2], causal, sliding_window,
+                      logits_soft_cap, alibi_slopes, sinks, softmax_scale)
+        if not isinstance(max_seq_len, int) or max_seq_len < 0:
+            raise ValueError(f"max_seq_len must be a non-negative python int, got {max_seq_len!r}")
+    return _launch(
+        query, key, value, output, query_start_loc, None, None, paged=False, block_size=16,
+        stride_kb=0, stride_ks=key.stride(0), stride_kh=key.stride(1),
+        stride_vb=0, stride_vs=value.stride(0), stride_vh=value.stride(1), stride_bt=0,
+        max_query_len=max(max_seq_len, 2), max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+        k_scale=1.0, v_scale=1.0, workspace=None, num_decodes=0, num_kv_splits=1, config=config)

@@ -1,0 +1,99 @@
+"""reshape_and_cache: the Triton kernel (interpreted on CPU) against a plain-python per-slot reference."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from attnbackends.ops.kv_cache_write import (  # noqa: E402
+    check_reshape_and_cache_args,
+    reshape_and_cache,
+    reshape_and_cache_torch,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _expected(key, value, cache, slots, k_scale, v_scale):
+    cache = cache.clone()
+    block_size = cache.shape[2]
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        for i, (x, scale) in enumerate(((key[t], k_scale), (value[t], v_scale))):
+            if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                limit = torch.finfo(cache.dtype).max
+                x = (x.float() / float(scale)).clamp(-limit, limit)
+            cache[s // block_size, i, s % block_size] = x.to(cache.dtype)
+    return cache
+
+
+def _inputs(cache_dtype, num_kv_heads=3, head_size=80, block_size=16, num_tokens=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 6
+    # Keys as a strided view of a fused projection, as engines pass them.
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_size, generator=g).to(torch.bfloat16) * 4
+    key, value = fused[:, 1], fused[:, 2]
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=g).to(cache_dtype)
+    perm = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots = perm.to(torch.int64)
+    slots[1] = -1
+    slots[-1] = -1
+    return key.to(DEVICE), value.to(DEVICE), cache.to(DEVICE), slots.to(DEVICE)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scales_as_tensors", [False, True])
+def test_reshape_and_cache(cache_dtype, scales_as_tensors):
+    key, value, cache, slots = _inputs(cache_dtype)
+    k_scale, v_scale = (0.02, 0.05) if cache_dtype != torch.bfloat16 else (1.0, 1.0)
+    expected = _expected(key.cpu(), value.cpu(), cache.cpu(), slots.cpu(), k_scale, v_scale)
+    if scales_as_tensors:
+        k_scale = torch.tensor([k_scale], dtype=torch.float32, device=DEVICE)
+        v_scale = torch.tensor([v_scale], dtype=torch.float32, device=DEVICE)
+    reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
+    # Bit-exact, padding slots (-1) untouched: every other slot keeps its random old contents.
+    assert torch.equal(cache.cpu().view(torch.uint8) if cache.element_size() == 1 else cache.cpu(),
+                       expected.view(torch.uint8) if expected.element_size() == 1 else expected)
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_size", [(32, 1, 32), (16, 8, 64), (16, 2, 256)])
+def test_reshape_and_cache_shapes(block_size, num_kv_heads, head_size):
+    key, value, cache, slots = _inputs(torch.bfloat16, num_kv_heads, head_size, block_size, num_tokens=7, seed=1)
+    expected = _expected(key.cpu(), value.cpu(), cache.cpu(), slots.cpu(), 1.0, 1.0)
+    reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache.cpu(), expected)
+
+
+def test_torch_fallback_matches():
+    key, value, cache, slots = _inputs(torch.float8_e4m3fn)
+    expected = _expected(key.cpu(), value.cpu(), cache.cpu(), slots.cpu(), 0.03, 0.04)
+    reshape_and_cache_torch(key, value, cache, slots, 0.03, 0.04)
+    assert torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_saturates():
+    key, value, cache, slots = _inputs(torch.float8_e4m3fn)
+    key = key * 1e4
+    reshape_and_cache(key, value, cache, slots, 1.0, 1.0)
+    written = cache[slots[0] // 16, 0, slots[0] % 16].float()
+    assert torch.isfinite(written).all() and written.abs().max() == 448.0
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(slot_mapping=a["slot_mapping"].int()), "slot_mapping"),
+    (lambda a: a.update(key=a["key"][:, :1]), "key"),
+    (lambda a: a.update(kv_cache=a["kv_cache"][:, 0]), "kv_cache"),
+    (lambda a: a.update(k_scale=-1.0), "k_scale"),
+    (lambda a: a.update(value=a["value"].half()), "dtype"),
+])
+def test_validation(change, match):
+    key, value, cache, slots = _inputs(torch.bfloat16)
+    a = dict(key=key, value=value, kv_cache=cache, slot_mapping=slots)
+    change(a)
+    with pytest.raises(ValueError, match=match):
+        check_reshape_and_cache_args(**a)
