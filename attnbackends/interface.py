@@ -277,6 +277,8 @@ class AttentionImpl(ABC, Generic[M]):
 
         key : [num_tokens, num_kv_heads, head_size]; value : [num_tokens, num_kv_heads, value_head_size];
         slot_mapping : [num_tokens] int64, -1 = padding (skipped).
+        MLA impls take the latent parts instead: key = kv_c_normed [num_tokens, kv_lora_rank],
+        value = k_pe [num_tokens, qk_rope_head_dim] (see attnbackends.mla.common.MLAImpl).
         """
 
     @abstractmethod

@@ -16,14 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_torch", "check_reshape_and_cache_args"]
+__all__ = ["reshape_and_cache", "reshape_and_cache_torch", "check_reshape_and_cache_args", "round_to_fp8_grid"]
 
 Scale = Union[float, torch.Tensor]
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
-def _round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     """Round-to-nearest-even onto the fp8 grid in float32. Only for the interpreter, whose float32 -> fp8 cast
     does not round to nearest even like the GPU's (and torch's); afterwards the cast is exact."""
     e = tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30)))
@@ -67,8 +67,8 @@ def _reshape_and_cache_kernel(
             k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
             v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
             if INTERPRET:
-                k = _round_to_fp8_grid(k, FP8_MANT_BITS, FP8_MIN_EXP)
-                v = _round_to_fp8_grid(v, FP8_MANT_BITS, FP8_MIN_EXP)
+                k = round_to_fp8_grid(k, FP8_MANT_BITS, FP8_MIN_EXP)
+                v = round_to_fp8_grid(v, FP8_MANT_BITS, FP8_MIN_EXP)
         dst = cache_ptr + blk * stride_cb + off * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,183 @@
+"""The fast MLA backends: ``triton_mla`` (our split-KV Triton decode kernel) and ``flashinfer_mla`` (FlashInfer's
+BatchMLAPagedAttentionWrapper). Both share the prefill path of :class:`~attnbackends.mla.common.MLAImpl`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..interface import AttentionBackend, CudaGraphSupport
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec
+from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
+from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
+from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config, mla_decode
+
+__all__ = [
+    "TritonMLABackend",
+    "TritonMLAMetadataBuilder",
+    "TritonMLAImpl",
+    "FlashInferMLABackend",
+    "FlashInferMLAMetadataBuilder",
+    "FlashInferMLAImpl",
+]
+
+
+class _MLABackendBase(AttentionBackend):
+    is_mla = True
+    kv_cache_layout = MLA_KV_CACHE_LAYOUT
+    cudagraph_support = CudaGraphSupport.NEVER
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
+        return mla_kv_cache_shape(num_blocks, spec.block_size, spec.head_size)
+
+
+# ---------------------------------------------------------------------------------------------------- triton_mla
+
+
+class TritonMLAMetadataBuilder(MLAMetadataBuilder):
+    """Adds the decode kernel's launch config and KV split count (from host data only)."""
+
+    def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
+                 decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(spec, device, **kwargs)
+        self.decode_config = decode_config or default_decode_config(spec.num_heads, interpreted=not self.device_info.is_cuda)
+        self.num_splits = num_splits
+
+    def build_decode(self, decode: MLADecodeMetadata, common) -> None:
+        splits = self.num_splits or choose_num_splits(
+            decode.num_decodes, self.spec.num_heads, decode.max_seq_len, self.device_info.sm_count, self.decode_config
+        )
+        decode.extra["num_splits"] = splits
+        decode.extra["config"] = self.decode_config
+
+
+class TritonMLAImpl(MLAImpl):
+    """MLA with the Triton split-KV decode kernel (:func:`~attnbackends.mla.decode_kernel.mla_decode`)."""
+
+    def _decode_latent(self, ql, q_pe, kv_cache, decode):
+        out = torch.empty_like(ql)
+        return mla_decode(
+            ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, out,
+            scale=self.scale, k_scale=self.k_scale,
+            num_splits=decode.extra["num_splits"], config=decode.extra["config"],
+        )
+
+
+class TritonMLABackend(_MLABackendBase):
+    """Triton MLA decode (split-KV + lse merge) with the shared chunked-context prefill; CUDA or the interpreter."""
+
+    name = "triton_mla"
+    description = "Triton MLA decode kernel over the latent cache (split-KV), chunked-context prefill"
+    supported_dtypes = frozenset({"float16", "bfloat16"})
+    supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+    needs_triton = True
+    min_compute_capability = (8, 0)
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        reasons = super().not_supported_reasons(spec, device)
+        if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda and device.compute_capability < (8, 9):
+            reasons.append("fp8 e4m3 KV cache needs compute capability >= 8.9 in Triton")
+        return reasons
+
+    @classmethod
+    def get_builder_cls(cls) -> type[TritonMLAMetadataBuilder]:
+        return TritonMLAMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[TritonMLAImpl]:
+        return TritonMLAImpl
+
+
+# ------------------------------------------------------------------------------------------------ flashinfer_mla
+
+
+class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
+    """Plans FlashInfer's MLA wrapper for the decode requests (once per batch, on the host)."""
+
+    workspace_bytes = 128 * 1024 * 1024
+
+    def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, backend: str = "auto", **kwargs: Any) -> None:
+        super().__init__(spec, device, **kwargs)
+        self.flashinfer_backend = backend
+        self._wrapper = None
+
+    @property
+    def wrapper(self):
+        if self._wrapper is None:
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            buf = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+            self._wrapper = BatchMLAPagedAttentionWrapper(buf, backend=self.flashinfer_backend)
+        return self._wrapper
+
+    def build_decode(self, decode: MLADecodeMetadata, common) -> None:
+        spec = self.spec
+        bs = spec.block_size
+        b = decode.num_decodes
+        pages_cpu = (decode.seq_lens_cpu.to(torch.int64) + bs - 1) // bs
+        kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(pages_cpu, 0)
+        total = int(kv_indptr[-1])
+        dev = self.device
+        pages = pages_cpu.to(dev, non_blocking=True)
+        req = torch.repeat_interleave(torch.arange(b, device=dev), pages, output_size=total)
+        col = torch.arange(total, device=dev) - kv_indptr.to(dev, non_blocking=True).long()[req]
+        kv_indices = decode.block_table[req, col].to(torch.int32)
+        self.wrapper.plan(
+            torch.arange(b + 1, dtype=torch.int32),
+            kv_indptr,
+            kv_indices,
+            decode.seq_lens_cpu.to(torch.int32),
+            spec.num_heads,
+            spec.kv_lora_rank,
+            spec.qk_rope_head_dim,
+            bs,
+            False,
+            spec.softmax_scale,
+            spec.torch_dtype,
+            spec.kv_cache_torch_dtype,
+        )
+        decode.extra["wrapper"] = self.wrapper
+
+
+class FlashInferMLAImpl(MLAImpl):
+    """MLA with FlashInfer's BatchMLAPagedAttentionWrapper for the decode requests."""
+
+    def _decode_latent(self, ql, q_pe, kv_cache, decode):
+        lkv = self.spec.kv_lora_rank
+        out = torch.empty_like(ql)
+        decode.extra["wrapper"].run(ql, q_pe, kv_cache[..., :lkv], kv_cache[..., lkv:], out=out)
+        return out
+
+
+class FlashInferMLABackend(_MLABackendBase):
+    """FlashInfer's MLA decode (sm_90+, kv_lora_rank 512 and rope 64) with the shared chunked-context prefill."""
+
+    name = "flashinfer_mla"
+    description = "FlashInfer BatchMLAPagedAttentionWrapper decode, chunked-context prefill"
+    supported_dtypes = frozenset({"float16", "bfloat16"})
+    supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16"})
+    supported_head_sizes = frozenset({576})
+    required_packages = ("flashinfer",)
+    min_compute_capability = (9, 0)
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        reasons = super().not_supported_reasons(spec, device)
+        if spec.is_mla and (spec.kv_lora_rank, spec.qk_rope_head_dim) != (512, 64):
+            reasons.append(
+                f"kv_lora_rank/qk_rope_head_dim {spec.kv_lora_rank}/{spec.qk_rope_head_dim} not supported (supported: 512/64)"
+            )
+        return reasons
+
+    @classmethod
+    def get_builder_cls(cls) -> type[FlashInferMLAMetadataBuilder]:
+        return FlashInferMLAMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[FlashInferMLAImpl]:
+        return FlashInferMLAImpl

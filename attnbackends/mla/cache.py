@@ -1,0 +1,185 @@
+"""The MLA latent cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one latent "KV head" per token.
+
+Each slot holds c = [kv_c (Lkv) ; k_pe (R)] in the cache dtype; fp8 caches store saturate(c / k_scale) and read
+stored * k_scale (one per-tensor scale for the whole latent vector).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.kv_cache_write import round_to_fp8_grid
+from ..ops.quant import FP8_DTYPES, dequantize_from_cache, fp8_max, quantize_for_cache
+
+__all__ = [
+    "MLA_KV_CACHE_LAYOUT",
+    "mla_kv_cache_shape",
+    "concat_and_cache_mla",
+    "concat_and_cache_mla_torch",
+    "context_slots",
+    "gather_mla_cache",
+]
+
+MLA_KV_CACHE_LAYOUT = "[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]"
+
+
+def mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> tuple[int, int, int]:
+    """Shape of one layer's latent cache."""
+    return (num_blocks, block_size, head_size)
+
+
+@triton.jit
+def _concat_and_cache_mla_kernel(
+    KV_C,
+    K_PE,
+    CACHE,
+    SLOTS,
+    stride_kvc_t,
+    stride_kpe_t,
+    stride_cache_blk,
+    stride_cache_tok,
+    scale,
+    fp8_limit,
+    block_size,
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t)
+    if slot < 0:  # padding
+        return
+    base = CACHE + (slot // block_size) * stride_cache_blk + (slot % block_size) * stride_cache_tok
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    c = tl.load(KV_C + t * stride_kvc_t + offs_c, mask=offs_c < KV_LORA, other=0.0).to(tl.float32)
+    r = tl.load(K_PE + t * stride_kpe_t + offs_r, mask=offs_r < ROPE, other=0.0).to(tl.float32)
+    if IS_FP8:
+        c = tl.clamp(c / scale, -fp8_limit, fp8_limit)
+        r = tl.clamp(r / scale, -fp8_limit, fp8_limit)
+        if INTERPRET:  # the interpreter's fp8 cast does not round to nearest even
+            c = round_to_fp8_grid(c, FP8_MANT_BITS, FP8_MIN_EXP)
+            r = round_to_fp8_grid(r, FP8_MANT_BITS, FP8_MIN_EXP)
+    tl.store(base + offs_c, c.to(CACHE.dtype.element_ty), mask=offs_c < KV_LORA)
+    tl.store(base + KV_LORA + offs_r, r.to(CACHE.dtype.element_ty), mask=offs_r < ROPE)
+
+
+def concat_and_cache_mla_torch(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0
+) -> None:
+    """Pure-torch :func:`concat_and_cache_mla` (boolean indexing: it syncs, so it is the CPU path)."""
+    num_tokens = kv_c.shape[0]
+    block_size = kv_cache.shape[1]
+    slots = slot_mapping[:num_tokens]
+    keep = slots >= 0
+    slots = slots[keep]
+    latent = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
+    kv_cache[slots // block_size, slots % block_size] = quantize_for_cache(latent, kv_cache.dtype, k_scale)
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    impl: Literal["auto", "triton", "torch"] = "auto",
+) -> None:
+    """Write new tokens' latent vectors into the cache.
+
+    Parameters
+    ----------
+    kv_c : [T, Lkv] normalised latent KV of the new tokens (model dtype).
+    k_pe : [T, R] their rotary key part (shared by all heads).
+    kv_cache : [num_blocks, block_size, Lkv + R] in the cache dtype (model dtype or fp8).
+    slot_mapping : [>= T] int64 slot (block * block_size + offset) per token; -1 is padding and is skipped.
+    k_scale : fp8 scale (stored = saturate(x / k_scale)); ignored for other cache dtypes.
+    impl : "triton" (CUDA, or the CPU under TRITON_INTERPRET=1), "torch", or "auto" (Triton on CUDA).
+    """
+    num_tokens, kv_lora = kv_c.shape
+    rope = k_pe.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != kv_lora + rope:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {kv_lora + rope}], got {tuple(kv_cache.shape)}")
+    if k_pe.shape[0] != num_tokens:
+        raise ValueError(f"k_pe has {k_pe.shape[0]} tokens, kv_c has {num_tokens}")
+    if num_tokens == 0:
+        return
+    use_triton = impl == "triton" or (impl == "auto" and kv_cache.is_cuda)
+    if not use_triton:
+        concat_and_cache_mla_torch(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+        return
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("concat_and_cache_mla needs unit stride in the last dimension of kv_c, k_pe and kv_cache")
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    _concat_and_cache_mla_kernel[(num_tokens,)](
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        kv_c.stride(0),
+        k_pe.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        float(k_scale),
+        fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
+        kv_cache.shape[1],
+        KV_LORA=kv_lora,
+        ROPE=rope,
+        BLOCK_C=triton.next_power_of_2(kv_lora),
+        BLOCK_R=triton.next_power_of_2(rope),
+        IS_FP8=is_fp8,
+        FP8_MANT_BITS=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14,
+        INTERPRET=not kv_cache.is_cuda,
+    )
+
+
+def context_slots(
+    block_table: torch.Tensor, cu_seq_lens: torch.Tensor, starts: torch.Tensor, total: int, block_size: int
+) -> torch.Tensor:
+    """Cache slots of a context chunk, computed on the device (no host sync).
+
+    Parameters
+    ----------
+    block_table : [R, W] int32 page ids of the chunk's requests.
+    cu_seq_lens : [R + 1] int32 cumulative token counts of the chunk per request (device).
+    starts : [R] int32 first context position of the chunk per request (device).
+    total : cu_seq_lens[-1], known on the host.
+
+    Returns
+    -------
+    [total] int64 slots, request after request.
+    """
+    device = block_table.device
+    counts = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+    req = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts, output_size=total)
+    pos = torch.arange(total, device=device) - cu_seq_lens.long()[req] + starts.long()[req]
+    pages = block_table.long()[req, pos // block_size]
+    return pages * block_size + pos % block_size
+
+
+def gather_mla_cache(
+    kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, k_scale: float = 1.0
+) -> torch.Tensor:
+    """Gather cached latent vectors into a workspace, dequantized.
+
+    kv_cache : [num_blocks, block_size, Lkv + R]; slots : [n] int64; out : [>= n, Lkv + R] in the compute dtype.
+    Returns out[:n].
+    """
+    n = slots.shape[0]
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    dst = out[:n]
+    if kv_cache.dtype == out.dtype:
+        torch.index_select(flat, 0, slots, out=dst)
+    else:
+        dst.copy_(dequantize_from_cache(flat.index_select(0, slots), out.dtype, k_scale))
+    return dst

@@ -1,0 +1,337 @@
+"""What every MLA backend shares: batch metadata with the decode/prefill split and the context-chunk plan, and the
+impl base class (weight absorption, absorbed decode, chunked-context prefill).
+
+Notation (DeepSeek-V3): N query heads, latent Lkv = kv_lora_rank (512), rope R = qk_rope_head_dim (64),
+nope P = qk_nope_head_dim (128), V = v_head_dim (128). ``kv_b_proj`` is the [N * (P + V), Lkv] weight of the
+up-projection (nn.Linear layout: [k_nope ; v] of head n = rows n*(P+V) ... of ``kv_c @ kv_b_proj.T``).
+
+Decode (query_len <= reorder_batch_threshold, first in the batch): ql = q_nope @ W_UK_T per head ([P] -> [Lkv]);
+MQA of [ql ; q_pe] over the latent cache (one KV head of Lkv + R, value = its first Lkv); o = o_latent @ W_UV
+per head ([Lkv] -> [V]). Prefill: [k_nope ; v] = kv_c @ kv_b_proj.T per head, k = [k_nope ; k_pe]; causal MHA over
+the new tokens, plus the cached context processed in chunks through a bounded workspace (each chunk non-causal
+with its lse) merged with :func:`~attnbackends.ops.merge_attn_states.merge_attn_states`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..interface import AttentionImpl, AttentionMetadataBuilder
+from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
+from ..ops.merge_attn_states import merge_attn_states
+from ..ops.quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec
+from .cache import concat_and_cache_mla, context_slots, gather_mla_cache
+from .prefill import PrefillKernel, RaggedPlan, get_prefill_kernel, select_prefill_kernel
+
+__all__ = [
+    "DEFAULT_WORKSPACE_TOKENS",
+    "MLAContextChunk",
+    "MLADecodeMetadata",
+    "MLAPrefillMetadata",
+    "MLAMetadata",
+    "MLAMetadataBuilder",
+    "MLAImpl",
+    "split_kv_b_proj",
+]
+
+#: Default context workspace, in tokens (64k tokens x 576 x 2 bytes = 72 MiB in bf16).
+DEFAULT_WORKSPACE_TOKENS = 64 * 1024
+
+
+@dataclass
+class MLAContextChunk:
+    """One slice of every prefill request's cached context, small enough for the workspace.
+
+    slots : [total] int64 cache slots to gather (device); plan : the non-causal ragged problem (queries = the
+    prefill requests' new tokens, keys = this chunk).
+    """
+
+    total: int
+    slots: torch.Tensor
+    plan: RaggedPlan
+
+
+@dataclass
+class MLADecodeMetadata:
+    """The leading decode requests. block_table : [B, W] int32; seq_lens : [B] int32 (device and host copies)."""
+
+    num_decodes: int
+    num_decode_tokens: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_seq_len: int
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (split count, planned wrappers)
+
+
+@dataclass
+class MLAPrefillMetadata:
+    """The trailing prefill requests (token indices relative to the first prefill token)."""
+
+    num_prefills: int
+    num_prefill_tokens: int
+    new_tokens: RaggedPlan  # causal attention of the new tokens among themselves
+    chunks: list[MLAContextChunk]
+    kernel: PrefillKernel
+    workspace: Optional[torch.Tensor]  # [workspace_tokens, Lkv + R] in the model dtype
+
+
+@dataclass
+class MLAMetadata:
+    common: CommonAttentionMetadata
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    decode: Optional[MLADecodeMetadata]
+    prefill: Optional[MLAPrefillMetadata]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.decode.num_decode_tokens if self.decode is not None else 0
+
+
+class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
+    """Builds :class:`MLAMetadata`: splits the batch (decodes first), plans the context chunks and the prefill kernel.
+
+    Parameters (beyond the base class)
+    ----------
+    workspace_tokens : tokens of cached context gathered per chunk (all prefill requests together); the context is
+        processed in ceil(max_context / (workspace_tokens // num_prefills)) chunks.
+    prefill_backend : "auto" or one of flash_attn, flashinfer, triton, sdpa (see :mod:`attnbackends.mla.prefill`).
+    """
+
+    reorder_batch_threshold = 1
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        device: "torch.device | str" = "cpu",
+        *,
+        workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
+        prefill_backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(spec, device, **kwargs)
+        if not spec.is_mla:
+            raise ValueError("MLA metadata builders need an MLA spec (AttentionSpec.mla(...))")
+        if workspace_tokens < 1:
+            raise ValueError(f"workspace_tokens must be >= 1, got {workspace_tokens}")
+        self.workspace_tokens = int(workspace_tokens)
+        self.decode_threshold = self.reorder_batch_threshold
+        self.device_info = DeviceInfo.current(self.device)
+        self.prefill_backend = select_prefill_kernel(self.device_info, spec.torch_dtype, prefill_backend)
+        self.prefill_kernel = get_prefill_kernel(self.prefill_backend, self.device)
+        self._workspace: Optional[torch.Tensor] = None
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        """[workspace_tokens, Lkv + R] in the model dtype, allocated on first use and shared by every layer."""
+        if self._workspace is None:
+            self._workspace = torch.empty(
+                self.workspace_tokens, self.spec.head_size, dtype=self.spec.torch_dtype, device=self.device
+            )
+        return self._workspace
+
+    def _plan(self, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool) -> RaggedPlan:
+        spec = self.spec
+        return self.prefill_kernel.plan(
+            cu_q, cu_k, causal=causal, scale=spec.softmax_scale, num_heads=spec.num_heads,
+            head_dim_qk=spec.qk_nope_head_dim + spec.qk_rope_head_dim, head_dim_v=spec.v_head_dim,
+            dtype=spec.torch_dtype,
+        )
+
+    def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        if self.debug:
+            validate_common_metadata(common, block_size=self.spec.block_size)
+        split = split_decodes_and_prefills(common, self.decode_threshold)
+        nd, np_ = split.num_decodes, split.num_prefills
+        decode = prefill = None
+        if nd:
+            seq_lens_cpu = common.seq_lens_cpu[:nd]
+            decode = MLADecodeMetadata(
+                num_decodes=nd,
+                num_decode_tokens=split.num_decode_tokens,
+                block_table=common.block_table[:nd],
+                seq_lens=common.seq_lens[:nd],
+                seq_lens_cpu=seq_lens_cpu,
+                max_seq_len=int(seq_lens_cpu.max()),
+            )
+            self.build_decode(decode, common)
+        if np_:
+            prefill = self._build_prefill(common, nd, split.num_prefill_tokens)
+        return MLAMetadata(
+            common=common,
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping,
+            decode=decode,
+            prefill=prefill,
+        )
+
+    def build_decode(self, decode: MLADecodeMetadata, common: CommonAttentionMetadata) -> None:
+        """Hook for backend-specific decode state (stored in ``decode.extra``)."""
+
+    def _build_prefill(self, common: CommonAttentionMetadata, nd: int, num_tokens: int) -> MLAPrefillMetadata:
+        qsl_cpu = common.query_start_loc_cpu[nd:]
+        cu_q = (qsl_cpu - qsl_cpu[0]).to(torch.int32)
+        new_tokens = self._plan(cu_q, cu_q, causal=True)
+        context_cpu = common.context_lens_cpu[nd:].to(torch.int64)
+        num_prefills = context_cpu.shape[0]
+        chunks: list[MLAContextChunk] = []
+        max_context = int(context_cpu.max())
+        if max_context > 0:
+            per_req = max(1, self.workspace_tokens // num_prefills)
+            block_table = common.block_table[nd:]
+            for start in range(0, max_context, per_req):
+                starts = context_cpu.clamp(max=start)
+                ends = context_cpu.clamp(max=start + per_req)
+                lens = ends - starts
+                cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32)
+                cu_k[1:] = torch.cumsum(lens, 0)
+                total = int(cu_k[-1])
+                cu_k_dev = cu_k.to(self.device, non_blocking=True)
+                slots = context_slots(
+                    block_table, cu_k_dev, starts.to(torch.int32).to(self.device, non_blocking=True),
+                    total, self.spec.block_size,
+                )
+                chunks.append(MLAContextChunk(total=total, slots=slots, plan=self._plan(cu_q, cu_k, causal=False)))
+        return MLAPrefillMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_tokens,
+            new_tokens=new_tokens,
+            chunks=chunks,
+            kernel=self.prefill_kernel,
+            workspace=self.workspace if chunks else None,
+        )
+
+
+def split_kv_b_proj(kv_b_proj: torch.Tensor, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_UK_T [N, P, Lkv] and W_UV [N, Lkv, V] from kv_b_proj [N * (P + V), Lkv] (contiguous copies)."""
+    n, p, v, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+    if kv_b_proj.shape != (n * (p + v), lkv):
+        raise ValueError(f"kv_b_proj must have shape ({n * (p + v)}, {lkv}) = (N * (P + V), Lkv), got {tuple(kv_b_proj.shape)}")
+    w = kv_b_proj.view(n, p + v, lkv)
+    return w[:, :p, :].contiguous(), w[:, p:, :].transpose(1, 2).contiguous()
+
+
+class MLAImpl(AttentionImpl[MLAMetadata]):
+    """One MLA layer. Subclasses supply the decode kernel (:meth:`_decode_latent`).
+
+    Parameters
+    ----------
+    spec : an MLA spec (:meth:`AttentionSpec.mla`).
+    kv_b_proj : [N * (P + V), Lkv] up-projection weight (nn.Linear layout), in the model dtype.
+    k_scale : fp8 scale of the latent cache (stored = saturate(c / k_scale)); ignored for other cache dtypes.
+    """
+
+    def __init__(self, spec: AttentionSpec, *, kv_b_proj: torch.Tensor, k_scale: float = 1.0, **kwargs: Any) -> None:
+        if not spec.is_mla:
+            raise ValueError("MLA impls need an MLA spec (AttentionSpec.mla(...))")
+        kwargs.pop("v_scale", None)
+        super().__init__(spec, k_scale=k_scale, v_scale=k_scale, **kwargs)
+        n, p, v, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+        if kv_b_proj.shape != (n * (p + v), lkv):
+            raise ValueError(
+                f"kv_b_proj must have shape ({n * (p + v)}, {lkv}) = (N * (P + V), Lkv), got {tuple(kv_b_proj.shape)}"
+            )
+        self.kv_b_proj = kv_b_proj
+        self.W_UK_T: Optional[torch.Tensor] = None
+        self.W_UV: Optional[torch.Tensor] = None
+
+    def process_weights_after_loading(self) -> None:
+        """Build W_UK_T [N, P, Lkv] and W_UV [N, Lkv, V] (once, after the weights are final)."""
+        self.W_UK_T, self.W_UV = split_kv_b_proj(self.kv_b_proj, self.spec)
+
+    # The standard (key, value) write does not apply: MLA caches one latent vector per token.
+    def update_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+        """Write latent tokens: ``key`` = kv_c [T, Lkv], ``value`` = k_pe [T, R] (see :func:`concat_and_cache_mla`)."""
+        concat_and_cache_mla(key, value, kv_cache, slot_mapping, self.k_scale)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: Optional[torch.Tensor],
+        k_pe: Optional[torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: MLAMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA attention for one batch, written into ``output``.
+
+        Parameters
+        ----------
+        q : [T, N, P + R] queries, [q_nope ; q_pe] per head, model dtype.
+        kv_c_normed : [T, Lkv] the new tokens' normalised latent KV (written to the cache first), or None when the
+            cache already holds them.
+        k_pe : [T, R] their rotary key part (one per token, shared by the heads), or None with kv_c_normed.
+        kv_cache : [num_blocks, block_size, Lkv + R] in the cache dtype.
+        metadata : from this backend's builder; decodes come first.
+        output : [T, N, V]; rows past num_actual_tokens are left untouched.
+
+        Returns
+        -------
+        output
+        """
+        if self.W_UK_T is None:
+            self.process_weights_after_loading()
+        spec = self.spec
+        n_tokens = metadata.num_actual_tokens
+        if kv_c_normed is not None:
+            self.update_kv_cache(kv_c_normed[:n_tokens], k_pe[:n_tokens], kv_cache, metadata.slot_mapping)
+        if metadata.decode is not None:
+            nd = metadata.decode.num_decode_tokens
+            q_nope, q_pe = q[:nd].split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
+            ql = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)  # [B, N, Lkv]
+            o_latent = self._decode_latent(ql.contiguous(), q_pe.contiguous(), kv_cache, metadata.decode)
+            # [N, B, Lkv] @ [N, Lkv, V] -> [N, B, V]
+            o = torch.bmm(o_latent.transpose(0, 1).to(self.W_UV.dtype), self.W_UV)
+            output[:nd] = o.transpose(0, 1).to(output.dtype)
+        if metadata.prefill is not None:
+            if kv_c_normed is None:
+                raise ValueError("prefill tokens need kv_c_normed and k_pe")
+            nd = metadata.num_decode_tokens
+            pre = metadata.prefill
+            end = nd + pre.num_prefill_tokens
+            self._forward_prefill(q[nd:end], kv_c_normed[nd:end], k_pe[nd:end], kv_cache, pre, output[nd:end])
+        return output
+
+    def _decode_latent(
+        self, ql: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata
+    ) -> torch.Tensor:
+        """Latent MQA for the decode requests: ql [B, N, Lkv], q_pe [B, N, R] -> o_latent [B, N, Lkv]."""
+        raise NotImplementedError
+
+    def _up_project(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [T, Lkv + R] (model dtype) -> k [T, N, P + R], v [T, N, V]."""
+        spec = self.spec
+        n, p, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank
+        kv_c, k_pe = latent[:, :lkv], latent[:, lkv:]
+        kv = (kv_c @ self.kv_b_proj.T).view(-1, n, p + spec.v_head_dim)  # [T, N, P + V]
+        k_nope, v = kv.split([p, spec.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, n, -1)], dim=-1)
+        return k, v.contiguous()
+
+    def _forward_prefill(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        pre: MLAPrefillMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        latent = torch.cat([kv_c, k_pe], dim=-1)
+        if kv_cache.dtype in FP8_DTYPES:
+            # Keys are what the cache holds: the new tokens take the same fp8 round trip as the context.
+            latent = dequantize_from_cache(quantize_for_cache(latent, kv_cache.dtype, self.k_scale), q.dtype, self.k_scale)
+        k, v = self._up_project(latent.to(q.dtype))
+        out, lse = pre.kernel.run(pre.new_tokens, q, k, v)
+        for chunk in pre.chunks:
+            ctx = gather_mla_cache(kv_cache, chunk.slots, pre.workspace, self.k_scale)
+            k_c, v_c = self._up_project(ctx)
+            out_c, lse_c = pre.kernel.run(chunk.plan, q, k_c, v_c)
+            merge_attn_states(out, out_c, lse_c, out, lse, output_lse=lse)
+        output.copy_(out)

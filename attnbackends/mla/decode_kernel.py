@@ -1,0 +1,346 @@
+"""Triton MLA decode: MQA of absorbed queries over the paged latent cache, split along the KV axis.
+
+Every query head attends to the same latent "KV head" c = [kv_c ; k_pe] (Lkv + R wide); the value is kv_c. One
+program handles BLOCK_H heads of one request over one KV split, so each cache tile is loaded once for BLOCK_H heads
+and both products run on tensor cores (M = BLOCK_H). Splits are merged by their log-sum-exp in a second kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.quant import FP8_DTYPES, dequantize_from_cache
+
+__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch parameters of the decode kernel."""
+
+    block_h: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:
+    """The launch config for ``num_heads`` heads (tiny tiles under the interpreter)."""
+    if interpreted:
+        return MLADecodeConfig(block_h=max(16, min(triton.next_power_of_2(num_heads), 16)), block_n=16, num_warps=4, num_stages=1)
+    # H100 sweep (benchmarks/mla_bench.py --sweep, 128 heads): 64 heads x 64 keys with 8 warps was fastest.
+    block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
+    return MLADecodeConfig(block_h=block_h, block_n=64 if block_h >= 64 else 32, num_warps=8 if block_h >= 64 else 4,
+                           num_stages=2)
+
+
+def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: int, config: MLADecodeConfig) -> int:
+    """KV splits for grids under half the SMs (so the grid fills the GPU about once), never more than one split per
+    256 tokens or 64 splits. Fuller grids run unsplit: the partials' round trip costs more than the idle SMs."""
+    programs = batch * triton.cdiv(num_heads, config.block_h)
+    if sm_count <= 0 or 2 * programs >= sm_count:
+        return 1
+    want = triton.cdiv(sm_count, programs)
+    return int(max(1, min(want, triton.cdiv(max_seq_len, 256), 64)))
+
+
+@triton.jit
+def _decode_tile(
+    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+    offs_c, offs_r, c_mask, r_mask,
+    KV_LORA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = page * stride_c_blk + (offs_n % PAGE_SIZE) * stride_c_tok
+    kv = tl.load(CACHE + row[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+    k_pe = tl.load(CACHE + row[:, None] + KV_LORA + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    if IS_FP8 or INTERPRET:
+        # e4m3 / e5m2 values are exact in fp16 and bf16; the scale is applied to the fp32 results. (The
+        # interpreter computes in float32: its tl.dot on bfloat16 is wrong.)
+        kv = kv.to(q.dtype)
+        k_pe = k_pe.to(q.dtype)
+    s = tl.dot(q, tl.trans(kv)) + tl.dot(q_pe, tl.trans(k_pe))  # [BLOCK_H, BLOCK_N]
+    s = tl.where(n_mask[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _mla_decode_kernel(
+    Q_NOPE,  # [B, H, KV_LORA] absorbed queries
+    Q_PE,  # [B, H, ROPE]
+    CACHE,  # [num_blocks, PAGE_SIZE, KV_LORA + ROPE]
+    BLOCK_TABLE,  # [B, W] int32
+    SEQ_LENS,  # [B] int32
+    O,  # one split: [B, H, KV_LORA] output; else [B, H, num_splits, KV_LORA] float32 partials
+    LSE,  # one split: [B, H] float32 (optional); else [B, H, num_splits] float32
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    stride_c_blk,
+    stride_c_tok,
+    stride_bt_b,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_lse_b,
+    stride_lse_h,
+    num_heads,
+    num_splits,
+    qk_scale_log2,  # softmax scale * log2(e) * k_scale
+    v_scale,  # k_scale for fp8 caches, else 1
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    c_mask = offs_c < KV_LORA
+    r_mask = offs_r < ROPE
+    q = tl.load(
+        Q_NOPE + b * stride_qn_b + heads[:, None] * stride_qn_h + offs_c[None, :],
+        mask=h_mask[:, None] & c_mask[None, :],
+        other=0.0,
+    )
+    q_pe = tl.load(
+        Q_PE + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_r[None, :],
+        mask=h_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    if INTERPRET:
+        q = q.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    bt_row = BLOCK_TABLE + b * stride_bt_b
+    # Every tile of [start, end) holds at least one valid key, so m_i is finite after the first one.
+    if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
+        n0 = start
+        while n0 < end:
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+                offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+                offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    acc = acc * tl.where(has_keys, v_scale / l_safe, 0.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_c[None, :]
+    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
+    if STORE_LSE:
+        tl.store(LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    O_PART,  # [B, H, S, KV_LORA] float32
+    LSE_PART,  # [B, H, S] float32
+    O,  # [B, H, KV_LORA]
+    LSE,  # [B, H] float32 (optional)
+    stride_p_b,
+    stride_p_h,
+    stride_p_s,
+    stride_lp_b,
+    stride_lp_h,
+    stride_o_b,
+    stride_o_h,
+    stride_lse_b,
+    stride_lse_h,
+    KV_LORA: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(LSE_PART + b * stride_lp_b + h * stride_lp_h + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe))
+    total = tl.sum(w, 0)
+    safe_total = tl.where(total > 0.0, total, 1.0)
+    w = w * tl.where(total > 0.0, 1.0 / safe_total, 0.0)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_mask = offs_c < KV_LORA
+    parts = tl.load(
+        O_PART + b * stride_p_b + h * stride_p_h + offs_s[:, None] * stride_p_s + offs_c[None, :],
+        mask=s_mask[:, None] & c_mask[None, :],
+        other=0.0,
+    )
+    o = tl.sum(tl.where(w[:, None] > 0.0, parts * w[:, None], 0.0), 0)
+    tl.store(O + b * stride_o_b + h * stride_o_h + offs_c, o.to(O.dtype.element_ty), mask=c_mask)
+    if STORE_LSE:
+        tl.store(LSE + b * stride_lse_b + h * stride_lse_h, tl.where(total > 0.0, m_safe + tl.log(safe_total), float("-inf")))
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: float = 1.0,
+    num_splits: int = 1,
+    config: Optional[MLADecodeConfig] = None,
+    lse: Optional[torch.Tensor] = None,
+    partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
+    """Decode attention over the latent cache (one query token per request).
+
+    Parameters
+    ----------
+    q_nope : [B, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
+    q_pe : [B, H, R] rotary part of the queries.
+    kv_cache : [num_blocks, block_size, Lkv + R] in the model dtype or fp8 (read as stored * k_scale).
+    block_table : [B, W] int32; seq_lens : [B] int32 (keys per request, the new token included).
+    output : [B, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
+    num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
+    lse : [B, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
+    partials : preallocated ([B, H, S, Lkv] float32, [B, H, S] float32) buffers for num_splits > 1.
+
+    Returns
+    -------
+    output
+    """
+    batch, num_heads, kv_lora = q_nope.shape
+    rope = q_pe.shape[-1]
+    if kv_cache.shape[-1] != kv_lora + rope:
+        raise ValueError(f"kv_cache last dimension {kv_cache.shape[-1]} != Lkv + R = {kv_lora + rope}")
+    if batch == 0:
+        return output
+    config = config or default_decode_config(num_heads, interpreted=not q_nope.is_cuda)
+    num_splits = max(1, int(num_splits))
+    block_c = triton.next_power_of_2(kv_lora)
+    block_r = triton.next_power_of_2(rope)
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    grid = (batch, triton.cdiv(num_heads, config.block_h), num_splits)
+    common = dict(
+        KV_LORA=kv_lora,
+        ROPE=rope,
+        BLOCK_C=block_c,
+        BLOCK_R=block_r,
+        PAGE_SIZE=kv_cache.shape[1],
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        IS_FP8=is_fp8,
+        INTERPRET=not q_nope.is_cuda,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    qk_scale_log2 = scale * _LOG2E * (k_scale if is_fp8 else 1.0)
+    v_scale = k_scale if is_fp8 else 1.0
+    if num_splits == 1:
+        lse_t = lse if lse is not None else seq_lens
+        _mla_decode_kernel[grid](
+            q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse_t,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            output.stride(0), output.stride(1), 0,
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+            num_heads, 1, qk_scale_log2, v_scale,
+            STORE_LSE=lse is not None,
+            **common,
+        )
+        return output
+    if partials is None:
+        o_part = torch.empty(batch, num_heads, num_splits, kv_lora, dtype=torch.float32, device=q_nope.device)
+        lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
+    else:
+        o_part, lse_part = partials
+    _mla_decode_kernel[grid](
+        q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        num_heads, num_splits, qk_scale_log2, v_scale,
+        STORE_LSE=True,
+        **common,
+    )
+    _mla_decode_reduce_kernel[(batch, num_heads)](
+        o_part, lse_part, output, lse if lse is not None else lse_part,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        output.stride(0), output.stride(1),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        KV_LORA=kv_lora,
+        BLOCK_C=block_c,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        STORE_LSE=lse is not None,
+        num_warps=4,
+    )
+    return output
+
+
+def mla_decode_torch(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: float = 1.0,
+) -> torch.Tensor:
+    """Pure-torch :func:`mla_decode` (a loop over requests, float32): the CPU path and the kernel's test twin.
+
+    seq_lens_cpu : [B] int32 on the CPU. Other arguments as in :func:`mla_decode`.
+    """
+    kv_lora = q_nope.shape[-1]
+    block_size = kv_cache.shape[1]
+    for i, seq_len in enumerate(seq_lens_cpu.tolist()):
+        pages = block_table[i, : math.ceil(seq_len / block_size)].long()
+        latent = dequantize_from_cache(kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len], torch.float32, k_scale)
+        q = torch.cat([q_nope[i], q_pe[i]], dim=-1).float()  # [H, Lkv + R]
+        probs = torch.softmax((q @ latent.T) * scale, dim=-1)  # [H, L]
+        output[i] = (probs @ latent[:, :kv_lora]).to(output.dtype)
+    return output

@@ -1,0 +1,119 @@
+"""MLA on the GPU at DeepSeek-V3 dims (Lkv 512, R 64, P 128, V 128, page 64): every installed decode path
+(triton_mla, flashinfer_mla) and prefill kernel (flash_attn, flashinfer, triton, sdpa) against the float64 oracle,
+fp8 latent cache included. Run with `pytest -m gpu` on the GPU host."""
+
+import pytest
+import torch
+
+from attnbackends import DeviceInfo
+from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend
+from attnbackends.mla.cache import concat_and_cache_mla, concat_and_cache_mla_torch
+from attnbackends.mla.decode_kernel import mla_decode, mla_decode_torch
+from attnbackends.mla.prefill import available_prefill_kernels
+from attnbackends.mla.reference import ReferenceMLABackend
+from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
+from attnbackends.spec import AttentionSpec
+from attnbackends.testing import SequenceShape as S
+from attnbackends.testing import assert_close_to_oracle, tolerance_for
+
+pytestmark = pytest.mark.gpu
+
+HAS_CUDA = torch.cuda.is_available()
+PREFILL = available_prefill_kernels(DeviceInfo.current(), torch.bfloat16) if HAS_CUDA else []
+# decodes at page edges and long contexts, then chunked prefills whose contexts need >= 3 workspace chunks
+SHAPES = [S(1, 0), S(1, 63), S(1, 64), S(1, 1000), S(1, 3001), S(37, 0), S(200, 1500), S(65, 2100)]
+WORKSPACE = 1536  # 3 prefills -> 512 context tokens per request per chunk -> 5 chunks for 2100
+
+
+def v3_spec(num_heads=16, kv_cache_dtype="auto"):
+    return AttentionSpec.mla(num_heads, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, block_size=64)
+
+
+def backends_for(kv_cache_dtype):
+    out = [TritonMLABackend]
+    if kv_cache_dtype == "auto":
+        out.append(FlashInferMLABackend)
+    return out
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return {
+        kv: make_random_mla_batch(v3_spec(kv_cache_dtype=kv), SHAPES, seed=11, device="cuda", pad_tokens=5)
+        for kv in ("auto", "fp8_e4m3")
+    }
+
+
+@pytest.fixture(scope="module")
+def oracles(batches):
+    return {kv: mla_oracle(b) for kv, b in batches.items()}
+
+
+@pytest.mark.parametrize("prefill", ["flash_attn", "flashinfer", "triton", "sdpa"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", [TritonMLABackend, FlashInferMLABackend], ids=lambda b: b.name)
+def test_mla_backend_on_gpu(backend, kv_cache_dtype, prefill, batches, oracles):
+    if prefill not in PREFILL:
+        pytest.skip(f"prefill kernel {prefill} is not available here (available: {PREFILL})")
+    spec = batches[kv_cache_dtype].spec
+    reasons = backend.not_supported_reasons(spec, DeviceInfo.current())
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    batch = batches[kv_cache_dtype]
+    out, _ = run_mla_backend(backend, batch, builder_kwargs=dict(workspace_tokens=WORKSPACE, prefill_backend=prefill))
+    torch.cuda.synchronize()
+    n = batch.num_actual_tokens
+    tol = tolerance_for(torch.bfloat16, kv_cache_dtype)
+    assert_close_to_oracle(out[:n], oracles[kv_cache_dtype], tol, what=f"{backend.name}+{prefill}")
+    assert torch.isnan(out[n:].float()).all()
+
+
+def test_reference_mla_on_gpu(batches, oracles):
+    batch = batches["fp8_e4m3"]
+    out, _ = run_mla_backend(ReferenceMLABackend, batch)
+    assert_close_to_oracle(out[: batch.num_actual_tokens], oracles["fp8_e4m3"], tolerance_for(torch.bfloat16, "fp8"))
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype):
+    g = torch.Generator().manual_seed(12)
+    seq_lens = torch.tensor([1, 64, 65, 777, 4100], dtype=torch.int32)
+    pages = (seq_lens + 63) // 64
+    table = torch.randperm(int(pages.sum()) + 8, generator=g)[: int(pages.sum())]
+    block_table = torch.zeros(5, int(pages.max()), dtype=torch.int32)
+    at = 0
+    for i, p in enumerate(pages.tolist()):
+        block_table[i, :p] = table[at : at + p]
+        at += p
+    cache = (torch.randn(int(pages.sum()) + 8, 64, 576, generator=g) * 10).to(cache_dtype).cuda()
+    k_scale = 0.1 if cache_dtype == torch.float8_e4m3fn else 1.0
+    ql = torch.randn(5, num_heads, 512, generator=g).bfloat16().cuda()
+    qpe = torch.randn(5, num_heads, 64, generator=g).bfloat16().cuda()
+    out = torch.empty(5, num_heads, 512, dtype=torch.bfloat16, device="cuda")
+    mla_decode(ql, qpe, cache, block_table.cuda(), seq_lens.cuda(), out, scale=0.0722, k_scale=k_scale, num_splits=num_splits)
+    want = torch.empty(5, num_heads, 512, dtype=torch.float32, device="cuda")
+    mla_decode_torch(ql, qpe, cache, block_table.cuda(), seq_lens, want, scale=0.0722, k_scale=k_scale)
+    torch.testing.assert_close(out.float(), want, atol=3e-2 * k_scale * 10, rtol=3e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cache_write_on_gpu(cache_dtype):
+    g = torch.Generator().manual_seed(13)
+    kv_c, k_pe = torch.randn(50, 512, generator=g).bfloat16().cuda(), torch.randn(50, 64, generator=g).bfloat16().cuda()
+    slots = torch.randperm(640, generator=g)[:50].cuda()
+    slots[::7] = -1
+    base = torch.randn(10, 64, 576, generator=g).to(cache_dtype).cuda()
+    a, b = base.clone(), base.clone()
+    concat_and_cache_mla(kv_c, k_pe, a, slots, k_scale=0.03)
+    concat_and_cache_mla_torch(kv_c, k_pe, b, slots, k_scale=0.03)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_decode_equals_prefill_on_gpu():
+    spec = v3_spec(num_heads=16)
+    batch = make_random_mla_batch(spec, [S(1, c) for c in (5, 300, 2000)], seed=14, device="cuda")
+    via_decode, _ = run_mla_backend(TritonMLABackend, batch)
+    via_prefill, _ = run_mla_backend(TritonMLABackend, batch, decode_threshold=0, builder_kwargs=dict(workspace_tokens=1024))
+    torch.testing.assert_close(via_decode.float(), via_prefill.float(), atol=2e-2, rtol=2e-2)
