@@ -123,7 +123,10 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         self.workspace_tokens = int(workspace_tokens)
         self.decode_threshold = self.reorder_batch_threshold
         self.device_info = DeviceInfo.current(self.device)
-        self.prefill_backend = select_prefill_kernel(self.device_info, spec.torch_dtype, prefill_backend)
+        self.prefill_backend = select_prefill_kernel(
+            self.device_info, spec.torch_dtype, prefill_backend,
+            head_dims=(spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim),
+        )
         self.prefill_kernel = get_prefill_kernel(self.prefill_backend, self.device)
         self._workspace: Optional[torch.Tensor] = None
 

@@ -235,13 +235,26 @@ def _flash_attn_cute_available() -> bool:
         return False
 
 
-def available_prefill_kernels(device: DeviceInfo, dtype: torch.dtype) -> list[str]:
-    """The prefill kernels that can run here, fastest first."""
+# (qk head, v head) pairs the library kernels are built for; other MLA sizes (small test models) use Triton/SDPA.
+_FLASH_ATTN_HEAD_DIMS = frozenset({(64, 64), (128, 128), (192, 128)})
+_FLASHINFER_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+
+
+def available_prefill_kernels(
+    device: DeviceInfo, dtype: torch.dtype, head_dims: Optional[tuple[int, int]] = None
+) -> list[str]:
+    """The prefill kernels that can run here for (qk head, v head) ``head_dims``, fastest first."""
     names = []
     half = dtype in (torch.float16, torch.bfloat16)
-    if device.is_cuda and half and device.compute_capability >= (9, 0) and _flash_attn_cute_available():
+    if (
+        device.is_cuda and half and device.compute_capability >= (9, 0) and _flash_attn_cute_available()
+        and (head_dims is None or head_dims in _FLASH_ATTN_HEAD_DIMS)
+    ):
         names.append("flash_attn")
-    if device.is_cuda and half and package_available("flashinfer"):
+    if (
+        device.is_cuda and half and package_available("flashinfer")
+        and (head_dims is None or head_dims in _FLASHINFER_HEAD_DIMS)
+    ):
         names.append("flashinfer")
     if device.runs_triton and dtype != torch.float32:
         names.append("triton")
@@ -249,12 +262,14 @@ def available_prefill_kernels(device: DeviceInfo, dtype: torch.dtype) -> list[st
     return names
 
 
-def select_prefill_kernel(device: DeviceInfo, dtype: torch.dtype, prefer: str = "auto") -> str:
+def select_prefill_kernel(
+    device: DeviceInfo, dtype: torch.dtype, prefer: str = "auto", head_dims: Optional[tuple[int, int]] = None
+) -> str:
     """The prefill kernel name: ``prefer`` if it can run here (ValueError otherwise), else the fastest available.
 
     On the CPU "auto" picks "sdpa": the Triton interpreter is far slower than torch.
     """
-    available = available_prefill_kernels(device, dtype)
+    available = available_prefill_kernels(device, dtype, head_dims)
     if prefer == "auto":
         return available[0] if device.is_cuda else "sdpa"
     if prefer not in PREFILL_KERNELS:

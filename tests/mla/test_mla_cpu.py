@@ -217,3 +217,15 @@ def test_weight_absorption_shapes():
     full = (x @ batch.kv_b_proj.T).view(2, 4, 32)
     torch.testing.assert_close(torch.einsum("tl,npl->tnp", x, impl.W_UK_T), full[..., :16])
     torch.testing.assert_close(torch.einsum("tl,nlv->tnv", x, impl.W_UV), full[..., 16:])
+
+
+def test_prefill_kernel_choice_respects_head_dims(monkeypatch):
+    """Library prefill kernels are only picked for the head sizes they are built for (others fail to compile)."""
+    import attnbackends.mla.prefill as prefill
+    from attnbackends import DeviceInfo
+
+    monkeypatch.setattr(prefill, "package_available", lambda name: name == "flashinfer")
+    h100 = DeviceInfo.cuda(9, 0)
+    assert "flashinfer" in prefill.available_prefill_kernels(h100, torch.bfloat16, (192, 128))
+    assert "flashinfer" not in prefill.available_prefill_kernels(h100, torch.bfloat16, (48, 32))
+    assert prefill.select_prefill_kernel(h100, torch.bfloat16, "auto", (48, 32)) == "triton"
