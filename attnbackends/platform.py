@@ -14,11 +14,18 @@ __all__ = ["DeviceInfo", "package_available"]
 
 
 def package_available(name: str) -> bool:
-    """Whether the top-level package ``name`` can be imported (without importing it)."""
+    """Whether an installed package ``name`` can be imported (without importing it).
+
+    A bare directory of that name on sys.path (a namespace package, e.g. a ``tests/flashinfer`` folder) does not
+    count as an installation.
+    """
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    if spec is None:
+        return False
+    return not (spec.origin in (None, "namespace") and spec.submodule_search_locations is not None)
 
 
 class DeviceInfo(BaseModel):

@@ -1,28 +1,50 @@
 """A compact paged engine: block allocator, continuous batching with chunked prefill, one metadata build per step
-shared by every layer, and each layer's impl called through the selected backend."""
+shared by every layer, and each layer's impl called through the selected backend.
+
+The engine knows nothing about a model's architecture. A model (see :class:`EngineModel`) tells it the attention
+spec of its layers and any per-layer impl arguments (MLA impls need ``kv_b_proj``), and its ``forward`` calls the
+:class:`StepAttention` it is handed once per layer: ``attn(layer, q, k, v)`` for standard attention,
+``attn.mla(layer, q, kv_c, k_pe)`` for MLA.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-from ..metadata import build_common_metadata
+from ..interface import AttentionBackend
+from ..metadata import build_common_metadata, decode_first_order
 from ..platform import DeviceInfo
 from ..registry import select
 from ..spec import AttentionConfig, AttentionSpec
-from .model import TinyLlama
 
-__all__ = ["EngineConfig", "GenerationResult", "PagedEngine", "BlockAllocator"]
+__all__ = [
+    "BlockAllocator",
+    "EngineConfig",
+    "EngineModel",
+    "GenerationResult",
+    "PagedEngine",
+    "StepAttention",
+]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Sizes of the engine.
+
+    block_size : tokens per KV-cache page.
+    num_blocks : pages per layer.
+    max_num_batched_tokens : token budget per step; prefills are chunked to fit it (decodes go first).
+    max_num_reqs : requests running at once; the others wait and join as running ones finish.
+    """
+
     block_size: int = 16
     num_blocks: int = 512
-    max_num_batched_tokens: int = 64  # token budget per step: prefills are chunked to fit
+    max_num_batched_tokens: int = 64
     max_num_reqs: int = 64
 
 
@@ -30,7 +52,12 @@ class BlockAllocator:
     """Hands out KV-cache pages from a free list."""
 
     def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
@@ -41,10 +68,50 @@ class BlockAllocator:
         self.free.extend(reversed(blocks))
 
 
+@runtime_checkable
+class EngineModel(Protocol):
+    """What the engine needs from a model (:class:`~attnbackends.engine.TinyLlama`, the HF adapters)."""
+
+    num_layers: int
+
+    def attention_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+        """The spec shared by every attention layer."""
+
+    def impl_kwargs(self, layer: int) -> dict[str, Any]:
+        """Extra keyword arguments of layer ``layer``'s impl (``kv_b_proj`` for MLA; {} otherwise)."""
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attn: "StepAttention", logits_rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """tokens, positions : [T] int64 -> logits [len(logits_rows) or T, vocab] float32."""
+
+
+class StepAttention:
+    """One step's attention for every layer: the backend metadata (built once) and each layer's impl and cache."""
+
+    def __init__(self, engine: "PagedEngine", metadata: Any) -> None:
+        self._impls = engine.impls
+        self._caches = engine.kv_caches
+        self.metadata = metadata
+        self.spec = engine.spec
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Standard attention: q [T, Hq, D], k and v [T, Hkv, D] (written to the cache) -> [T, Hq, D]."""
+        out = torch.empty((q.shape[0], self.spec.num_heads, self.spec.value_head_size), dtype=q.dtype, device=q.device)
+        return self._impls[layer].forward(q, k, v, self._caches[layer], self.metadata, out)
+
+    def mla(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """MLA: q [T, N, P + R], kv_c [T, Lkv] (normalised latent), k_pe [T, R] (rotated) -> [T, N, V]."""
+        out = torch.empty((q.shape[0], self.spec.num_heads, self.spec.v_head_dim), dtype=q.dtype, device=q.device)
+        return self._impls[layer].forward(q, kv_c, k_pe, self._caches[layer], self.metadata, out)
+
+
 @dataclass
 class _Request:
+    index: int
     prompt: list[int]
     max_new_tokens: int
+    eos_token_id: Optional[int] = None
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
@@ -55,7 +122,13 @@ class _Request:
         return self.prompt + self.output
 
     @property
+    def max_len(self) -> int:
+        return len(self.prompt) + self.max_new_tokens
+
+    @property
     def finished(self) -> bool:
+        if self.output and self.eos_token_id is not None and self.output[-1] == self.eos_token_id:
+            return True
         return len(self.output) >= self.max_new_tokens
 
     @property
@@ -79,11 +152,21 @@ class GenerationResult:
 
 
 class PagedEngine:
-    """Serves a :class:`TinyLlama` through the attention backend the registry selects for it."""
+    """Serves an :class:`EngineModel` through the attention backend the registry selects for it.
+
+    Parameters
+    ----------
+    model : the model; it is moved to ``device`` and ``dtype`` in place (``nn.Module.to``).
+    config : engine sizes.
+    device, dtype : where and in which precision the model runs (the spec's dtype).
+    attention_config : the user's backend choice (``AttentionConfig(backend="triton")``, a config file, ...);
+        ``ATTNBACKENDS_BACKEND`` applies on top of it. An explicit choice that does not fit raises
+        :class:`~attnbackends.BackendNotSupportedError`.
+    """
 
     def __init__(
         self,
-        model: TinyLlama,
+        model: EngineModel,
         config: EngineConfig = EngineConfig(),
         *,
         device: "torch.device | str" = "cpu",
@@ -93,44 +176,61 @@ class PagedEngine:
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.config = config
-        cfg = model.cfg
-        self.spec = AttentionSpec(
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_size=cfg.head_size,
-            dtype=dtype,
-            block_size=config.block_size,
-        )
-        self.backend = select(self.spec, DeviceInfo.current(self.device), attention_config)
+        self.spec = model.attention_spec(dtype, config.block_size)
+        self.backend: type[AttentionBackend] = select(self.spec, DeviceInfo.current(self.device), attention_config)
+        debug = bool(attention_config.debug) if attention_config is not None else False
         self.builder = self.backend.get_builder_cls()(
-            self.spec, self.device, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_batched_tokens
+            self.spec, self.device, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_batched_tokens,
+            debug=debug,
         )
-        self.impls = [self.backend.get_impl_cls()(self.spec) for _ in range(cfg.num_layers)]
+        self.impls = [self.backend.get_impl_cls()(self.spec, **model.impl_kwargs(i)) for i in range(model.num_layers)]
         self.kv_caches = [
             self.backend.allocate_kv_cache(config.num_blocks, self.spec, self.device).zero_()
-            for _ in range(cfg.num_layers)
+            for _ in range(model.num_layers)
         ]
         self.allocator = BlockAllocator(config.num_blocks)
+        self.num_steps = 0
+        self.scheduled_tokens: list[int] = []  # tokens per step, to show the budget at work
+
+    def _pages(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _admit(self, waiting: deque, running: list[_Request]) -> None:
+        """Move waiting requests in while there is room: a request reserves the pages of its longest sequence up
+        front, so a running request never runs out of pages (no preemption needed)."""
+        reserved = sum(self._pages(r.max_len) - len(r.blocks) for r in running)
+        while waiting and len(running) < self.config.max_num_reqs:
+            need = self._pages(waiting[0].max_len)
+            if need > self.config.num_blocks:
+                raise RuntimeError(
+                    f"request {waiting[0].index} needs {need} KV-cache pages; the engine has {self.config.num_blocks}"
+                )
+            if need > self.allocator.num_free - reserved:
+                break
+            reserved += need
+            running.append(waiting.popleft())
 
     def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int]]:
-        """Decodes first (one token each), then prefill chunks within the step's token budget."""
+        """Decodes first (one token each), then prefill chunks within the step's token budget, in the order the
+        backend's builder wants (queries of at most ``reorder_batch_threshold`` tokens first)."""
         budget = self.config.max_num_batched_tokens
         batch = []
         for req in sorted(running, key=lambda r: not r.is_decode):
-            if budget == 0 or len(batch) == self.config.max_num_reqs:
+            if budget == 0:
                 break
             n = min(len(req.tokens) - req.num_computed, budget)
             batch.append((req, n))
             budget -= n
-        return batch
+        order = decode_first_order([n for _, n in batch], self.builder.reorder_batch_threshold)
+        return [batch[i] for i in order]
 
     @torch.inference_mode()
     def step(self, running: list[_Request]) -> None:
+        """One forward pass over the scheduled tokens of ``running``; samples where a sequence is fully cached."""
         batch = self._schedule(running)
-        block_size = self.config.block_size
         tokens, positions, block_tables = [], [], []
         for req, n in batch:
-            need = -(-(req.num_computed + n) // block_size) - len(req.blocks)
+            need = self._pages(req.num_computed + n) - len(req.blocks)
             if need > 0:
                 req.blocks += self.allocator.allocate(need)
             tokens += req.tokens[req.num_computed : req.num_computed + n]
@@ -140,34 +240,45 @@ class PagedEngine:
             [n for _, n in batch],
             [req.num_computed for req, _ in batch],
             block_tables,
-            block_size,
+            self.config.block_size,
             self.device,
         )
-        metadata = self.builder.build(common)
-        num_heads, head_size = self.spec.num_heads, self.spec.head_size
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = torch.empty((q.shape[0], num_heads, head_size), dtype=q.dtype, device=q.device)
-            return self.impls[layer].forward(q, k, v, self.kv_caches[layer], metadata, out)
-
-        token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model(token_ids, torch.tensor(positions, device=self.device), attend)
+        attn = StepAttention(self, self.builder.build(common))  # one build per step, shared by every layer
         last = (common.query_start_loc_cpu[1:] - 1).tolist()
-        for (req, n), row in zip(batch, last):
+        sampling = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == len(req.tokens)]
+        rows = torch.tensor([last[i] for i in sampling], dtype=torch.long, device=self.device)
+        token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        logits = self.model.forward(token_ids, torch.tensor(positions, device=self.device), attn, rows)
+        for req, n in batch:
             req.num_computed += n
-            if req.num_computed == len(req.tokens):  # the whole known sequence is cached: sample the next token
-                req.step_logits.append(logits[row].cpu())
-                req.output.append(int(logits[row].argmax()))
+        for j, i in enumerate(sampling):  # the whole known sequence is cached: greedy next token
+            req = batch[i][0]
+            req.step_logits.append(logits[j].float().cpu())
+            req.output.append(int(logits[j].argmax()))
+        self.num_steps += 1
+        self.scheduled_tokens.append(len(tokens))
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenerationResult:
-        """Greedy generation of ``max_new_tokens`` per prompt with continuous batching."""
-        requests = [_Request(list(p), max_new_tokens) for p in prompts]
-        running = list(requests)
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None
+    ) -> GenerationResult:
+        """Greedy generation of up to ``max_new_tokens`` per prompt with continuous batching.
+
+        Requests beyond ``max_num_reqs`` (or beyond the free pages) wait and join as running ones finish.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        requests = [_Request(i, list(p), max_new_tokens, eos_token_id) for i, p in enumerate(prompts)]
+        for req in requests:
+            if not req.prompt:
+                raise ValueError(f"prompt {req.index} is empty; every prompt needs at least one token")
+        waiting = deque(requests)
+        running: list[_Request] = []
         steps = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        while running:
+        while waiting or running:
+            self._admit(waiting, running)
             self.step(running)
             steps += 1
             for req in [r for r in running if r.finished]:

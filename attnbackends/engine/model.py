@@ -4,11 +4,13 @@ any attention backend, SwiGLU MLP. ``forward_dense`` recomputes a whole sequence
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..spec import AttentionSpec
 
 __all__ = ["TinyLlamaConfig", "TinyLlama"]
 
@@ -68,6 +70,20 @@ class TinyLlama(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2, dtype=torch.float32) / cfg.head_size))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    def attention_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+        cfg = self.cfg
+        return AttentionSpec(
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, dtype=dtype,
+            block_size=block_size,
+        )
+
+    def impl_kwargs(self, layer: int) -> dict[str, Any]:
+        return {}
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotary embedding, half-split convention. x: [T, H, D]; positions: [T]."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -75,8 +91,10 @@ class TinyLlama(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """tokens, positions: [T] int64 -> logits [T, vocab] float32."""
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn, logits_rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """tokens, positions: [T] int64 -> logits [T, vocab] float32 (only the rows ``logits_rows`` if given)."""
         cfg = self.cfg
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
@@ -87,6 +105,8 @@ class TinyLlama(nn.Module):
             o = attend(i, q, k, v)
             x = x + layer.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_size))
             x = x + layer.mlp(layer.post_norm(x))
+        if logits_rows is not None:
+            x = x[logits_rows]
         return self.lm_head(self.norm(x)).float()
 
     def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
