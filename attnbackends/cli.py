@@ -1,4 +1,4 @@
-"""Command line: `attnbackends list | explain | demo`."""
+"""Command line: `attnbackends list | explain | demo | bench`."""
 
 from __future__ import annotations
 
@@ -147,7 +147,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=int, default=6)
     demo.add_argument("--new-tokens", type=int, default=16)
     demo.add_argument("--backend", default="auto")
+    bench = sub.add_parser("bench", help="time every backend against its peers on this GPU (JSON, table, PNG)")
+    bench.add_argument("--suites", default=None, help="comma-separated: triton, flashinfer_adapter, mla (default: all)")
+    bench.add_argument("--outdir", default="benchmarks/results")
+    bench.add_argument("--tag", default="")
     return parser
+
+
+def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from .bench.run import main as bench_main
+
+    argv = ["--outdir", args.outdir] + (["--suites", args.suites] if args.suites else []) + (["--tag", args.tag] if args.tag else [])
+    return bench_main(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -155,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
     try:
-        return {"list": _cmd_list, "explain": _cmd_explain, "demo": _cmd_demo}[args.command](args, console)
+        return {"list": _cmd_list, "explain": _cmd_explain, "demo": _cmd_demo, "bench": _cmd_bench}[args.command](args, console)
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

@@ -36,7 +36,7 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
     """The launch config for ``num_heads`` heads (tiny tiles under the interpreter)."""
     if interpreted:
         return MLADecodeConfig(block_h=max(16, min(triton.next_power_of_2(num_heads), 16)), block_n=16, num_warps=4, num_stages=1)
-    # H100 sweep (benchmarks/mla_bench.py --sweep, 128 heads): 64 heads x 64 keys with 8 warps was fastest.
+    # H100 sweep (python -m attnbackends.bench.mla --sweep, 128 heads): 64 heads x 64 keys with 8 warps was fastest.
     block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
     return MLADecodeConfig(block_h=block_h, block_n=64 if block_h >= 64 else 32, num_warps=8 if block_h >= 64 else 4,
                            num_stages=2)

@@ -1,0 +1,57 @@
+"""The benchmark report (targets, markdown, plot) on CPU; the timings themselves need the GPU."""
+
+import json
+
+import pytest
+
+from attnbackends.bench.report import target_for, write_json, write_markdown, write_plot
+from attnbackends.bench.run import fp8_speedup_rows
+from attnbackends.cli import main
+
+
+def _row(case, backend, B, L, us, peer_us, kv="auto", peer="flashinfer"):
+    return {"case": case, "backend": backend, "peer": peer, "B": B, "L": L, "dtype": "bfloat16", "kv_dtype": kv,
+            "us": us, "peer_us": peer_us, "ratio": round(us / peer_us, 3)}
+
+
+@pytest.mark.parametrize(
+    "row, met",
+    [
+        (_row("decode", "triton", 64, 4096, 105.0, 100.0), True),
+        (_row("decode", "triton", 64, 4096, 106.0, 100.0), False),
+        (_row("decode", "triton", 1, 1024, 13.0, 10.0), True),
+        (_row("decode", "triton", 1, 1024, 13.1, 10.0), False),
+        (_row("prefill", "triton", 4, 4096, 125.0, 100.0), True),
+        (_row("prefill", "triton", 4, 4096, 126.0, 100.0), False),
+        (_row("mixed", "triton", 64, 4096, 119.0, 100.0), True),
+        (_row("mla_decode", "triton_mla", 64, 4096, 160.0, 100.0, peer="flashinfer_mla"), True),
+        (_row("mla_decode", "triton_mla", 64, 4096, 170.0, 100.0, peer="flashinfer_mla"), False),
+        (_row("adapter_overhead", "flashinfer", 1, 1024, 35.0, 14.0, peer="flashinfer_raw"), False),
+        (_row("adapter_overhead", "flashinfer", 64, 4096, 102.0, 100.0, peer="flashinfer_raw"), True),
+    ],
+)
+def test_targets(row, met):
+    assert target_for(row)[1] is met
+
+
+def test_fp8_speedup_and_report_files(tmp_path):
+    rows = [_row("decode", "triton", 64, 4096, 370.0, 372.0), _row("decode", "triton", 64, 4096, 200.0, 270.0, kv="fp8")]
+    rows += [_row("decode", "triton", 1, L, 10.0 + L / 1000, 12.0) for L in (1024, 16384)]
+    speed = fp8_speedup_rows(rows)
+    assert speed[0]["speedup"] == pytest.approx(370 / 200, rel=1e-3) and target_for(speed[0])[1]
+    header = {"gpu": "test", "date": "2026-11-21", "command": "x", "torch": "t", "triton": "t"}
+    write_json(tmp_path / "r.json", header, rows + speed)
+    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 5
+    text = write_markdown(tmp_path / "r.md", header, rows + speed)
+    assert ">= 1.7x own bf16 decode: met" in text and "time <= 1.05x flashinfer: met" in text
+    write_plot(tmp_path / "r.png", rows)
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_bench_without_gpu_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message on machines without a GPU")
+    assert main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
