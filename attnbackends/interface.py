@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Generic, Optional, TypeVar
 import torch
 
 from .metadata import CommonAttentionMetadata
-from .platform import DeviceInfo, package_available
+from . import platform as _platform
+from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
 
 __all__ = [
@@ -122,7 +123,7 @@ class AttentionBackend(ABC):
         if cls.is_mla and not spec.is_mla:
             reasons.append("serves MLA specs only (kv_lora_rank etc. unset)")
         for pkg in cls.required_packages:
-            if not package_available(pkg):
+            if not _platform.package_available(pkg):
                 reasons.append(f"{pkg} is not installed")
         reasons += cls._device_reasons(device)
         if spec.dtype not in cls.supported_dtypes:

@@ -41,6 +41,9 @@ class CommonAttentionMetadata:
         padding. ``num_tokens >= num_actual_tokens``: a CUDA-graph-padded batch has padding at the end.
     num_reqs, num_actual_tokens, max_query_len, max_seq_len : int
     causal : bool
+    common_prefix_len : int
+        Tokens at the start of every request that share the same pages (from the engine's prefix cache); 0 when
+        unknown. Backends may use it for cascade attention.
     """
 
     query_start_loc: torch.Tensor
@@ -54,6 +57,7 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    common_prefix_len: int = 0
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

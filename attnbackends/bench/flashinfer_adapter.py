@@ -1,0 +1,190 @@
+"""The FlashInfer adapter's cost over raw FlashInfer wrapper calls, on the same inputs in one process.
+
+Decode, 32 query / 8 KV heads, head 128, page 16, bf16, pages in random order. Per batch size, two steps:
+
+- ``run``: one layer's attention: ``FlashInferImpl.forward`` (cache already holding the tokens) vs
+  ``BatchDecodeWithPagedKVCacheWrapper.run`` on a wrapper planned identically;
+- ``plan+run``: a whole step of one layer: ``FlashInferMetadataBuilder.build`` (page-table translation + plan) and
+  ``forward`` vs ``plan`` (page table already at hand) and ``run``.
+
+Times: ``us`` / ``peer_us`` are ``triton.testing.do_bench`` medians (GPU time per call; host work overlapping the
+preceding L2 flush is hidden); ``wall_us`` / ``peer_wall_us`` are back-to-back loop times (host-bound when the
+host is the bottleneck). Also the host (CPU) time of ``build()`` at B=64 and B=256, context 4096.
+
+    python -m attnbackends.bench.flashinfer_adapter --out benchmarks/results/<gpu>-<date>-flashinfer-adapter.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
+from attnbackends.flashinfer import FlashInferBackend, FlashInferMetadataBuilder  # noqa: E402
+
+SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+
+
+def _decode_batch(batch: int, seq_len: int, device: str = "cuda", seed: int = 0):
+    """Common metadata, cache and query for ``batch`` decodes of ``seq_len`` tokens (pages in random order)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = SPEC.block_size
+    pages = math.ceil(seq_len / bs)
+    num_blocks = batch * pages + 8
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * pages].reshape(batch, pages)
+    common = build_common_metadata([1] * batch, [seq_len - 1] * batch, tables.tolist(), bs, device)
+    cache = torch.randn(num_blocks, 2, bs, SPEC.num_kv_heads, SPEC.head_size, dtype=torch.bfloat16, device=device)
+    query = torch.randn(batch, SPEC.num_heads, SPEC.head_size, dtype=torch.bfloat16, device=device)
+    return common, cache, query
+
+
+def _wall_us(fn, iters: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def _host_us(fn, iters: int = 100) -> float:
+    """Median host time of one call, the GPU drained before each."""
+    times = []
+    for i in range(iters + 10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict]:
+    """JSON rows: the adapter vs raw FlashInfer for decode steps (see the module docstring)."""
+    import flashinfer
+    from triton.testing import do_bench
+
+    rows = []
+    for batch in batch_sizes:
+        common, cache, query = _decode_batch(batch, seq_len)
+        out = torch.empty_like(query)
+        builder = FlashInferMetadataBuilder(SPEC, "cuda")
+        impl = FlashInferBackend.get_impl_cls()(SPEC)
+        meta = builder.build(common)
+        inputs = meta.plan_inputs
+        raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
+        )
+
+        def raw_plan():
+            raw.plan(
+                inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16,
+                sm_scale=SPEC.softmax_scale, non_blocking=True,
+            )
+
+        raw_plan()
+        torch.testing.assert_close(
+            impl.forward(query, None, None, cache, meta, out.clone()), raw.run(query, cache), rtol=1e-2, atol=1e-2
+        )
+
+        def ours_run():
+            impl.forward(query, None, None, cache, meta, out)
+
+        def raw_run():
+            raw.run(query, cache, out=out)
+
+        def ours_step():
+            impl.forward(query, None, None, cache, builder.build(common), out)
+
+        def raw_step():
+            raw_plan()
+            raw.run(query, cache, out=out)
+
+        for step, ours, peer in (("run", ours_run, raw_run), ("plan+run", ours_step, raw_step)):
+            us = do_bench(ours, warmup=25, rep=200, return_mode="median") * 1e3
+            peer_us = do_bench(peer, warmup=25, rep=200, return_mode="median") * 1e3
+            wall, peer_wall = _wall_us(ours), _wall_us(peer)
+            rows.append({
+                "case": "adapter_overhead", "backend": "flashinfer", "peer": "flashinfer_raw", "step": step,
+                "B": batch, "L": seq_len, "dtype": "bfloat16", "kv_dtype": "auto",
+                "us": round(us, 2), "peer_us": round(peer_us, 2), "ratio": round(us / peer_us, 4),
+                "wall_us": round(wall, 2), "peer_wall_us": round(peer_wall, 2),
+                "wall_ratio": round(wall / peer_wall, 4), "wall_overhead_us": round(wall - peer_wall, 2),
+            })
+    return rows
+
+
+def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dict]:
+    """Host time of build() (translation + FlashInfer's plan) and of the raw plan() alone, per batch."""
+    import flashinfer
+
+    rows = []
+    for batch in batch_sizes:
+        common, _, _ = _decode_batch(batch, seq_len)
+        builder = FlashInferMetadataBuilder(SPEC, "cuda")
+        inputs = builder.build(common).plan_inputs
+        raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
+        )
+
+        def raw_plan():
+            raw.plan(
+                inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+                kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
+            )
+
+        from attnbackends.flashinfer import paged_kv_plan_inputs
+
+        c = common
+        translate = _host_us(lambda: paged_kv_plan_inputs(
+            c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True))
+        build = _host_us(lambda: builder.build(common))
+        plan = _host_us(raw_plan)
+        rows.append({
+            "case": "build_host_time", "backend": "flashinfer", "peer": "flashinfer_raw_plan", "B": batch,
+            "L": seq_len, "dtype": "bfloat16", "kv_dtype": "auto", "us": round(build, 2), "peer_us": round(plan, 2),
+            "ratio": round(build / plan, 4), "translate_us": round(translate, 2),
+        })
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the JSON rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    reasons = FlashInferBackend.not_supported_reasons(SPEC, __import__("attnbackends").DeviceInfo.current())
+    if reasons:
+        print("flashinfer backend unavailable: " + "; ".join(reasons), file=sys.stderr)
+        return 1
+    rows = adapter_overhead_rows() + build_host_time_rows()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {__import__('flashinfer').__version__}")
+    print(f"{'case':<18}{'step':<10}{'B':>5}{'L':>6}{'us':>10}{'peer_us':>10}{'ratio':>8}{'wall_us':>10}{'peer_wall':>10}")
+    for r in rows:
+        print(f"{r['case']:<18}{r.get('step', '-'):<10}{r['B']:>5}{r['L']:>6}{r['us']:>10.1f}{r['peer_us']:>10.1f}"
+              f"{r['ratio']:>8.3f}{r.get('wall_us', float('nan')):>10.1f}{r.get('peer_wall_us', float('nan')):>10.1f}"
+              + (f"   translate {r['translate_us']:.1f} us" if "translate_us" in r else ""))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,572 @@
+"""The FlashInfer backend: a thin adapter over flashinfer's plan()/run() wrappers.
+
+One :class:`FlashInferMetadataBuilder` per group of layers that share a plan (same heads, head size, dtypes,
+page size, scale, sliding window and soft-cap). ``build()`` runs once per batch: it translates the common metadata
+into FlashInfer's page table (:mod:`.plan_inputs`), then plans
+
+- ``BatchDecodeWithPagedKVCacheWrapper`` for the leading decode requests (tensor cores for grouped heads), or a
+  CUDA-graph decode wrapper on persistent buffers when the batch is a captured pure-decode size;
+- ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for the trailing prefill / chunked-prefill requests;
+- or, instead of both, ``MultiLevelCascadeAttentionWrapper`` when the engine reports a shared prefix and
+  :func:`.cascade.cascade_prefix_blocks` says it pays.
+
+Every layer's :class:`FlashInferImpl` then runs those planned wrappers into slices of the caller's output.
+
+Plans fix the softmax scale, the window and the soft-cap, so all layers sharing a builder must agree on them. A
+disagreement is caught twice: at builder construction when the engine passes ``layer_specs`` (a ValueError that
+names the layer and the fields), and in every ``forward`` (the impl compares its own :class:`PlanKey` with the one
+the metadata was planned for, a tuple comparison, and raises a ValueError naming the fields).
+
+flashinfer is imported lazily, inside the builder, so this module imports (and ``not_supported_reasons`` answers)
+on machines without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
+from .. import platform as _platform
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec, AttentionType
+from .cascade import CascadePolicy, cascade_prefix_blocks
+from .plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs
+
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES",
+    "FlashInferBackend",
+    "FlashInferImpl",
+    "FlashInferMetadata",
+    "FlashInferMetadataBuilder",
+    "PlanKey",
+]
+
+logger = logging.getLogger(__name__)
+
+#: FlashInfer's recommended float workspace (split-KV partial results), shared by a builder's wrappers.
+DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+_KV_LAYOUT = "NHD"  # kv_cache[:, 0] / [:, 1] are [num_blocks, block_size, num_kv_heads, head_size]
+
+
+_NOT_INSTALLED = "flashinfer is not installed"
+
+
+def flashinfer_installed() -> bool:
+    """Whether the flashinfer package is installed (without importing it)."""
+    return _platform.package_available("flashinfer")
+
+
+def import_flashinfer() -> Any:
+    """The flashinfer module, or an ImportError that says how to get it."""
+    try:
+        if not flashinfer_installed():
+            raise ImportError("no flashinfer package (a namespace directory at most)")
+        import flashinfer
+    except ImportError as exc:
+        raise ImportError(
+            "the flashinfer backend needs the flashinfer package (pip install 'attnbackends[flashinfer]'); "
+            f"importing it failed: {exc}"
+        ) from exc
+    return flashinfer
+
+
+class PlanKey(NamedTuple):
+    """What a FlashInfer plan fixes for every layer that runs it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    kv_cache_dtype: str  # the cache's torch dtype ("fp8" and "fp8_e4m3" are the same plan)
+    block_size: int
+    scale: float
+    sliding_window: Optional[int]
+    logits_soft_cap: Optional[float]
+
+    @classmethod
+    def of(cls, spec: AttentionSpec) -> "PlanKey":
+        return cls(
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            kv_cache_dtype=str(spec.kv_cache_torch_dtype).removeprefix("torch."),
+            block_size=spec.block_size,
+            scale=float(spec.softmax_scale),
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+        )
+
+    def differences(self, other: "PlanKey") -> list[str]:
+        """``"field: planned X, layer Y"`` for every field where ``other`` (a layer) differs from this plan."""
+        return [
+            f"{name}: planned {mine!r}, layer {theirs!r}"
+            for name, mine, theirs in zip(self._fields, self, other)
+            if mine != theirs
+        ]
+
+
+def _check_spec(spec: AttentionSpec) -> None:
+    """NotImplementedError for specs FlashInferBackend declares unsupported on any GPU (see not_supported_reasons)."""
+    device = DeviceInfo.cuda(*FlashInferBackend.min_compute_capability)
+    reasons = [r for r in FlashInferBackend.not_supported_reasons(spec, device) if r != _NOT_INSTALLED]
+    if reasons:
+        raise NotImplementedError("the flashinfer backend cannot serve this spec: " + "; ".join(reasons))
+
+
+@dataclass
+class FlashInferMetadata:
+    """One batch, planned; shared by every layer of the builder's group.
+
+    The wrappers hold the plan: a builder keeps one set, so build the next batch only after the last layer of this
+    one has been enqueued.
+
+    Attributes
+    ----------
+    plan_key : what the plan fixed (checked against each layer's spec in forward).
+    num_actual_tokens, num_decodes, num_decode_tokens, num_prefills : the batch's split (decodes first).
+    slot_mapping : [num_tokens] int64 on the device (the common metadata's).
+    decode_wrapper, prefill_wrapper : planned wrappers, None where the batch has no such part or runs cascade.
+    cascade_wrapper : the planned MultiLevelCascadeAttentionWrapper when the batch runs cascade attention.
+    cascade_shared_blocks : pages served from the cascade's shared level (0 without cascade).
+    cuda_graph : the decode wrapper runs on the builder's persistent CUDA-graph buffers.
+    plan_inputs : the page table the wrappers were planned with (None with cascade).
+    """
+
+    plan_key: PlanKey
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    slot_mapping: torch.Tensor
+    decode_wrapper: Any = None
+    prefill_wrapper: Any = None
+    cascade_wrapper: Any = None
+    cascade_shared_blocks: int = 0
+    cuda_graph: bool = False
+    plan_inputs: Optional[PagedKVPlanInputs] = None
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Plans FlashInfer's wrappers once per batch for a group of layers that share one plan.
+
+    Parameters (besides the base class's)
+    ----------
+    layer_specs : the specs of every layer that will run this builder's metadata; each must agree with ``spec``
+        on what a plan fixes (:class:`PlanKey`), else ValueError here rather than wrong numbers later.
+    workspace_bytes : size of the float workspace the wrappers share.
+    cascade_policy : thresholds for cascade attention (:class:`.cascade.CascadePolicy`); ``CascadePolicy(enabled=False)``
+        turns it off.
+    max_model_len : longest sequence, sizing the persistent page-index buffer of CUDA-graph decode.
+    use_tensor_cores : decode on tensor cores; default: when query heads are grouped (num_heads > num_kv_heads).
+    """
+
+    reorder_batch_threshold = 1
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        device: "torch.device | str" = "cpu",
+        *,
+        max_num_reqs: int = 256,
+        max_num_tokens: int = 8192,
+        debug: bool = False,
+        layer_specs: Optional[Sequence[AttentionSpec]] = None,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        cascade_policy: Optional[CascadePolicy] = None,
+        max_model_len: int = 32768,
+        use_tensor_cores: Optional[bool] = None,
+    ) -> None:
+        super().__init__(spec, device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug)
+        _check_spec(spec)
+        self.plan_key = PlanKey.of(spec)
+        for i, layer in enumerate(layer_specs or ()):
+            diff = self.plan_key.differences(PlanKey.of(layer))
+            if diff:
+                raise ValueError(
+                    f"layer_specs[{i}] cannot share this FlashInfer plan ({'; '.join(diff)}): a plan fixes the "
+                    "scale, sliding window, soft-cap, heads, head size, dtypes and block size for every layer that "
+                    "runs it; give layers that differ their own builder"
+                )
+        if workspace_bytes <= 0:
+            raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
+        self.workspace_bytes = workspace_bytes
+        self.cascade_policy = cascade_policy if cascade_policy is not None else CascadePolicy()
+        self.max_model_len = max_model_len
+        self.use_tensor_cores = spec.num_queries_per_kv > 1 if use_tensor_cores is None else bool(use_tensor_cores)
+        # FlashInfer's window_left counts the keys left of the query: W visible keys, self included -> W - 1.
+        self.window_left = spec.sliding_window - 1 if spec.sliding_window is not None else -1
+        self._pin = self.device.type == "cuda"
+        self._plan_kwargs = dict(
+            window_left=self.window_left,
+            logits_soft_cap=spec.logits_soft_cap,
+            sm_scale=spec.softmax_scale,
+            q_data_type=spec.torch_dtype,
+            kv_data_type=spec.kv_cache_torch_dtype,
+        )
+        self._flashinfer: Any = None
+        self._workspace: Optional[torch.Tensor] = None
+        self._decode: Any = None
+        self._prefill: Any = None
+        self._cascade: Any = None
+        self._graph_decode: dict[int, Any] = {}
+        self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        # Two pinned host buffers for the page-table arrays, used in turn; an event recorded after a batch's plans
+        # tells when the copies out of one have run, and a still-busy one is replaced rather than waited for.
+        self._host_ring: list[Optional[tuple[torch.Tensor, Any]]] = [None, None]
+        self._host_turn = 0
+
+    # -- wrappers, created on first use -------------------------------------------------------------------------
+    def _fi(self) -> Any:
+        if self._flashinfer is None:
+            self._flashinfer = import_flashinfer()
+        return self._flashinfer
+
+    def _workspace_buffer(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _decode_wrapper(self) -> Any:
+        if self._decode is None:
+            self._decode = self._fi().BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace_buffer(), _KV_LAYOUT, use_tensor_cores=self.use_tensor_cores
+            )
+        return self._decode
+
+    def _prefill_wrapper(self) -> Any:
+        if self._prefill is None:
+            self._prefill = self._fi().BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), _KV_LAYOUT)
+        return self._prefill
+
+    def _cascade_wrapper(self) -> Any:
+        if self._cascade is None:
+            self._cascade = self._fi().MultiLevelCascadeAttentionWrapper(2, self._workspace_buffer(), _KV_LAYOUT)
+        return self._cascade
+
+    def _graph_decode_wrapper(self, batch_size: int) -> Any:
+        """The CUDA-graph decode wrapper for ``batch_size`` requests (created by build_for_cudagraph_capture)."""
+        wrapper = self._graph_decode.get(batch_size)
+        if wrapper is not None:
+            return wrapper
+        if batch_size > self.max_num_reqs:
+            raise ValueError(f"a CUDA-graph batch of {batch_size} requests exceeds max_num_reqs={self.max_num_reqs}")
+        if self._graph_buffers is None:
+            pages_per_req = -(-self.max_model_len // self.spec.block_size)
+            self._graph_buffers = (
+                torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device),
+                torch.zeros(self.max_num_reqs * pages_per_req, dtype=torch.int32, device=self.device),
+                torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device),
+            )
+        indptr, indices, last_page_len = self._graph_buffers
+        # Captured sizes share the buffers (one batch runs at a time); each wrapper sees its own prefix of them.
+        wrapper = self._fi().BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace_buffer(),
+            _KV_LAYOUT,
+            use_cuda_graph=True,
+            use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=indptr[: batch_size + 1],
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len[:batch_size],
+        )
+        self._graph_decode[batch_size] = wrapper
+        return wrapper
+
+    def _take_host_buffer(self, num_rows: int) -> Optional[tuple[int, torch.Tensor]]:
+        """(slot, [4, >= num_rows] pinned int32 buffer) free of pending copies; None off CUDA."""
+        if not self._pin:
+            return None
+        slot = self._host_turn
+        self._host_turn ^= 1
+        entry = self._host_ring[slot]
+        if entry is None or entry[0].shape[1] < num_rows or not entry[1].query():
+            buffer = torch.empty((4, max(num_rows, self.max_num_reqs + 1)), dtype=torch.int32, pin_memory=True)
+            entry = (buffer, torch.cuda.Event())
+            self._host_ring[slot] = entry
+        return slot, entry[0]
+
+    def _release_host_buffer(self, taken: Optional[tuple[int, torch.Tensor]]) -> None:
+        if taken is not None:
+            self._host_ring[taken[0]][1].record()
+
+    @property
+    def cudagraph_batch_sizes(self) -> list[int]:
+        """The pure-decode batch sizes that have persistent CUDA-graph plans."""
+        return sorted(self._graph_decode)
+
+    # -- building -----------------------------------------------------------------------------------------------
+    def build(self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0) -> FlashInferMetadata:
+        """Plan one batch (decodes first, see ``reorder_batch_threshold``).
+
+        common_prefix_len : tokens at the start of every request known to lie in the same pages (the engine's prefix
+            cache knows; :func:`.plan_inputs.shared_prefix_blocks` computes it from host block tables). With 0 (the
+            default, or an attribute ``common_prefix_len`` on ``common``) cascade attention is never used.
+        """
+        if common_prefix_len == 0:
+            common_prefix_len = common.common_prefix_len
+        return self._build(common, common_prefix_len)
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        """Plan a pure-decode batch on persistent buffers for capture; later ``build()`` calls with the same number
+        of requests, all decodes, re-plan those buffers so the captured graph replays the new batch."""
+        split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
+        if split.num_prefills:
+            raise ValueError(
+                f"CUDA-graph capture takes pure-decode batches (query_len 1); this one has {split.num_prefills} "
+                "prefill requests"
+            )
+        self._graph_decode_wrapper(common.num_reqs)
+        return self._build(common, 0)
+
+    def _build(self, common: CommonAttentionMetadata, common_prefix_len: int) -> FlashInferMetadata:
+        spec = self.spec
+        if self.debug:
+            validate_common_metadata(common, block_size=spec.block_size)
+        if not common.causal:
+            raise ValueError("the flashinfer backend serves causal decoder layers; common.causal is False")
+        num_reqs = common.num_reqs
+        if common.max_query_len <= self.reorder_batch_threshold:  # all decodes: skip the split's tensor reads
+            num_decodes, num_decode_tokens, num_prefills = num_reqs, common.num_actual_tokens, 0
+        else:
+            split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
+            num_decodes, num_decode_tokens, num_prefills = split.num_decodes, split.num_decode_tokens, split.num_prefills
+        graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 else None
+        meta = FlashInferMetadata(
+            plan_key=self.plan_key,
+            num_actual_tokens=common.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            slot_mapping=common.slot_mapping,
+            cuda_graph=graph_wrapper is not None,
+        )
+        if common_prefix_len > 0 and graph_wrapper is None:
+            blocks = cascade_prefix_blocks(
+                self.cascade_policy,
+                num_reqs=num_reqs,
+                common_prefix_len=common_prefix_len,
+                block_size=spec.block_size,
+                min_context_len=int(common.context_lens_cpu.min()),
+                total_kv_tokens=int(common.seq_lens_cpu.sum()),
+                sliding_window=spec.sliding_window,
+                fp8_kv_cache=spec.is_fp8_kv_cache,
+            )
+            if blocks:
+                taken = self._take_host_buffer(num_reqs + 1)
+                self._plan_cascade(common, blocks, meta, None if taken is None else taken[1])
+                self._release_host_buffer(taken)
+                return meta
+
+        taken = self._take_host_buffer(num_reqs + 1)
+        inputs = paged_kv_plan_inputs(
+            common.query_start_loc_cpu,
+            common.seq_lens_cpu,
+            common.block_table,
+            spec.block_size,
+            pin_memory=self._pin,
+            host_buffer=None if taken is None else taken[1],
+        )
+        meta.plan_inputs = inputs
+        heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+        if num_decodes:
+            wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
+            part = inputs.select(0, num_decodes)
+            wrapper.plan(
+                part.kv_indptr,
+                part.kv_indices,
+                part.kv_last_page_len,
+                *heads,
+                pos_encoding_mode="NONE",
+                o_data_type=spec.torch_dtype,
+                non_blocking=True,
+                **self._plan_kwargs,
+            )
+            meta.decode_wrapper = wrapper
+        if num_prefills:
+            wrapper = self._prefill_wrapper()
+            part = inputs.select(num_decodes, num_reqs)
+            wrapper.plan(
+                part.qo_indptr,
+                part.kv_indptr,
+                part.kv_indices,
+                part.kv_last_page_len,
+                *heads,
+                causal=True,
+                pos_encoding_mode="NONE",
+                o_data_type=spec.torch_dtype,
+                non_blocking=True,
+                **self._plan_kwargs,
+            )
+            meta.prefill_wrapper = wrapper
+        self._release_host_buffer(taken)
+        return meta
+
+    def _plan_cascade(
+        self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata,
+        host_buffer: Optional[torch.Tensor],
+    ) -> None:
+        """Two levels: every query over the shared pages (one pseudo-request, no mask: they are all cached context),
+        then each request over its own remaining pages (causal)."""
+        spec = self.spec
+        bs = spec.block_size
+        unique = paged_kv_plan_inputs(
+            common.query_start_loc_cpu,
+            common.seq_lens_cpu,
+            common.block_table,
+            bs,
+            skip_pages=shared_blocks,
+            pin_memory=self._pin,
+            host_buffer=host_buffer,
+        )
+        top_qo = torch.tensor([0, common.num_actual_tokens], dtype=torch.int32)
+        top_kv = torch.tensor([0, shared_blocks], dtype=torch.int32)
+        top_last = torch.tensor([bs], dtype=torch.int32)
+        top_indices = common.block_table[0, :shared_blocks]
+        wrapper = self._cascade_wrapper()
+        wrapper.plan(
+            [top_qo, unique.qo_indptr],
+            [top_kv, unique.kv_indptr],
+            [top_indices, unique.kv_indices],
+            [top_last, unique.kv_last_page_len],
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            bs,
+            causal=True,
+            pos_encoding_mode="NONE",
+            **self._plan_kwargs,
+        )
+        meta.cascade_wrapper = wrapper
+        meta.cascade_shared_blocks = shared_blocks
+
+
+def _torch_reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float, v_scale: float
+) -> None:
+    from ..ops.quant import quantize_for_cache
+
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = quantize_for_cache(key[: slot_mapping.shape[0]][valid], kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, offsets] = quantize_for_cache(value[: slot_mapping.shape[0]][valid], kv_cache.dtype, v_scale)
+
+
+def _shared_cache_writer() -> Any:
+    """attnbackends.ops.kv_cache_write.reshape_and_cache (Triton, no sync), or a torch stand-in without it."""
+    try:
+        from ..ops.kv_cache_write import reshape_and_cache
+    except ImportError:
+        logger.warning("attnbackends.ops.kv_cache_write is unavailable; writing the KV cache with torch (syncs)")
+        return None
+    return reshape_and_cache
+
+
+class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
+    """One layer: writes its new K/V with the shared cache-write op, then runs the batch's planned wrappers into
+    slices of the caller's output (decodes ``[:num_decode_tokens]``, prefills after them)."""
+
+    def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        _check_spec(spec)
+        self.plan_key = PlanKey.of(spec)
+        # FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale.
+        self._run_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if spec.is_fp8_kv_cache else {}
+        self._write = _shared_cache_writer()
+        self._write_checked = False
+
+    def update_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        if slot_mapping.shape[0] > key.shape[0]:
+            slot_mapping = slot_mapping[: key.shape[0]]
+        if self._write is None:
+            _torch_reshape_and_cache(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale)
+            return
+        # The argument checks cost host time: once per layer is enough (shapes, dtypes, devices do not change).
+        self._write(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale, validate=not self._write_checked)
+        self._write_checked = True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        value: Optional[torch.Tensor],
+        kv_cache: Optional[torch.Tensor],
+        metadata: FlashInferMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if metadata.plan_key != self.plan_key:
+            raise ValueError(
+                "this layer disagrees with the FlashInfer plan its metadata was built for ("
+                + "; ".join(metadata.plan_key.differences(self.plan_key))
+                + "): layers that differ need their own FlashInferMetadataBuilder"
+            )
+        if kv_cache is None:
+            raise ValueError("the flashinfer backend needs a paged kv_cache (decoder self-attention)")
+        if key is not None:
+            if value is None:
+                raise ValueError("key and value must be given together (or both None when the cache holds them)")
+            self.update_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        n = metadata.num_actual_tokens
+        if metadata.cascade_wrapper is not None:
+            output[:n].copy_(metadata.cascade_wrapper.run(query[:n], kv_cache))
+            return output
+        nd = metadata.num_decode_tokens
+        if metadata.decode_wrapper is not None:
+            if nd == query.shape[0] and nd == output.shape[0]:  # the common pure-decode step: no views to make
+                metadata.decode_wrapper.run(query, kv_cache, out=output, **self._run_scales)
+            else:
+                metadata.decode_wrapper.run(query[:nd], kv_cache, out=output[:nd], **self._run_scales)
+        if metadata.prefill_wrapper is not None:
+            metadata.prefill_wrapper.run(query[nd:n], kv_cache, out=output[nd:n], **self._run_scales)
+        return output
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer's paged decode / prefill / cascade wrappers behind the common interface (CUDA, sm80+)."""
+
+    name = "flashinfer"
+    description = "FlashInfer plan/run wrappers: paged decode (tensor cores for GQA), causal prefill, cascade"
+    supported_dtypes = frozenset({"float16", "bfloat16"})
+    supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+    supported_head_sizes = frozenset({64, 128, 256})
+    min_compute_capability = (8, 0)
+    required_packages = ("flashinfer",)
+    supported_attn_types = frozenset({AttentionType.DECODER})
+    supports_sliding_window = True
+    supports_alibi = False
+    supports_logits_soft_cap = True
+    supports_sinks = False
+    supports_separate_v_head_size = False
+    # Pure-decode batches of a captured size replay on the builder's persistent plan buffers (see
+    # FlashInferMetadataBuilder.build_for_cudagraph_capture); prefills and cascade run eagerly.
+    cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Reasons about the spec that the capability data does not express."""
+        if not spec.is_fp8_kv_cache and spec.kv_cache_dtype not in ("auto", spec.dtype):
+            return [
+                f"kv_cache_dtype {spec.kv_cache_dtype} with dtype {spec.dtype}: a 16-bit cache must match the model "
+                "dtype (use auto or fp8)"
+            ]
+        return []
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        return super().not_supported_reasons(spec, device) + cls.spec_reasons(spec)
+
+    @classmethod
+    def get_builder_cls(cls) -> type[FlashInferMetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[FlashInferImpl]:
+        return FlashInferImpl

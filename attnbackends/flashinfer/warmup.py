@@ -1,0 +1,96 @@
+"""Compile FlashInfer's JIT kernels for a set of specs ahead of time, all in one parallel build.
+
+FlashInfer compiles a kernel module per (dtypes, head size, window on/off, soft-cap on/off, fa2/fa3) on first use,
+tens of seconds each when done one at a time as layers first run. :func:`precompile` builds every module the given
+specs will need side by side: one thread per module runs that module's own ninja build (the one a first use would
+run, so first use then finds it up to date), the CPU cores split between them. It leans on flashinfer's module
+generators (``flashinfer.jit``), which are not a stable API: on any mismatch it logs and returns, and the kernels
+compile lazily as before.
+
+(A single combined ``flashinfer.jit.build_jit_specs`` build is not used: its ninja log lives in another directory,
+so each module's own ninja run, at first use, finds no record of the outputs and compiles them again.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
+
+import torch
+
+from ..spec import AttentionSpec
+from .backend import FlashInferMetadataBuilder, import_flashinfer
+
+__all__ = ["precompile"]
+
+logger = logging.getLogger(__name__)
+
+_POS_ENCODING_NONE = 0
+
+
+def precompile(
+    specs: Iterable[AttentionSpec],
+    device: "torch.device | str | None" = None,
+    *,
+    decode: bool = True,
+    prefill: bool = True,
+    cascade: bool = False,
+) -> list[str]:
+    """Build the kernel modules ``specs`` use (decode, prefill, and the cascade merge if asked); returns their names.
+
+    Returns an empty list (after logging why) when flashinfer's generators do not match what this expects.
+    """
+    fi = import_flashinfer()
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    try:
+        from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+        from flashinfer.jit.cascade import gen_cascade_module
+        from flashinfer.utils import determine_attention_backend
+
+        jit_specs = {}
+        for spec in specs:
+            q, kv = spec.torch_dtype, spec.kv_cache_torch_dtype
+            args = (
+                q, kv, q, torch.int32, spec.head_size, spec.head_size, _POS_ENCODING_NONE,
+                spec.sliding_window is not None, spec.logits_soft_cap is not None,
+            )
+            chosen = []
+            if decode:
+                if FlashInferMetadataBuilder(spec, "cpu").use_tensor_cores:
+                    # The tensor-core decode path runs FlashInfer's fa2 prefill kernels (fp8 KV with 16-bit queries
+                    # also resolves to fa2).
+                    chosen.append(gen_batch_prefill_module("fa2", *args, False))
+                else:
+                    chosen.append(gen_batch_decode_module(*args))
+            if prefill:
+                backend = determine_attention_backend(device, _POS_ENCODING_NONE, False, False, q, kv)
+                chosen.append(gen_batch_prefill_module(backend, *args, False))
+            for jit_spec in chosen:
+                jit_specs[jit_spec.name] = jit_spec
+        if cascade:
+            jit_spec = gen_cascade_module()
+            jit_specs[jit_spec.name] = jit_spec
+        _build_side_by_side(list(jit_specs.values()))
+    except (ImportError, AttributeError, TypeError) as exc:
+        logger.warning("flashinfer %s: ahead-of-time kernel build skipped (%s); kernels compile on first use",
+                       getattr(fi, "__version__", "?"), exc)
+        return []
+    return sorted(jit_specs)
+
+
+def _build_side_by_side(jit_specs: list) -> None:
+    """Run each module's own ninja build in its own thread, ``MAX_JOBS`` splitting the cores between them."""
+    if not jit_specs:
+        return
+    previous = os.environ.get("MAX_JOBS")
+    if previous is None:
+        os.environ["MAX_JOBS"] = str(max(2, (os.cpu_count() or 8) // len(jit_specs) + 1))
+    try:
+        with ThreadPoolExecutor(max_workers=len(jit_specs)) as pool:
+            for future in [pool.submit(spec.build, False) for spec in jit_specs]:
+                future.result()
+    finally:
+        if previous is None:
+            os.environ.pop("MAX_JOBS", None)
