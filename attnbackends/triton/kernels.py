@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -142,17 +143,17 @@ def _attn_range(
 @triton.jit
 def _attend(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
+    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
     seq_idx, q_block, kv_head, segm,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
     q_scale, qk_scale, soft_cap, v_scale,
     QPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, Q_FP16: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
@@ -244,6 +245,10 @@ def _attend(
         if NUM_SEGMENTS == 1:
             o_ptrs = output_ptr + tok_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            if RETURN_LSE:
+                # Natural log for callers (merge_attn_states); -inf where no key was visible (l_i == 0).
+                lse_ln = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+                tl.store(lse_out_ptr + head * stride_lse_h + tok_glob, lse_ln, mask=row_ok)
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             p_ptrs = (partial_out_ptr + tok_glob[:, None] * stride_pt + head[:, None] * stride_ph
@@ -255,18 +260,18 @@ def _attend(
 @triton.jit
 def _unified_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, k_scale, v_scale,
+    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, k_scale, v_scale,
     num_seqs, num_decodes,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
     softmax_scale, soft_cap,
     QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DECODE_PATH: tl.constexpr, DECODE_BLOCK_M: tl.constexpr, DECODE_TILE_N: tl.constexpr,
     GENERIC_PATH: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid: (num_decodes + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
     NUM_SEGMENTS). Programs below num_decodes take one decode sequence each (query_len 1, BLOCK_Q = 1); the
@@ -298,14 +303,15 @@ def _unified_attention_kernel(
         if pid < num_decodes:
             _attend(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
+                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                 pid, 0, kv_head, segm,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, 1, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, INTERPRET)
+                PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
+                INTERPRET)
     if GENERIC_PATH:
         if pid >= num_decodes:
             # Sequence i >= num_decodes owns query blocks starting at (qsl[i] - qsl[nd]) // BLOCK_Q + (i - nd):
@@ -330,21 +336,23 @@ def _unified_attention_kernel(
             q_block = tl.where(q_block < n_blk, n_blk - 1 - q_block, n_blk)
             _attend(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
+                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                 seq_idx, q_block, kv_head, segm,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, BLOCK_Q, BLOCK_M, TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, INTERPRET)
+                PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
+                INTERPRET)
 
 
 @triton.jit
 def _reduce_segments_kernel(
-    output_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_seqs,
-    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr, num_seqs,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     """Grid: (num_tokens, num_heads). Merges the per-segment (output, log2-sum-exp) pairs of one row."""
     tok = tl.program_id(0).to(tl.int64)
@@ -359,8 +367,8 @@ def _reduce_segments_kernel(
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m)
-        denom = tl.sum(w, 0)
-        denom = tl.where(denom == 0.0, 1.0, denom)
+        total = tl.sum(w, 0)
+        denom = tl.where(total == 0.0, 1.0, total)
         p_ptrs = (partial_out_ptr + tok * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps
                   + offs_d[None, :])
         parts = tl.load(p_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [SEG_PAD, HEAD_PAD]
@@ -368,3 +376,6 @@ def _reduce_segments_kernel(
         out = tl.sum(parts * w[:, None], 0) / denom
         tl.store(output_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(output_ptr.dtype.element_ty),
                  mask=d_ok)
+        if RETURN_LSE:
+            lse_ln = tl.where(total == 0.0, float("-inf"), (m + tl.log2(denom)) * LN2)
+            tl.store(lse_out_ptr + head * stride_lse_h + tok, lse_ln)

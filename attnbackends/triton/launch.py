@@ -343,7 +343,7 @@ def check_unified_attention_args(query, key_cache, value_cache, output, query_st
 def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *, paged, block_size,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             max_query_len, max_seq_len, softmax_scale, causal, sliding_window, logits_soft_cap, alibi_slopes,
-            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config):
+            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config, return_lse=None):
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[-2]
     qpk = num_heads // num_kv_heads
@@ -389,16 +389,17 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
         return output
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
     dummy = output
+    lse_stride_h = return_lse.stride(0) if return_lse is not None else 0
     _unified_attention_kernel[(grid0, num_kv_heads, num_kv_splits)](
         query, key, value, output, block_table if paged else dummy, seq_lens if paged else dummy,
         query_start_loc,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
-        partial_out, partial_lse,
+        partial_out, partial_lse, return_lse if return_lse is not None else dummy,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         num_seqs, num_decodes,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        *pstrides,
+        *pstrides, lse_stride_h,
         float(softmax_scale), float(logits_soft_cap) if logits_soft_cap else 0.0,
         QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=_next_pow2(head_size), BLOCK_SIZE=block_size,
         DECODE_PATH=decode_path, DECODE_BLOCK_M=max(config.decode_block_m, _next_pow2(qpk)),
@@ -406,16 +407,17 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
         GENERIC_PATH=generic_path, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.tile_n,
         PAGED=paged, CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
         USE_SOFTCAP=bool(logits_soft_cap), USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
-        SCALES_ARE_PTRS=scales_are_ptrs, KV_FP8=kv_fp8, NUM_SEGMENTS=num_kv_splits, INTERPRET=_is_interpreted(),
+        SCALES_ARE_PTRS=scales_are_ptrs, KV_FP8=kv_fp8, NUM_SEGMENTS=num_kv_splits,
+        RETURN_LSE=return_lse is not None, INTERPRET=_is_interpreted(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_kv_splits > 1:
         head_pad = _next_pow2(head_size)
         _reduce_segments_kernel[(num_tokens, num_heads)](
-            output, partial_out, partial_lse, query_start_loc, num_seqs,
-            output.stride(0), output.stride(1), *pstrides,
+            output, partial_out, partial_lse, return_lse if return_lse is not None else dummy, query_start_loc,
+            num_seqs, output.stride(0), output.stride(1), *pstrides, lse_stride_h,
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=num_kv_splits,
-            SEG_PAD=_next_pow2(num_kv_splits), num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
+            SEG_PAD=_next_pow2(num_kv_splits), RETURN_LSE=return_lse is not None, num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
         )
     return output
 
@@ -444,6 +446,7 @@ def unified_attention(
     num_kv_splits: Optional[int] = None,
     validate: bool = True,
     config: Optional[KernelConfig] = None,
+    return_lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged attention over a mixed batch of decodes, prefills and chunked prefills, in one launch.
 
@@ -494,6 +497,11 @@ def unified_attention(
         Run :func:`check_unified_attention_args` first (pass False on the hot path once checked).
     config : KernelConfig, optional
         Override the tile configuration (tuning).
+    return_lse : torch.Tensor, optional
+        ``[num_heads, >= num_tokens]`` float32 with unit stride in the token dimension; receives the natural-log
+        log-sum-exp of each query row's logits over its visible keys (sinks included), ``-inf`` where the row sees
+        no key (e.g. ``seq_len`` 0: a context-parallel rank holding none of the sequence's blocks; its output row
+        is then 0). Padding rows are left untouched. For merging partial results with ``merge_attn_states``.
 
     Returns
     -------
@@ -501,6 +509,14 @@ def unified_attention(
         ``output``.
     """
     if validate:
+        if return_lse is not None:
+            if (return_lse.dim() != 2 or return_lse.dtype != torch.float32 or return_lse.shape[0] != query.shape[1]
+                    or return_lse.shape[1] < query.shape[0] or return_lse.stride(1) != 1):
+                raise ValueError(f"return_lse must be a [num_heads={query.shape[1]}, >= num_tokens={query.shape[0]}] "
+                                 f"float32 tensor with unit token stride, got {tuple(return_lse.shape)} "
+                                 f"{return_lse.dtype} strides {tuple(return_lse.stride())}")
+            if return_lse.device != query.device:
+                raise ValueError(f"return_lse is on {return_lse.device}, expected {query.device}")
         check_unified_attention_args(
             query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, max_query_len,
             max_seq_len, softmax_scale, causal=causal, sliding_window=sliding_window,
@@ -515,7 +531,7 @@ def unified_attention(
         max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, workspace=workspace, num_decodes=num_decodes,
-        num_kv_splits=num_kv_splits, config=config)
+        num_kv_splits=num_kv_splits, config=config, return_lse=return_lse)
 
 
 def varlen_attention(

@@ -118,7 +118,9 @@ def test_translation_cpu_time_256_decodes(context):
     common = build_common_metadata([1] * num_reqs, [context] * num_reqs, tables.tolist(), bs)
     us = median_us(lambda: paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, bs))
     print(f"paged_kv_plan_inputs, 256 decodes, context {context}, CPU: {us:.1f} us (median)")
-    assert us < (1000 if context == 0 else 5000)
+    # Loose enough for a loaded 2-core CI machine, tight enough to catch a Python loop over requests (context 0)
+    # or over the 65k pages (context 4096: >= 65 ms).
+    assert us < (1000 if context == 0 else 30000)
 
 
 def test_shared_prefix_blocks():
