@@ -243,6 +243,9 @@ class AttentionImpl(ABC, Generic[M]):
     spec : the layer's spec.
     sinks : [num_heads] float32, the learned sink logits, when ``spec.has_sinks``.
     k_scale, v_scale : per-tensor fp8 KV-cache scales (stored = saturate(x / scale)); ignored otherwise.
+    debug : check the inputs and the batch's block table on every ``forward`` (see :mod:`attnbackends.validation`);
+        without it, inputs are checked on the first call only (and on every call whose metadata a builder made
+        with ``debug=True``).
     """
 
     def __init__(
@@ -252,6 +255,7 @@ class AttentionImpl(ABC, Generic[M]):
         sinks: Optional[torch.Tensor] = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        debug: bool = False,
     ) -> None:
         if spec.has_sinks and sinks is None:
             raise ValueError("spec.has_sinks is set: pass sinks, a [num_heads] tensor of sink logits")
@@ -269,6 +273,8 @@ class AttentionImpl(ABC, Generic[M]):
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
         self.scale = spec.softmax_scale
+        self.debug = bool(debug)
+        self._inputs_checked = False  # set after the first forward's validation
 
     @abstractmethod
     def update_kv_cache(

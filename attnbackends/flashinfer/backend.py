@@ -34,6 +34,7 @@ from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, vali
 from .. import platform as _platform
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
+from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs
 
@@ -150,6 +151,8 @@ class FlashInferMetadata:
     cascade_shared_blocks: int = 0
     cuda_graph: bool = False
     plan_inputs: Optional[PagedKVPlanInputs] = None
+    debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
+    common: Optional[CommonAttentionMetadata] = None  # the batch (read by the debug-mode checks only)
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
@@ -344,6 +347,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_prefills=num_prefills,
             slot_mapping=common.slot_mapping,
             cuda_graph=graph_wrapper is not None,
+            debug=self.debug,
+            common=common,
         )
         if common_prefix_len > 0 and graph_wrapper is None:
             blocks = cascade_prefix_blocks(
@@ -510,6 +515,8 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             )
         if kv_cache is None:
             raise ValueError("the flashinfer backend needs a paged kv_cache (decoder self-attention)")
+        check_forward_inputs(self, metadata, metadata.common, query, key, value, kv_cache, output,
+                             backend=FlashInferBackend)
         if key is not None:
             if value is None:
                 raise ValueError("key and value must be given together (or both None when the cache holds them)")

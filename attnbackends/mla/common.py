@@ -26,6 +26,7 @@ from ..ops.quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import concat_and_cache_mla, context_slots, gather_mla_cache
+from ..validation import check_forward_inputs
 from .prefill import PrefillKernel, RaggedPlan, get_prefill_kernel, select_prefill_kernel
 
 __all__ = [
@@ -88,6 +89,7 @@ class MLAMetadata:
     slot_mapping: torch.Tensor
     decode: Optional[MLADecodeMetadata]
     prefill: Optional[MLAPrefillMetadata]
+    debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
 
     @property
     def num_decode_tokens(self) -> int:
@@ -172,6 +174,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             slot_mapping=common.slot_mapping,
             decode=decode,
             prefill=prefill,
+            debug=self.debug,
         )
 
     def build_decode(self, decode: MLADecodeMetadata, common: CommonAttentionMetadata) -> None:
@@ -278,6 +281,7 @@ class MLAImpl(AttentionImpl[MLAMetadata]):
         -------
         output
         """
+        self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         if self.W_UK_T is None:
             self.process_weights_after_loading()
         spec = self.spec
@@ -300,6 +304,12 @@ class MLAImpl(AttentionImpl[MLAMetadata]):
             end = nd + pre.num_prefill_tokens
             self._forward_prefill(q[nd:end], kv_c_normed[nd:end], k_pe[nd:end], kv_cache, pre, output[nd:end])
         return output
+
+    def check_inputs(self, q, kv_c_normed, k_pe, kv_cache, metadata, output) -> None:
+        """The validation hook (:func:`attnbackends.validation.check_forward_inputs`): tensors on the first call,
+        tensors and the block table on every call in debug mode. Subclasses that override :meth:`forward` call it
+        first."""
+        check_forward_inputs(self, metadata, metadata.common, q, kv_c_normed, k_pe, kv_cache, output, mla=True)
 
     def _decode_latent(
         self, ql: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata

@@ -35,6 +35,7 @@ class ReferenceMLAImpl(MLAImpl):
         metadata: ReferenceMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
+        self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         spec = self.spec
         common = metadata.common
         n_tokens = common.num_actual_tokens

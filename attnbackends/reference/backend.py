@@ -15,6 +15,7 @@ from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilde
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
+from ..validation import check_forward_inputs
 from .functional import sequence_attention
 
 __all__ = ["ReferenceBackend", "ReferenceMetadata", "ReferenceMetadataBuilder", "ReferenceImpl"]
@@ -22,11 +23,13 @@ __all__ = ["ReferenceBackend", "ReferenceMetadata", "ReferenceMetadataBuilder", 
 
 @dataclass
 class ReferenceMetadata:
-    """The common metadata plus host lists the per-request loop walks (built from the CPU copies: no sync)."""
+    """The common metadata plus host lists the per-request loop walks (built from the CPU copies: no sync).
+    ``debug``: the builder's debug flag; impls then validate inputs and the block table on every call."""
 
     common: CommonAttentionMetadata
     query_start_loc: list[int]
     seq_lens: list[int]
+    debug: bool = False
 
 
 class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
@@ -37,6 +40,7 @@ class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
             common=common,
             query_start_loc=common.query_start_loc_cpu.tolist(),
             seq_lens=common.seq_lens_cpu.tolist(),
+            debug=self.debug,
         )
 
 
@@ -81,6 +85,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     ) -> torch.Tensor:
         spec = self.spec
         common = metadata.common
+        check_forward_inputs(self, metadata, common, query, key, value, kv_cache, output,
+                             backend=ReferenceBackend)
         if kv_cache is not None and key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
         if kv_cache is None and (key is None or value is None):

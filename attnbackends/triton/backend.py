@@ -16,12 +16,15 @@ from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, vali
 from ..ops.kv_cache_write import reshape_and_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
+from ..validation import check_forward_inputs
 from .launch import (
     MAX_HEAD_SIZE,
     MAX_KV_SPLITS,
     MIN_HEAD_SIZE,
+    KernelConfig,
     SplitKVWorkspace,
     choose_num_kv_splits,
+    pick_kernel_config,
     unified_attention,
     varlen_attention,
 )
@@ -37,16 +40,44 @@ class TritonMetadata:
     num_decodes: int  # leading requests with query_len 1, run on the decode tiles
     num_kv_splits: int  # KV segments per decode (1: no split-KV)
     workspace: Optional[SplitKVWorkspace]
+    debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
+    config: Optional[KernelConfig] = None  # fixed tile config (deterministic mode); None: chosen per launch
+
+
+#: The query length the deterministic mode's fixed tile config is picked for (any batch then uses that config).
+DETERMINISTIC_QUERY_LEN = 64
+
+
+def deterministic_kernel_config(spec: AttentionSpec) -> KernelConfig:
+    """The tile config of deterministic mode: a function of the spec only (head size, heads per KV head, cache
+    dtype), never of the batch."""
+    return pick_kernel_config(
+        spec.head_size, spec.num_queries_per_kv, DETERMINISTIC_QUERY_LEN, has_decode_path=True,
+        has_generic_path=True, kv_fp8=spec.is_fp8_kv_cache, keys_per_split=None, max_seq_len=None,
+    )
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
-    """Chooses the split-KV factor per batch and owns the split-KV workspace (``max_num_reqs`` decode rows)."""
+    """Chooses the split-KV factor per batch and owns the split-KV workspace (``max_num_reqs`` decode rows).
 
-    def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", **kwargs) -> None:
+    Parameters (beyond the base class)
+    ----------
+    deterministic : batch-invariant mode. Every batch runs with ``num_kv_splits=1`` (no split-KV, so no
+        batch-dependent reduction order) and one tile config fixed by the spec (:func:`deterministic_kernel_config`)
+        instead of one picked from the batch's max query/sequence length. A request's output then depends only on
+        its own query, keys and values: bitwise the same whatever else shares its batch (given the same
+        position in the decode/prefill split: decodes first). Costs decode speed on small batches (no split-KV),
+        and the fixed tiles are not the fastest for every shape.
+    """
+
+    def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
+                 **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
+        self.deterministic = bool(deterministic)
+        self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
         self.num_sms = DeviceInfo.current(self.device).sm_count if self.device.type == "cuda" else 1
         self.workspace: Optional[SplitKVWorkspace] = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
                 self.max_num_reqs, spec.num_heads, spec.head_size, MAX_KV_SPLITS, device=self.device
             )
@@ -54,8 +85,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if self.debug:
             validate_common_metadata(common, block_size=self.spec.block_size)
+        cfg = dict(debug=self.debug, config=self.kernel_config)
         if not self.spec.attn_type.uses_kv_cache:
-            return TritonMetadata(common, 0, 1, None)  # encoder attention: no decodes, one varlen launch
+            return TritonMetadata(common, 0, 1, None, **cfg)  # encoder attention: no decodes, one varlen launch
         split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
         num_kv_splits = 1
         if self.workspace is not None and split.num_decodes and split.num_prefills == 0:
@@ -69,7 +101,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             )
             if not self.workspace.fits(split.num_decode_tokens, self.spec.num_heads, self.spec.head_size, num_kv_splits):
                 num_kv_splits = 1
-        return TritonMetadata(common, split.num_decodes, num_kv_splits, self.workspace if num_kv_splits > 1 else None)
+        return TritonMetadata(
+            common, split.num_decodes, num_kv_splits, self.workspace if num_kv_splits > 1 else None, **cfg
+        )
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
@@ -106,6 +140,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         output: torch.Tensor,
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
+        check_forward_inputs(self, metadata, common, query, key, value, kv_cache, output,
+                             backend=TritonAttentionBackend)
         alibi, sinks = self._features(query.device)
         validate = not self._validated
         causal = spec.causal and common.causal
@@ -115,14 +151,9 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             varlen_attention(
                 query, key, value, output, common.query_start_loc, common.max_seq_len, self.scale, causal,
                 sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                alibi_slopes=alibi, sinks=sinks, validate=validate,
+                alibi_slopes=alibi, sinks=sinks, validate=validate, config=metadata.config,
             )
         else:
-            if validate and kv_cache.shape[1:] != (2, spec.block_size, spec.num_kv_heads, spec.head_size):
-                raise ValueError(
-                    f"kv_cache must be [num_blocks, 2, {spec.block_size}, {spec.num_kv_heads}, {spec.head_size}], "
-                    f"got {tuple(kv_cache.shape)}"
-                )
             if key is not None:
                 self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
             unified_attention(
@@ -132,7 +163,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 causal=causal, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
                 alibi_slopes=alibi, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
                 workspace=metadata.workspace, num_decodes=metadata.num_decodes,
-                num_kv_splits=metadata.num_kv_splits, validate=validate,
+                num_kv_splits=metadata.num_kv_splits, validate=validate, config=metadata.config,
             )
         self._validated = True
         return output
