@@ -64,6 +64,7 @@ class AttentionBackend(ABC):
     supports_logits_soft_cap: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
     supports_separate_v_head_size: ClassVar[bool] = False
+    kv_cache_16bit_must_match_dtype: ClassVar[bool] = False  # True: a float16/bfloat16 cache must be the model dtype
     is_mla: ClassVar[bool] = False  # True: serves MLA specs only; False: standard specs only
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
     kv_cache_layout: ClassVar[str] = STANDARD_KV_CACHE_LAYOUT
@@ -140,6 +141,15 @@ class AttentionBackend(ABC):
             and not cls.supports_separate_v_head_size
         ):
             reasons.append(f"head_size_v ({spec.head_size_v}) != head_size ({spec.head_size}) not supported")
+        if (
+            cls.kv_cache_16bit_must_match_dtype
+            and not spec.is_fp8_kv_cache
+            and spec.kv_cache_dtype not in ("auto", spec.dtype)
+        ):
+            reasons.append(
+                f"kv_cache_dtype {spec.kv_cache_dtype} with dtype {spec.dtype}: a 16-bit cache must match the model "
+                "dtype (use auto or fp8)"
+            )
         if spec.block_size % cls.block_size_multiple:
             reasons.append(f"block_size {spec.block_size} is not a multiple of {cls.block_size_multiple}")
         if spec.attn_type not in cls.supported_attn_types:

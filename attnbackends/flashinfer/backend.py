@@ -544,6 +544,7 @@ class FlashInferBackend(AttentionBackend):
     supported_dtypes = frozenset({"float16", "bfloat16"})
     supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
     supported_head_sizes = frozenset({64, 128, 256})
+    kv_cache_16bit_must_match_dtype = True
     min_compute_capability = (8, 0)
     required_packages = ("flashinfer",)
     supported_attn_types = frozenset({AttentionType.DECODER})
@@ -555,20 +556,6 @@ class FlashInferBackend(AttentionBackend):
     # Pure-decode batches of a captured size replay on the builder's persistent plan buffers (see
     # FlashInferMetadataBuilder.build_for_cudagraph_capture); prefills and cascade run eagerly.
     cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
-
-    @classmethod
-    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
-        """Reasons about the spec that the capability data does not express."""
-        if not spec.is_fp8_kv_cache and spec.kv_cache_dtype not in ("auto", spec.dtype):
-            return [
-                f"kv_cache_dtype {spec.kv_cache_dtype} with dtype {spec.dtype}: a 16-bit cache must match the model "
-                "dtype (use auto or fp8)"
-            ]
-        return []
-
-    @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        return super().not_supported_reasons(spec, device) + cls.spec_reasons(spec)
 
     @classmethod
     def get_builder_cls(cls) -> type[FlashInferMetadataBuilder]:

@@ -179,6 +179,7 @@ class TritonAttentionBackend(AttentionBackend):
     min_head_size = MIN_HEAD_SIZE
     max_head_size = MAX_HEAD_SIZE
     block_size_multiple = 16
+    kv_cache_16bit_must_match_dtype = True
     min_compute_capability = (8, 0)
     needs_triton = True
     supported_attn_types = frozenset(AttentionType)
@@ -193,8 +194,6 @@ class TritonAttentionBackend(AttentionBackend):
         reasons = super().not_supported_reasons(spec, device)
         if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda and device.compute_capability < (8, 9):
             reasons.append("fp8 e4m3 KV cache needs compute capability >= 8.9 in Triton")
-        if spec.kv_cache_dtype in ("float16", "bfloat16") and spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} must equal dtype {spec.dtype} (or be auto/fp8)")
         return reasons
 
     @classmethod
