@@ -65,6 +65,7 @@ class AttentionBackend(ABC):
     supports_sinks: ClassVar[bool] = False
     supports_separate_v_head_size: ClassVar[bool] = False
     kv_cache_16bit_must_match_dtype: ClassVar[bool] = False  # True: a float16/bfloat16 cache must be the model dtype
+    min_compute_capability_fp8_e4m3: ClassVar[Optional[tuple[int, int]]] = None  # e4m3 cache conversions need this
     is_mla: ClassVar[bool] = False  # True: serves MLA specs only; False: standard specs only
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
     kv_cache_layout: ClassVar[str] = STANDARD_KV_CACHE_LAYOUT
@@ -150,6 +151,10 @@ class AttentionBackend(ABC):
                 f"kv_cache_dtype {spec.kv_cache_dtype} with dtype {spec.dtype}: a 16-bit cache must match the model "
                 "dtype (use auto or fp8)"
             )
+        fp8_cc = cls.min_compute_capability_fp8_e4m3
+        if fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda:
+            if device.compute_capability < fp8_cc:
+                reasons.append(f"fp8 e4m3 KV cache needs compute capability >= {fp8_cc[0]}.{fp8_cc[1]}")
         if spec.block_size % cls.block_size_multiple:
             reasons.append(f"block_size {spec.block_size} is not a multiple of {cls.block_size_multiple}")
         if spec.attn_type not in cls.supported_attn_types:

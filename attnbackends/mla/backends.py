@@ -75,13 +75,7 @@ class TritonMLABackend(_MLABackendBase):
     supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
     needs_triton = True
     min_compute_capability = (8, 0)
-
-    @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        reasons = super().not_supported_reasons(spec, device)
-        if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda and device.compute_capability < (8, 9):
-            reasons.append("fp8 e4m3 KV cache needs compute capability >= 8.9 in Triton")
-        return reasons
+    min_compute_capability_fp8_e4m3 = (8, 9)  # Triton converts e4m3 natively from sm_89 on
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMLAMetadataBuilder]:

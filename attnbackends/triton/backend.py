@@ -181,6 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
     block_size_multiple = 16
     kv_cache_16bit_must_match_dtype = True
     min_compute_capability = (8, 0)
+    min_compute_capability_fp8_e4m3 = (8, 9)  # Triton converts e4m3 natively from sm_89 on
     needs_triton = True
     supported_attn_types = frozenset(AttentionType)
     supports_sliding_window = True
@@ -188,13 +189,6 @@ class TritonAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_sinks = True
     cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
-
-    @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        reasons = super().not_supported_reasons(spec, device)
-        if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda and device.compute_capability < (8, 9):
-            reasons.append("fp8 e4m3 KV cache needs compute capability >= 8.9 in Triton")
-        return reasons
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:
