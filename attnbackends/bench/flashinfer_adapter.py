@@ -145,6 +145,7 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
                 inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
                 kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
+                non_blocking=True,
             )
 
         from attnbackends.flashinfer import paged_kv_plan_inputs
@@ -162,9 +163,44 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
     return rows
 
 
+def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) -> None:
+    """Where a step's host time goes: cProfile of ``steps`` build + forward calls per batch size (top functions by
+    own time), and the host time of each piece of the translation."""
+    import cProfile
+    import pstats
+
+    from attnbackends.flashinfer import paged_kv_plan_inputs
+
+    for batch in batch_sizes:
+        common, cache, query = _decode_batch(batch, seq_len)
+        out = torch.empty_like(query)
+        builder = FlashInferMetadataBuilder(SPEC, "cuda")
+        impl = FlashInferBackend.get_impl_cls()(SPEC)
+        impl.forward(query, None, None, cache, builder.build(common), out)
+        c = common
+        pieces = {
+            "translate": lambda: paged_kv_plan_inputs(
+                c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True),
+            "build": lambda: builder.build(common),
+            "build+forward": lambda: impl.forward(query, None, None, cache, builder.build(common), out),
+        }
+        for name, fn in pieces.items():
+            print(f"B={batch} {name}: {_host_us(fn):.1f} us host (median, GPU drained before each)")
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(steps):
+            impl.forward(query, None, None, cache, builder.build(common), out)
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- B={batch}: cProfile of {steps} build+forward steps (times are totals over the steps)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the JSON rows here")
+    parser.add_argument("--profile", action="store_true", help="print where build()'s host time goes, then exit")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -173,6 +209,9 @@ def main(argv=None) -> int:
     if reasons:
         print("flashinfer backend unavailable: " + "; ".join(reasons), file=sys.stderr)
         return 1
+    if args.profile:
+        profile_build()
+        return 0
     rows = adapter_overhead_rows() + build_host_time_rows()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {__import__('flashinfer').__version__}")
     print(f"{'case':<18}{'step':<10}{'B':>5}{'L':>6}{'us':>10}{'peer_us':>10}{'ratio':>8}{'wall_us':>10}{'peer_wall':>10}")

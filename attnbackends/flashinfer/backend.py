@@ -36,6 +36,7 @@ from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
+from .host_ring import HostBufferRing
 from .plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs
 
 __all__ = [
@@ -219,10 +220,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._cascade: Any = None
         self._graph_decode: dict[int, Any] = {}
         self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-        # Two pinned host buffers for the page-table arrays, used in turn; an event recorded after a batch's plans
-        # tells when the copies out of one have run, and a still-busy one is replaced rather than waited for.
-        self._host_ring: list[Optional[tuple[torch.Tensor, Any]]] = [None, None]
-        self._host_turn = 0
+        # Pinned host buffers for the page-table arrays, used in turn (a busy one is replaced, never waited for).
+        self._host_buffers = HostBufferRing(enabled=self._pin)
 
     # -- wrappers, created on first use -------------------------------------------------------------------------
     def _fi(self) -> Any:
@@ -279,23 +278,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         self._graph_decode[batch_size] = wrapper
         return wrapper
-
-    def _take_host_buffer(self, num_rows: int) -> Optional[tuple[int, torch.Tensor]]:
-        """(slot, [4, >= num_rows] pinned int32 buffer) free of pending copies; None off CUDA."""
-        if not self._pin:
-            return None
-        slot = self._host_turn
-        self._host_turn ^= 1
-        entry = self._host_ring[slot]
-        if entry is None or entry[0].shape[1] < num_rows or not entry[1].query():
-            buffer = torch.empty((4, max(num_rows, self.max_num_reqs + 1)), dtype=torch.int32, pin_memory=True)
-            entry = (buffer, torch.cuda.Event())
-            self._host_ring[slot] = entry
-        return slot, entry[0]
-
-    def _release_host_buffer(self, taken: Optional[tuple[int, torch.Tensor]]) -> None:
-        if taken is not None:
-            self._host_ring[taken[0]][1].record()
 
     @property
     def cudagraph_batch_sizes(self) -> list[int]:
@@ -362,19 +344,16 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 fp8_kv_cache=spec.is_fp8_kv_cache,
             )
             if blocks:
-                taken = self._take_host_buffer(num_reqs + 1)
-                self._plan_cascade(common, blocks, meta, None if taken is None else taken[1])
-                self._release_host_buffer(taken)
+                self._host_buffers.release(self._plan_cascade(common, blocks, meta, self._host_buffers.take()))
                 return meta
 
-        taken = self._take_host_buffer(num_reqs + 1)
         inputs = paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
             common.block_table,
             spec.block_size,
             pin_memory=self._pin,
-            host_buffer=None if taken is None else taken[1],
+            host_buffer=self._host_buffers.take(),
         )
         meta.plan_inputs = inputs
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
@@ -408,15 +387,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 **self._plan_kwargs,
             )
             meta.prefill_wrapper = wrapper
-        self._release_host_buffer(taken)
+        self._host_buffers.release(inputs.host_buffer)
         return meta
 
     def _plan_cascade(
         self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata,
         host_buffer: Optional[torch.Tensor],
-    ) -> None:
+    ) -> Optional[torch.Tensor]:
         """Two levels: every query over the shared pages (one pseudo-request, no mask: they are all cached context),
-        then each request over its own remaining pages (causal)."""
+        then each request over its own remaining pages (causal). Returns the host buffer the page table went in."""
         spec = self.spec
         bs = spec.block_size
         unique = paged_kv_plan_inputs(
@@ -448,6 +427,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         meta.cascade_wrapper = wrapper
         meta.cascade_shared_blocks = shared_blocks
+        return unique.host_buffer
 
 
 def _torch_reshape_and_cache(

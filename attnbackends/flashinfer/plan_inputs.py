@@ -1,8 +1,8 @@
 """CommonAttentionMetadata -> the page-table arrays FlashInfer's ``plan()`` takes, in vectorised torch.
 
 Pure functions, no flashinfer import: they run (and are tested) on the CPU. The per-request quantities come from the
-CPU copies (``query_start_loc_cpu``, ``seq_lens_cpu``); only ``paged_kv_indices`` needs the block table, and it is
-gathered on the block table's own device with sizes known on the host, so nothing waits for the GPU.
+CPU copies (``query_start_loc_cpu``, ``seq_lens_cpu``) with numpy; only ``paged_kv_indices`` needs the block table, and
+it is gathered on the block table's own device at positions computed on the host, so nothing waits for the GPU.
 
 FlashInfer's page table ("CSR" layout) for requests ``0..B-1``:
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
-__all__ = ["PagedKVPlanInputs", "paged_kv_plan_inputs", "shared_prefix_blocks"]
+__all__ = ["PagedKVPlanInputs", "paged_kv_plan_inputs", "plan_host_buffer_size", "shared_prefix_blocks"]
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,14 @@ class PagedKVPlanInputs:
     kv_indptr : [B + 1] int32, CPU
     kv_last_page_len : [B] int32, CPU
     kv_indices : [kv_indptr[-1]] int32, on the block table's device
+    host_buffer : the 1-D int32 CPU tensor the host arrays live in (see :func:`paged_kv_plan_inputs`), or None
     """
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_last_page_len: torch.Tensor
     kv_indices: torch.Tensor
+    host_buffer: Optional[torch.Tensor] = None
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +65,11 @@ class PagedKVPlanInputs:
         )
 
 
+def plan_host_buffer_size(num_reqs: int, total_pages: int) -> int:
+    """int32 elements of the host buffer :func:`paged_kv_plan_inputs` needs for a batch."""
+    return 3 * (num_reqs + 1) + total_pages
+
+
 def paged_kv_plan_inputs(
     query_start_loc_cpu: torch.Tensor,
     seq_lens_cpu: torch.Tensor,
@@ -82,80 +90,64 @@ def paged_kv_plan_inputs(
     block_size : tokens per page.
     skip_pages : leave out each request's first ``skip_pages`` pages (the shared prefix that cascade attention
         serves from its own level); every request must keep at least one page.
-    pin_memory : put the host arrays in pinned memory (on CUDA hosts) so plan()'s copies to the GPU are async.
-    host_buffer : [4, >= B + 1] int32 CPU tensor to hold the host arrays (a builder's persistent pinned buffer);
-        the caller must not reuse it while copies from it may be pending. Default: a new one.
+    pin_memory : put the host arrays in pinned memory (on CUDA hosts) so the copies to the GPU are async.
+    host_buffer : a 1-D int32 CPU tensor to hold the host arrays (a builder's persistent pinned buffer), used when
+        it has :func:`plan_host_buffer_size` elements; the caller must not reuse it while copies from it may be
+        pending. Otherwise a new one is allocated; either way the result's ``host_buffer`` names it.
 
     Returns
     -------
     PagedKVPlanInputs
-        ``kv_indices`` is gathered on ``block_table.device`` (one Triton kernel on CUDA); its length is computed on
-        the host, so there is no host-device synchronisation.
+        The host arrays are computed with numpy on the host. ``kv_indices`` is one ``index_select`` of the block
+        table on its own device, with the flat positions computed on the host (and copied to the device,
+        asynchronously from pinned memory): no host-device synchronisation, two device operations.
     """
     num_reqs = seq_lens_cpu.shape[0]
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, the batch has {num_reqs} requests")
-    table = block_table[:num_reqs]
-    seq_lens = seq_lens_cpu if seq_lens_cpu.dtype == torch.int32 else seq_lens_cpu.to(torch.int32)
+    seq_lens = seq_lens_cpu.numpy()
     num_pages = (seq_lens + (block_size - 1)) // block_size  # [B] pages holding each request's tokens
     if skip_pages:
-        num_pages -= skip_pages
-        if num_reqs and int(num_pages.min()) < 1:
+        num_pages = num_pages - skip_pages
+        if num_reqs and num_pages.min() < 1:
             raise ValueError(f"skip_pages={skip_pages} leaves a request without pages")
-
-    # Rows: 0 kv_indptr, 1 index jumps (CPU gather), 2 kv_last_page_len, 3 qo_indptr (when a copy is needed).
-    if host_buffer is None or host_buffer.shape[1] < num_reqs + 1:
-        host_buffer = torch.empty((4, num_reqs + 1), dtype=torch.int32, pin_memory=pin_memory)
-    kv_indptr, last_page_len = host_buffer[0, : num_reqs + 1], host_buffer[2, :num_reqs]
+    total = int(num_pages.sum())
+    needed = plan_host_buffer_size(num_reqs, total)
+    if host_buffer is None or host_buffer.shape[0] < needed:
+        host_buffer = torch.empty(needed + needed // 4, dtype=torch.int32, pin_memory=pin_memory)
+    host = host_buffer.numpy()
+    b = num_reqs + 1
+    kv_indptr, last_page_len, flat = host[:b], host[b : 2 * b - 1], host[3 * b : 3 * b + total]
     kv_indptr[0] = 0
-    torch.cumsum(num_pages, 0, dtype=torch.int32, out=kv_indptr[1:])
-    torch.remainder(seq_lens - 1, block_size, out=last_page_len)
+    np.cumsum(num_pages, out=kv_indptr[1:], dtype=np.int32)
+    np.remainder(seq_lens - 1, block_size, out=last_page_len)
     last_page_len += 1
-    total = int(kv_indptr[num_reqs])
     if query_start_loc_cpu.dtype == torch.int32 and (not pin_memory or query_start_loc_cpu.is_pinned()):
         qo_indptr = query_start_loc_cpu
     else:
-        qo_indptr = host_buffer[3, : num_reqs + 1]
+        qo_indptr = host_buffer[2 * b : 3 * b]
         qo_indptr.copy_(query_start_loc_cpu)
 
+    # Page k of kv_indices belongs to request r (kv_indptr[r] <= k < kv_indptr[r + 1]) and is element
+    # r * row_stride + skip_pages + (k - kv_indptr[r]) of the block table's storage.
+    table = block_table[:num_reqs]
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    row_start = np.arange(0, num_reqs * table.stride(0), table.stride(0), dtype=np.int64) + skip_pages
+    np.add(np.arange(total, dtype=np.int32), np.repeat((row_start - kv_indptr[:-1]).astype(np.int32), num_pages),
+           out=flat)
+    positions = host_buffer[3 * b : 3 * b + total]
     if table.is_cuda:
-        kv_indices = _gather_page_indices_cuda(table, kv_indptr, total, int(num_pages.max()), skip_pages)
-    else:
-        kv_indices = _gather_page_indices_torch(table, kv_indptr, num_pages, host_buffer[1], total, skip_pages)
+        positions = positions.to(table.device, non_blocking=pin_memory)
+    storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
+    kv_indices = storage.index_select(0, positions)
     return PagedKVPlanInputs(
         qo_indptr=qo_indptr,
-        kv_indptr=kv_indptr,
-        kv_last_page_len=last_page_len,
+        kv_indptr=host_buffer[:b],
+        kv_last_page_len=host_buffer[b : 2 * b - 1],
         kv_indices=kv_indices,
+        host_buffer=host_buffer,
     )
-
-
-def _gather_page_indices_torch(
-    table: torch.Tensor, kv_indptr: torch.Tensor, num_pages: torch.Tensor, jumps: torch.Tensor, total: int,
-    skip_pages: int,
-) -> torch.Tensor:
-    """Page k of the concatenated kv_indices belongs to request r (kv_indptr[r] <= k < kv_indptr[r + 1]) and is
-    element flat[k] = k + r * width + skip_pages - kv_indptr[r] of the flattened block table: a running sum of ones
-    that jumps by width - num_pages[r - 1] at request r's first page (skip_pages - 1 at k = 0)."""
-    num_reqs, width = table.shape
-    jumps = jumps[:num_reqs]
-    jumps[:1] = skip_pages - 1
-    torch.sub(width, num_pages[:-1], out=jumps[1:])
-    flat = torch.ones(total, dtype=torch.int32, device=table.device)
-    flat.index_add_(0, kv_indptr[:num_reqs], jumps)
-    return table.reshape(-1).index_select(0, torch.cumsum(flat, 0, dtype=torch.int32))
-
-
-def _gather_page_indices_cuda(
-    table: torch.Tensor, kv_indptr: torch.Tensor, total: int, max_pages: int, skip_pages: int
-) -> torch.Tensor:
-    """One kernel: programs (r, chunk) copy request r's pages into its kv_indptr slice."""
-    from ._gather import gather_page_indices
-
-    kv_indptr_dev = kv_indptr.to(table.device, non_blocking=True)
-    out = torch.empty(total, dtype=torch.int32, device=table.device)
-    gather_page_indices(table, kv_indptr_dev, out, max_pages, skip_pages)
-    return out
 
 
 def shared_prefix_blocks(
