@@ -75,7 +75,9 @@ def flashinfer_decode(cache, block_table, seq_lens, ql, qpe, scale):
     raise RuntimeError("; ".join(errors))
 
 
-DEFAULT_SWEEP = "64,64,8,2;64,64,8,3;64,128,8,1;64,128,8,2;128,32,16,2;128,64,16,2;64,64,16,2;64,32,8,2;32,64,4,2"
+# block_h,block_n,num_warps,num_stages[,use_tma]; H100 2026-11-21 (pointer loads): 64,64,8,2 was fastest.
+DEFAULT_SWEEP = ("64,64,8,2;64,64,8,3;64,128,8,2;64,32,8,2;"
+                 "64,64,8,2,1;64,64,8,3,1;64,64,4,2,1;64,32,8,2,1;64,32,8,3,1;64,32,4,3,1;32,64,4,2,1;128,32,8,2,1")
 
 
 def run_decode(rows, sweep: bool, log, sweep_configs: str = DEFAULT_SWEEP):
@@ -90,7 +92,8 @@ def run_decode(rows, sweep: bool, log, sweep_configs: str = DEFAULT_SWEEP):
         candidates = [(cfg, splits)]
         if sweep:
             for spec_ in sweep_configs.split(";"):
-                c = MLADecodeConfig(*(int(x) for x in spec_.split(",")))
+                fields = [int(x) for x in spec_.split(",")]
+                c = MLADecodeConfig(*fields[:4], use_tma=bool(fields[4]) if len(fields) > 4 else False)
                 for s in (1, 2):
                     if (c, s) not in candidates:
                         candidates.append((c, s))
@@ -123,7 +126,8 @@ def run_decode(rows, sweep: bool, log, sweep_configs: str = DEFAULT_SWEEP):
             rows.append({
                 "case": "mla_decode", "backend": "triton_mla", "peer": "flashinfer_mla",
                 "peer_impl": f"BatchMLAPagedAttentionWrapper(backend={peer_name!r})" if peer_name else None,
-                "config": f"{label}: block_h={c.block_h} block_n={c.block_n} warps={c.num_warps} stages={c.num_stages} splits={s}",
+                "config": f"{label}: block_h={c.block_h} block_n={c.block_n} warps={c.num_warps} stages={c.num_stages} "
+                          f"tma={c.use_tma} splits={s}",
                 "B": batch, "L": seq_len, "H": H, "dtype": "bfloat16", "kv_dtype": "auto",
                 "us": round(us, 2), "peer_us": round(peer_us, 2) if peer_us else None,
                 "ratio": round(us / peer_us, 3) if peer_us else None,
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON file for the result rows")
     parser.add_argument("--sweep", action="store_true", help="also try other decode launch configs and split counts")
     parser.add_argument("--configs", default=DEFAULT_SWEEP,
-                        help="decode configs to sweep: 'block_h,block_n,num_warps,num_stages;...'")
+                        help="decode configs to sweep: 'block_h,block_n,num_warps,num_stages[,use_tma];...'")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

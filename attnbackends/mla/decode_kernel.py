@@ -30,6 +30,7 @@ class MLADecodeConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    use_tma: bool = False  # load whole cache tiles with TMA (see :func:`tma_decode_applies`)
 
 
 def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:
@@ -217,6 +218,174 @@ def _mla_decode_reduce_kernel(
         tl.store(LSE + b * stride_lse_b + h * stride_lse_h, tl.where(total > 0.0, m_safe + tl.log(safe_total), float("-inf")))
 
 
+@triton.jit
+def _online_softmax_step(
+    acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, n_mask, qk_scale_log2, MASKED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One tile of keys: scores over the latent halves and the rope part, then the online-softmax update of the
+    two halves of the accumulator ([BLOCK_H, Lkv / 2] each)."""
+    if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: compute in float32 (q is already)
+        kv0 = kv0.to(tl.float32)
+        kv1 = kv1.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    s = tl.dot(q0, tl.trans(kv0)) + tl.dot(q1, tl.trans(kv1)) + tl.dot(q_pe, tl.trans(k_pe))
+    s = s * qk_scale_log2
+    if MASKED:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(kv0.dtype)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1)
+    return acc0, acc1, l_i, m_new
+
+
+@triton.jit
+def _mla_decode_tma_kernel(
+    Q_NOPE,  # [B, H, KV_LORA] absorbed queries
+    Q_PE,  # [B, H, ROPE]
+    KV_DESC,  # TMA descriptor over the cache as [num_blocks * PAGE_SIZE, KV_LORA + ROPE], block [BLOCK_N, HALF]
+    PE_DESC,  # the same rows, block [BLOCK_N, ROPE]
+    CACHE,  # [num_blocks, PAGE_SIZE, KV_LORA + ROPE] (the last, partial tile is read through pointers)
+    BLOCK_TABLE,  # [B, W] int32
+    SEQ_LENS,  # [B] int32
+    O,  # one split: [B, H, KV_LORA] output; else [B, H, num_splits, KV_LORA] float32 partials
+    LSE,  # one split: [B, H] float32 (optional); else [B, H, num_splits] float32
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    stride_c_blk,
+    stride_c_tok,
+    stride_bt_b,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_lse_b,
+    stride_lse_h,
+    num_heads,
+    num_splits,
+    qk_scale_log2,  # softmax scale * log2(e)
+    KV_LORA: tl.constexpr,
+    HALF: tl.constexpr,  # KV_LORA // 2, a power of two <= 256 (a TMA box side)
+    ROPE: tl.constexpr,  # a power of two
+    PAGE_SIZE: tl.constexpr,  # a multiple of BLOCK_N: every whole tile lies in one page
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """:func:`_mla_decode_kernel` for 16-bit caches with whole tiles loaded by TMA (Hopper's bulk tensor copies,
+    pipelined by the compiler); the accumulator is kept as two halves because a TMA box side is at most 256."""
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_h = tl.arange(0, HALF)
+    offs_r = tl.arange(0, ROPE)
+    q_rows = Q_NOPE + b * stride_qn_b + heads[:, None] * stride_qn_h
+    q0 = tl.load(q_rows + offs_h[None, :], mask=h_mask[:, None], other=0.0)
+    q1 = tl.load(q_rows + HALF + offs_h[None, :], mask=h_mask[:, None], other=0.0)
+    q_pe = tl.load(Q_PE + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_r[None, :], mask=h_mask[:, None],
+                   other=0.0)
+    if INTERPRET:
+        q0 = q0.to(tl.float32)
+        q1 = q1.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    bt_row = BLOCK_TABLE + b * stride_bt_b
+    offs_n = tl.arange(0, BLOCK_N)
+    all_keys = offs_n >= 0
+    if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
+        n0 = start
+        while n0 < full_end:
+            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            acc0, acc1, l_i, m_i = _online_softmax_step(
+                acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
+                PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, INTERPRET)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, full_end, BLOCK_N):
+            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            acc0, acc1, l_i, m_i = _online_softmax_step(
+                acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
+                PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, INTERPRET)
+    if full_end < end:  # the last, partial tile: masked pointer loads (rows past the end may hold anything)
+        n = full_end + offs_n
+        n_mask = n < end
+        page = tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row_ptr = CACHE + page * stride_c_blk + (n % PAGE_SIZE) * stride_c_tok
+        kv0 = tl.load(row_ptr[:, None] + offs_h[None, :], mask=n_mask[:, None], other=0.0)
+        kv1 = tl.load(row_ptr[:, None] + HALF + offs_h[None, :], mask=n_mask[:, None], other=0.0)
+        k_pe = tl.load(row_ptr[:, None] + KV_LORA + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+        acc0, acc1, l_i, m_i = _online_softmax_step(
+            acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, n_mask, qk_scale_log2, True, INTERPRET)
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    inv = tl.where(has_keys, 1.0 / l_safe, 0.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_h[None, :]
+    tl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(o_ptr + HALF, (acc1 * inv).to(O.dtype.element_ty), mask=h_mask[:, None])
+    if STORE_LSE:
+        tl.store(LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=h_mask)
+
+
+def tma_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, config: MLADecodeConfig) -> bool:
+    """Whether the TMA kernel can serve these inputs: asked for, a 16-bit cache whose pages are contiguous rows of
+    Lkv + R elements, page size a multiple of the tile, Lkv / 2 and R powers of two that fit a TMA box (<= 256),
+    and (on a GPU) compute capability 9.0 or newer."""
+    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
+    half = kv_lora // 2
+    page = kv_cache.shape[1]
+    if not config.use_tma or kv_cache.dtype not in (torch.float16, torch.bfloat16) or kv_lora % 2:
+        return False
+    if half & (half - 1) or rope & (rope - 1) or half > 256 or rope > 256 or page % config.block_n:
+        return False
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != kv_lora + rope or kv_cache.stride(0) != page * (kv_lora + rope):
+        return False
+    if kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+        return False
+    return q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
+
+
+def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_o_s, num_splits, qk_scale_log2,
+                config: MLADecodeConfig, grid) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, page, width = kv_cache.shape
+    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
+    rows = kv_cache.view(num_blocks * page, width)
+    kv_desc = TensorDescriptor.from_tensor(rows, [config.block_n, kv_lora // 2])
+    pe_desc = TensorDescriptor.from_tensor(rows, [config.block_n, rope])
+    _mla_decode_tma_kernel[grid](
+        q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, out, lse if lse is not None else seq_lens,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), stride_o_s,
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        q_nope.shape[1], num_splits, qk_scale_log2,
+        KV_LORA=kv_lora, HALF=kv_lora // 2, ROPE=rope, PAGE_SIZE=page, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        STORE_LSE=lse is not None, INTERPRET=not q_nope.is_cuda,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -276,7 +445,11 @@ def mla_decode(
     )
     qk_scale_log2 = scale * _LOG2E * (k_scale if is_fp8 else 1.0)
     v_scale = k_scale if is_fp8 else 1.0
+    use_tma = tma_decode_applies(q_nope, q_pe, kv_cache, config)
     if num_splits == 1:
+        if use_tma:
+            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse, 0, 1, qk_scale_log2, config, grid)
+            return output
         lse_t = lse if lse is not None else seq_lens
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse_t,
@@ -294,16 +467,20 @@ def mla_decode(
         lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
     else:
         o_part, lse_part = partials
-    _mla_decode_kernel[grid](
-        q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        num_heads, num_splits, qk_scale_log2, v_scale,
-        STORE_LSE=True,
-        **common,
-    )
+    if use_tma:
+        _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part, o_part.stride(2), num_splits,
+                    qk_scale_log2, config, grid)
+    else:
+        _mla_decode_kernel[grid](
+            q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            num_heads, num_splits, qk_scale_log2, v_scale,
+            STORE_LSE=True,
+            **common,
+        )
     _mla_decode_reduce_kernel[(batch, num_heads)](
         o_part, lse_part, output, lse if lse is not None else lse_part,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -163,6 +163,38 @@ def test_decode_kernel_matches_torch(num_splits, cache_dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tma_decode_kernel_matches_torch_with_poisoned_tails(num_splits):
+    """The TMA kernel (whole tiles by tensor descriptor, the partial last tile by masked loads): every cache row
+    that no request owns, including the rows past each request's end in its last page, is NaN."""
+    from attnbackends.mla.decode_kernel import tma_decode_applies
+
+    g = torch.Generator().manual_seed(11)
+    B, H, L, R, bs = 3, 5, 64, 16, 32
+    seq_lens = torch.tensor([1, 64, 75], dtype=torch.int32)  # a lone key, whole pages, a partial tile
+    table = torch.randperm(12, generator=g)[: 3 * 3].view(3, 3).int()
+    cache = torch.full((12, bs, L + R), float("nan")).bfloat16()
+    for i, n in enumerate(seq_lens.tolist()):
+        rows = cache[table[i].long()].view(-1, L + R)
+        rows[:n] = (torch.randn(n, L + R, generator=g) * 3).bfloat16()
+        cache[table[i].long()] = rows.view(-1, bs, L + R)
+    ql = torch.randn(B, H, L, generator=g).bfloat16()
+    qpe = torch.randn(B, H, R, generator=g).bfloat16()
+    config = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, use_tma=True)
+    assert tma_decode_applies(ql, qpe, cache, config)
+    lse = torch.full((B, H), float("nan"))
+    out = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16)
+    mla_decode(ql, qpe, cache, table, seq_lens, out, scale=0.1, num_splits=num_splits, lse=lse, config=config)
+    want = torch.empty(B, H, L, dtype=torch.float32)
+    mla_decode_torch(ql, qpe, cache, table, seq_lens, want, scale=0.1)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    for i, n in enumerate(seq_lens.tolist()):  # the natural-log LSE of the scaled scores
+        latent = cache[table[i].long()].view(-1, L + R)[:n].float()
+        scores = torch.cat([ql[i], qpe[i]], -1).float() @ latent.T * 0.1
+        torch.testing.assert_close(lse[i], torch.logsumexp(scores, -1), atol=1e-3, rtol=1e-3)
+
+
+@needs_triton
 def test_triton_ragged_prefill_matches_torch_with_empty_requests():
     g = torch.Generator().manual_seed(8)
     H, Dqk, Dv = 3, 24, 16  # 24 = 16 + 8: the split qk head path

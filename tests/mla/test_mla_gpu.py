@@ -2,13 +2,15 @@
 (triton_mla, flashinfer_mla) and prefill kernel (flash_attn, flashinfer, triton, sdpa) against the float64 oracle,
 fp8 latent cache included. Run with `pytest -m gpu` on the GPU host."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from attnbackends import DeviceInfo
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend
 from attnbackends.mla.cache import concat_and_cache_mla, concat_and_cache_mla_torch
-from attnbackends.mla.decode_kernel import mla_decode, mla_decode_torch
+from attnbackends.mla.decode_kernel import default_decode_config, mla_decode, mla_decode_torch, tma_decode_applies
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.mla.reference import ReferenceMLABackend
 from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
@@ -77,7 +79,8 @@ def test_reference_mla_on_gpu(batches, oracles):
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma"])
+def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype, tma):
     g = torch.Generator().manual_seed(12)
     seq_lens = torch.tensor([1, 64, 65, 777, 4100], dtype=torch.int32)
     pages = (seq_lens + 63) // 64
@@ -91,8 +94,11 @@ def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype):
     k_scale = 0.1 if cache_dtype == torch.float8_e4m3fn else 1.0
     ql = torch.randn(5, num_heads, 512, generator=g).bfloat16().cuda()
     qpe = torch.randn(5, num_heads, 64, generator=g).bfloat16().cuda()
-    out = torch.empty(5, num_heads, 512, dtype=torch.bfloat16, device="cuda")
-    mla_decode(ql, qpe, cache, block_table.cuda(), seq_lens.cuda(), out, scale=0.0722, k_scale=k_scale, num_splits=num_splits)
+    out = torch.full((5, num_heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    config = dataclasses.replace(default_decode_config(num_heads), use_tma=tma)
+    assert tma_decode_applies(ql, qpe, cache, config) == (tma and cache_dtype == torch.bfloat16)
+    mla_decode(ql, qpe, cache, block_table.cuda(), seq_lens.cuda(), out, scale=0.0722, k_scale=k_scale,
+               num_splits=num_splits, config=config)
     want = torch.empty(5, num_heads, 512, dtype=torch.float32, device="cuda")
     mla_decode_torch(ql, qpe, cache, block_table.cuda(), seq_lens, want, scale=0.0722, k_scale=k_scale)
     torch.testing.assert_close(out.float(), want, atol=3e-2 * k_scale * 10, rtol=3e-2)
