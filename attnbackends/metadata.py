@@ -44,6 +44,9 @@ class CommonAttentionMetadata:
     common_prefix_len : int
         Tokens at the start of every request that share the same pages (from the engine's prefix cache); 0 when
         unknown. Backends may use it for cascade attention.
+    block_table_cpu : torch.Tensor or None
+        Optional host copy of ``block_table`` (engines usually keep one). When given it must hold the same values;
+        backends that plan on the host (FlashInfer) then read page ids from it instead of gathering on the device.
     """
 
     query_start_loc: torch.Tensor
@@ -58,6 +61,7 @@ class CommonAttentionMetadata:
     max_seq_len: int
     causal: bool = True
     common_prefix_len: int = 0
+    block_table_cpu: Optional[torch.Tensor] = None
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -150,6 +154,7 @@ def build_common_metadata(
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         causal=causal,
+        block_table_cpu=table,
     )
 
 
@@ -233,3 +238,10 @@ def validate_common_metadata(common: CommonAttentionMetadata, num_blocks: Option
             if out.numel():
                 i, j = (int(v) for v in out[0])
                 raise ValueError(f"block_table[{i}, {j}] = {int(table[i, j])} is outside [0, {num_blocks})")
+        if common.block_table_cpu is not None:
+            needed = int(pages.max())
+            host = common.block_table_cpu[: common.num_reqs, :needed]
+            dev = common.block_table[: common.num_reqs, :needed].cpu()
+            used = torch.arange(needed)[None, :] < pages[:, None]
+            if host.shape != dev.shape or not torch.equal(host[used], dev[used]):
+                raise ValueError("block_table_cpu does not hold the page ids of block_table (a stale host copy?)")

@@ -84,7 +84,7 @@ def test_fullgraph_inductor_compile_with_triton_matches_eager():
         b.kv_cache.copy_(a.kv_cache)
     compiled = torch.compile(compiled_src, fullgraph=True, backend="inductor")
     builder = TritonAttentionBackend.get_builder_cls()(spec, device)
-    steps = [([5, 30], [0, 0], [[0, 1], [2, 3]]), ([1, 1], [5, 30], [[0, 1], [2, 3]]), ([17, 1], [0, 31], [[4, 5], [2, 3, 6]])]
+    steps = [([5, 30], [0, 0], [[0, 1], [2, 3]]), ([1, 1], [5, 30], [[0, 1], [2, 3]]), ([1, 17], [31, 0], [[2, 3, 6], [4, 5]])]
     for step, (query_lens, context_lens, tables) in enumerate(steps):
         common = build_common_metadata(query_lens, context_lens, tables, 16, device)
         x = torch.randn(sum(query_lens), spec.num_heads * spec.head_size, device=device, dtype=torch.bfloat16,

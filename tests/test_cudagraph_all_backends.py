@@ -49,7 +49,7 @@ def _widen(common):
     """The batch's common metadata with a fixed-width block table (the captured buffer's shape)."""
     table = torch.zeros(common.num_reqs, WIDTH, dtype=common.block_table.dtype, device=common.block_table.device)
     table[:, : common.block_table.shape[1]] = common.block_table
-    return dataclasses.replace(common, block_table=table)
+    return dataclasses.replace(common, block_table=table, block_table_cpu=table.cpu())
 
 
 @pytest.mark.parametrize("spec_name", list(SPECS))

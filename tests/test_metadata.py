@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,6 +48,15 @@ def test_decode_first_order_and_split():
     unordered = build_common_metadata(query_lens, [3] * 5, [[i, 10 + i, 20 + i] for i in range(5)], block_size=8)
     with pytest.raises(ValueError, match="decodes first"):
         split_decodes_and_prefills(unordered)
+
+
+def test_validate_common_metadata_rejects_a_stale_host_block_table():
+    common = build_common_metadata([1, 2], [3, 0], [[0], [1]], block_size=4, device="cpu")
+    common = dataclasses.replace(common, block_table=common.block_table.clone())
+    validate_common_metadata(common, num_blocks=2, block_size=4)
+    common.block_table[1, 0] = 0  # the device table moved on, the host copy did not
+    with pytest.raises(ValueError, match="block_table_cpu does not hold the page ids of block_table"):
+        validate_common_metadata(common, num_blocks=2, block_size=4)
 
 
 def test_validate_common_metadata_names_tensor_and_index():

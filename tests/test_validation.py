@@ -77,7 +77,7 @@ def test_checked_once_outside_debug_and_every_call_in_debug(backend):
 def _with_table(common, i, j, value):
     table = common.block_table.clone()
     table[i, j] = value
-    return dataclasses.replace(common, block_table=table)
+    return dataclasses.replace(common, block_table=table, block_table_cpu=table.cpu())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -137,6 +137,6 @@ def test_mla_first_forward_rejects_bad_tensors_and_debug_checks_block_table():
     debug_builder = TritonMLABackend.get_builder_cls()(spec, "cpu", debug=True)
     table = batch.common.block_table.clone()
     table[0, 0] = batch.kv_cache.shape[0] + 7
-    bad = debug_builder.build(dataclasses.replace(batch.common, block_table=table))
+    bad = debug_builder.build(dataclasses.replace(batch.common, block_table=table, block_table_cpu=table.cpu()))
     with pytest.raises(ValueError, match=r"block_table\[0, 0\] = \d+ is outside"):
         impl.forward(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache.clone(), bad, batch.new_output())

@@ -26,10 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
-from attnbackends.flashinfer import FlashInferBackend, FlashInferMetadataBuilder  # noqa: E402
+from attnbackends import AttentionSpec, build_common_metadata
+from attnbackends.flashinfer import FlashInferBackend, FlashInferMetadataBuilder
 
 SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
 
@@ -83,13 +81,14 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         meta = builder.build(common)
         inputs = meta.plan_inputs
+        raw_indices = inputs.kv_indices.to("cuda")  # the raw side gets its page ids on the device, ready
         raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
         )
 
         def raw_plan():
             raw.plan(
-                inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                inputs.kv_indptr, raw_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16,
                 sm_scale=SPEC.softmax_scale, non_blocking=True,
@@ -136,13 +135,14 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
         common, _, _ = _decode_batch(batch, seq_len)
         builder = FlashInferMetadataBuilder(SPEC, "cuda")
         inputs = builder.build(common).plan_inputs
+        raw_indices = inputs.kv_indices.to("cuda")
         raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
         )
 
         def raw_plan():
             raw.plan(
-                inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                inputs.kv_indptr, raw_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
                 kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
                 non_blocking=True,
@@ -151,8 +151,10 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
         from attnbackends.flashinfer import paged_kv_plan_inputs
 
         c = common
+        staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
         translate = _host_us(lambda: paged_kv_plan_inputs(
-            c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True))
+            c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
+            host_buffer=staging, block_table_cpu=c.block_table_cpu))
         build = _host_us(lambda: builder.build(common))
         plan = _host_us(raw_plan)
         rows.append({
@@ -178,9 +180,14 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         impl.forward(query, None, None, cache, builder.build(common), out)
         c = common
+        staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
         pieces = {
-            "translate": lambda: paged_kv_plan_inputs(
-                c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True),
+            "translate (host gather)": lambda: paged_kv_plan_inputs(
+                c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
+                host_buffer=staging, block_table_cpu=c.block_table_cpu),
+            "translate (device gather)": lambda: paged_kv_plan_inputs(
+                c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
+                host_buffer=staging),
             "build": lambda: builder.build(common),
             "build+forward": lambda: impl.forward(query, None, None, cache, builder.build(common), out),
         }

@@ -21,6 +21,7 @@ from .hf_llama import HFLlamaModel
 
 __all__ = [
     "HF_MODEL_KINDS",
+    "MARGIN_SUCCESSOR_LOGIT",
     "HFComparison",
     "build_hf_model",
     "compare_with_transformers",
@@ -29,12 +30,35 @@ __all__ = [
 ]
 
 HF_MODEL_KINDS = ("llama", "deepseek")
+# successor_logit of the wide-margin model (build_hf_model). Measured on the GPU test configs (hidden 256, vocab
+# 256, prompts of 1..250 tokens, 16 greedy steps, seeds 0-4, CPU bf16 as the proxy for GPU bf16): top logits ~30-60,
+# smallest top-2 margin 7-19 (median ~30) against bf16 logit errors <= 0.4, so every token equal between bf16 and
+# float32; the random part of the logits keeps std ~4 (top ~11), and a context change moves a token's logits by ~12.
+MARGIN_SUCCESSOR_LOGIT = 48.0
 
 
-def build_hf_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: "torch.device | str" = "cpu", **config_overrides) -> nn.Module:
+def build_hf_model(
+    kind: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: "torch.device | str" = "cpu",
+    *,
+    successor_logit: float = 0.0,
+    **config_overrides,
+) -> nn.Module:
     """A small transformers model with seeded random weights (see :func:`~attnbackends.engine.hf_common.seed_weights`).
 
     kind : "llama" (``LlamaForCausalLM``) or "deepseek" (``DeepseekV3ForCausalLM``, MLA + MoE).
+    successor_logit : 0 for the plain random model, whose greedy choices are often near-ties that bf16 rounding
+        decides. ``MARGIN_SUCCESSOR_LOGIT`` gives the wide-margin model: the same weights plus a seeded successor
+        bigram in the LM head that wins each greedy step by many bf16 rounding steps, so bf16 runs give the same
+        tokens as float32 ones. On it, identical tokens rule out gross errors only (the choice is the successor
+        of the current token whatever attention returns); the logit tolerance is what checks attention, whose
+        context-dependent contribution still moves every logit. Other discrete choices in the model keep their
+        near-ties: DeepSeek's MoE router picks a group of experts per token, and where two groups nearly tie bf16
+        rounding can flip the pick, which moves that position's logits by several units (tokens unchanged on this
+        model); routing every token to every expert (``n_group=1, topk_group=1, num_experts_per_tok=`` the number
+        of experts) removes that choice.
     config_overrides : fields of the config (e.g. ``num_hidden_layers=4``).
     """
     from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM
@@ -48,7 +72,7 @@ def build_hf_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     config._attn_implementation = "eager"  # the plainest transformers attention is the judge
     torch.manual_seed(seed)
     model = cls(config)
-    seed_weights(model, seed)
+    seed_weights(model, seed, successor_logit=successor_logit)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -99,6 +123,9 @@ class HFComparison:
     # Per prompt that diverges: how far transformers' own logits put the engine's token below its choice there.
     # A divergence with a margin below the logit error is a near-tie that rounding decided, not a wrong token.
     mismatch_margins: list[float]
+    # The smallest gap between transformers' top two logits over the same steps as max_logit_diff: with
+    # max_logit_diff, how close the run came to a greedy choice that rounding could flip.
+    min_top2_margin: float
     engine: GenerationResult
     reference_tokens: list[list[int]]
     transformers_seconds: float
@@ -114,7 +141,8 @@ class HFComparison:
         return (
             f"{self.model} on {self.device} ({self.dtype}), backend {self.backend}: {self.tokens_identical}/"
             f"{self.tokens_compared} tokens identical to transformers' generate over {self.num_prompts} prompts; "
-            f"max |logit diff| {self.max_logit_diff:.3g} (logits up to {self.max_abs_logit:.3g}){ties}"
+            f"max |logit diff| {self.max_logit_diff:.3g} (logits up to {self.max_abs_logit:.3g}), smallest top-2 margin "
+            f"{self.min_top2_margin:.3g}{ties}"
         )
 
 
@@ -142,6 +170,7 @@ def compare_with_transformers(
     compared = identical = 0
     first = None
     worst = scale = 0.0
+    min_margin = float("inf")
     margins: list[float] = []
     for i, (ours, theirs, our_logits, their_logits) in enumerate(zip(result.tokens, ref_tokens, result.logits, ref_logits)):
         compared += len(theirs)
@@ -156,6 +185,9 @@ def compare_with_transformers(
         n = min(same + 1, len(theirs), len(ours))  # the first differing step still saw the same context
         worst = max(worst, float((our_logits[:n] - their_logits[:n]).abs().max()))
         scale = max(scale, float(their_logits[:n].abs().max()))
+        if n:
+            top2 = their_logits[:n].topk(2, dim=-1).values
+            min_margin = min(min_margin, float((top2[:, 0] - top2[:, 1]).min()))
     return HFComparison(
         model=model_name or hf_model.config.model_type,
         backend=result.backend,
@@ -168,6 +200,7 @@ def compare_with_transformers(
         max_logit_diff=worst,
         max_abs_logit=scale,
         mismatch_margins=margins,
+        min_top2_margin=min_margin,
         engine=result,
         reference_tokens=ref_tokens,
         transformers_seconds=hf_seconds,

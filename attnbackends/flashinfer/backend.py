@@ -354,6 +354,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             spec.block_size,
             pin_memory=self._pin,
             host_buffer=self._host_buffers.take(),
+            # A graph plan copies host page ids synchronously: gather those on the device instead.
+            block_table_cpu=common.block_table_cpu if graph_wrapper is None else None,
         )
         meta.plan_inputs = inputs
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
@@ -368,6 +370,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 pos_encoding_mode="NONE",
                 o_data_type=spec.torch_dtype,
                 non_blocking=True,
+                seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
                 **self._plan_kwargs,
             )
             meta.decode_wrapper = wrapper
@@ -384,6 +387,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 pos_encoding_mode="NONE",
                 o_data_type=spec.torch_dtype,
                 non_blocking=True,
+                seq_lens=common.seq_lens_cpu[num_decodes:num_reqs],
                 **self._plan_kwargs,
             )
             meta.prefill_wrapper = wrapper
@@ -406,6 +410,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             skip_pages=shared_blocks,
             pin_memory=self._pin,
             host_buffer=host_buffer,
+            block_table_cpu=common.block_table_cpu,
         )
         top_qo = torch.tensor([0, common.num_actual_tokens], dtype=torch.int32)
         top_kv = torch.tensor([0, shared_blocks], dtype=torch.int32)

@@ -67,7 +67,7 @@ class PagedKVPlanInputs:
 
 def plan_host_buffer_size(num_reqs: int, total_pages: int) -> int:
     """int32 elements of the host buffer :func:`paged_kv_plan_inputs` needs for a batch."""
-    return 3 * (num_reqs + 1) + total_pages
+    return 3 * (num_reqs + 1) + 2 * total_pages
 
 
 def paged_kv_plan_inputs(
@@ -79,6 +79,7 @@ def paged_kv_plan_inputs(
     skip_pages: int = 0,
     pin_memory: bool = False,
     host_buffer: Optional[torch.Tensor] = None,
+    block_table_cpu: Optional[torch.Tensor] = None,
 ) -> PagedKVPlanInputs:
     """FlashInfer's page-table arrays for a batch.
 
@@ -94,13 +95,15 @@ def paged_kv_plan_inputs(
     host_buffer : a 1-D int32 CPU tensor to hold the host arrays (a builder's persistent pinned buffer), used when
         it has :func:`plan_host_buffer_size` elements; the caller must not reuse it while copies from it may be
         pending. Otherwise a new one is allocated; either way the result's ``host_buffer`` names it.
+    block_table_cpu : optional host copy of ``block_table`` (same values; see CommonAttentionMetadata).
 
     Returns
     -------
     PagedKVPlanInputs
-        The host arrays are computed with numpy on the host. ``kv_indices`` is one ``index_select`` of the block
-        table on its own device, with the flat positions computed on the host (and copied to the device,
-        asynchronously from pinned memory): no host-device synchronisation, two device operations.
+        The host arrays are computed with numpy. ``kv_indices`` is gathered on the host when the block table is
+        there (``block_table_cpu``, or a CPU ``block_table``): a host array that FlashInfer's ``plan()`` copies to
+        the GPU with its other arrays. Otherwise it is one ``index_select`` of the block table on its device at
+        positions computed on the host (copied asynchronously from pinned memory). No host-device synchronisation.
     """
     num_reqs = seq_lens_cpu.shape[0]
     if block_table.shape[0] < num_reqs:
@@ -122,25 +125,28 @@ def paged_kv_plan_inputs(
     np.cumsum(num_pages, out=kv_indptr[1:], dtype=np.int32)
     np.remainder(seq_lens - 1, block_size, out=last_page_len)
     last_page_len += 1
-    if query_start_loc_cpu.dtype == torch.int32 and (not pin_memory or query_start_loc_cpu.is_pinned()):
-        qo_indptr = query_start_loc_cpu
-    else:
-        qo_indptr = host_buffer[2 * b : 3 * b]
-        qo_indptr.copy_(query_start_loc_cpu)
+    qo_indptr = host_buffer[2 * b : 3 * b]
+    host[2 * b : 3 * b] = query_start_loc_cpu.numpy()
 
     # Page k of kv_indices belongs to request r (kv_indptr[r] <= k < kv_indptr[r + 1]) and is element
     # r * row_stride + skip_pages + (k - kv_indptr[r]) of the block table's storage.
-    table = block_table[:num_reqs]
-    if table.stride(-1) != 1:
-        table = table.contiguous()
+    if block_table_cpu is None and not block_table.is_cuda:
+        block_table_cpu = block_table
+    table = block_table[:num_reqs] if block_table_cpu is None else block_table_cpu[:num_reqs]
+    if table.stride(-1) != 1 or table.dtype != torch.int32:
+        table = table.to(torch.int32).contiguous()
     row_start = np.arange(0, num_reqs * table.stride(0), table.stride(0), dtype=np.int64) + skip_pages
     np.add(np.arange(total, dtype=np.int32), np.repeat((row_start - kv_indptr[:-1]).astype(np.int32), num_pages),
            out=flat)
-    positions = host_buffer[3 * b : 3 * b + total]
-    if table.is_cuda:
-        positions = positions.to(table.device, non_blocking=pin_memory)
-    storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
-    kv_indices = storage.index_select(0, positions)
+    if block_table_cpu is not None:  # gather on the host, into the pinned buffer that plan() copies from
+        gathered = host_buffer[3 * b + total : 3 * b + 2 * total]
+        storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
+        np.take(storage.numpy(), flat, out=gathered.numpy())
+        kv_indices = gathered
+    else:
+        positions = host_buffer[3 * b : 3 * b + total].to(table.device, non_blocking=pin_memory)
+        storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
+        kv_indices = storage.index_select(0, positions)
     return PagedKVPlanInputs(
         qo_indptr=qo_indptr,
         kv_indptr=host_buffer[:b],

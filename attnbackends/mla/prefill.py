@@ -9,6 +9,8 @@ then ``out, lse = kernel.run(handle, q, k, v)`` per layer; lse is [H, T] float32
 
 from __future__ import annotations
 
+import importlib.util
+
 import logging
 import math
 from dataclasses import dataclass
@@ -225,14 +227,13 @@ _CLASSES = {"flash_attn": FlashAttnPrefill, "flashinfer": FlashInferPrefill, "tr
 
 
 def _flash_attn_cute_available() -> bool:
-    if not package_available("flash_attn"):
-        return False
+    """Whether flash-attn 4's ``flash_attn.cute`` is installed. Its wheel ships ``flash_attn`` as a namespace package
+    (no ``flash_attn/__init__.py``), so the test is on the ``cute`` subpackage, which must be a real module."""
     try:
-        import importlib.util
-
-        return importlib.util.find_spec("flash_attn.cute") is not None
+        spec = importlib.util.find_spec("flash_attn.cute")
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 # (qk head, v head) pairs the library kernels are built for; other MLA sizes (small test models) use Triton/SDPA.

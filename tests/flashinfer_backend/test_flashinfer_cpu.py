@@ -157,13 +157,16 @@ class _FakeWrapper:
 
     def _plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
               *, causal, window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type="float16",
-              kv_data_type=None, o_data_type=None, pos_encoding_mode="NONE", non_blocking=True):
+              kv_data_type=None, o_data_type=None, pos_encoding_mode="NONE", non_blocking=True, seq_lens=None):
         for name, t in (("qo_indptr", qo_indptr), ("indptr", indptr), ("last_page_len", last_page_len)):
             assert t.device.type == "cpu" and t.dtype == torch.int32, name  # host arrays: no sync in plan
         assert indices.dtype == torch.int32
         assert pos_encoding_mode == "NONE"
         batch = len(last_page_len)
         assert len(indptr) == batch + 1 and len(qo_indptr) == batch + 1 and int(indptr[-1]) == len(indices)
+        if seq_lens is not None:  # FlashInfer takes the KV lengths instead of deriving them: they must agree
+            derived = (indptr[1:] - indptr[:-1] - 1) * page_size + last_page_len
+            assert seq_lens.tolist() == derived.tolist(), (seq_lens, derived)
         if self.use_cuda_graph:
             if batch != self.fixed_batch_size:
                 raise ValueError("The batch size should be fixed in cudagraph mode")

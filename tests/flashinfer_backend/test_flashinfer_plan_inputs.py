@@ -183,30 +183,3 @@ def test_cascade_policy_thresholds():
         CascadePolicy(min_requests=1)
     with pytest.raises(ValueError, match="min_saved_fraction"):
         CascadePolicy(min_saved_fraction=1.5)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_triton_gather_matches_torch(seed):
-    """The CUDA path's Triton gather (interpreted on the CPU) against the torch gather."""
-    import os
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    from attnbackends.flashinfer._gather import gather_page_indices
-
-    rng = random.Random(seed)
-    bs, num_reqs = 16, rng.randint(1, 6)
-    query_lens = [rng.randint(1, 5) for _ in range(num_reqs)]
-    context_lens = [rng.randint(0, 9000) for _ in range(num_reqs)]  # > 256 pages: several chunks per request
-    pages = [-(-(q + c) // bs) for q, c in zip(query_lens, context_lens)]
-    pool = rng.sample(range(5000), sum(pages))
-    tables, at = [], 0
-    for n in pages:
-        tables.append(pool[at : at + n])
-        at += n
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    common = build_common_metadata(query_lens, context_lens, tables, bs, device)
-    want = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table.cpu(), bs)
-    out = torch.full((want.kv_indices.numel(),), -1, dtype=torch.int32, device=device)
-    gather_page_indices(common.block_table, want.kv_indptr.to(device), out, max(pages), skip_pages=0)
-    assert out.cpu().tolist() == want.kv_indices.tolist()
