@@ -14,8 +14,9 @@ mkdir -p "$outdir"
 log="$outdir/sanitize-$(date +%Y-%m-%d).log"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 set +e
+# SANITIZE_TESTS / SANITIZE_K narrow the run (memcheck slows kernels by 10-100x).
 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 50 \
-    python3 -m pytest -m gpu tests/triton_backend -q -x -p no:cacheprovider 2>&1 | tee "$log"
+    python3 -m pytest -m gpu ${SANITIZE_TESTS:-tests/triton_backend} ${SANITIZE_K:+-k "$SANITIZE_K"} -q -x -p no:cacheprovider 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 echo "---- summary ----"

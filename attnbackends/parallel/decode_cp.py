@@ -227,7 +227,7 @@ def exchange_and_merge(
                              torch.zeros_like(lse))  # [H, T]
         w = weight.transpose(0, 1)[..., None]  # [T, H, 1]
         # where(), not a multiply: a rank's unused partial may hold anything (NaN included).
-        merged = torch.where(w > 0, out.float() * w, torch.zeros((), device=out.device))
+        merged = torch.where(w > 0, out.float() * w, torch.zeros((), device=out.device)).contiguous()  # NCCL needs it
         dist.all_reduce(merged, group=group)
     else:
         raise ValueError(f"method must be 'all_gather' or 'all_reduce', got {method!r}")
