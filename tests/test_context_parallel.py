@@ -324,3 +324,41 @@ def test_unified_attention_return_lse(num_kv_splits):
         torch.testing.assert_close(out[i], o[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse[:, i], l[:, 0], atol=1e-4, rtol=1e-4)
     assert (out[1] == 0).all() and torch.isinf(lse[:, 1]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_flashinfer_local_partials_merge_exactly(kv_cache_dtype):
+    """FlashInfer's decode wrapper as the local kernel, two ranks simulated in one process (one rank holds no key
+    of the shortest request): each partial and its natural-log LSE equal the reference local path's, and the merge
+    equals single-rank attention."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from attnbackends import DeviceInfo
+    from attnbackends.flashinfer import FlashInferBackend
+    from attnbackends.parallel.decode_cp import local_decode_attention
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=128, dtype="bfloat16", block_size=16,
+                         kv_cache_dtype=kv_cache_dtype)
+    reasons = FlashInferBackend.not_supported_reasons(spec, DeviceInfo.current())
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    scales = dict(k_scale=0.05, v_scale=0.08) if spec.is_fp8_kv_cache else {}
+    batch = make_random_batch(spec, [SequenceShape(1, c) for c in (5, 40, 300, 1000)], seed=5, device="cuda",
+                              fp8_scales=(scales["k_scale"], scales["v_scale"]) if scales else None)
+    cache = batch.kv_cache
+    common = batch.common
+    full, full_lse = local_decode_attention(batch.query, cache, common, spec, impl="reference", **scales)
+    outs, lses = [], []
+    for rank in range(2):
+        local = build_local_metadata(common, ContextParallelLayout(2, rank, spec.block_size))
+        out, lse = local_decode_attention(batch.query, cache, local, spec, impl="flashinfer", **scales)
+        ref_out, ref_lse = local_decode_attention(batch.query, cache, local, spec, impl="reference", **scales)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+        outs.append(out)
+        lses.append(lse)
+    assert torch.isinf(lses[1][:, 0]).all()  # rank 1 holds no key of the 6-token request
+    merged, merged_lse = merge_attn_states_n(outs, lses)
+    torch.testing.assert_close(merged, full, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(merged_lse, full_lse, atol=2e-2, rtol=1e-3)

@@ -93,7 +93,7 @@ def local_decode_attention(
     local_common: CommonAttentionMetadata,
     spec: AttentionSpec,
     *,
-    impl: Literal["reference", "triton"] = "reference",
+    impl: Literal["reference", "triton", "flashinfer"] = "reference",
     k_scale: "float | torch.Tensor" = 1.0,
     v_scale: "float | torch.Tensor" = 1.0,
     out: Optional[torch.Tensor] = None,
@@ -108,7 +108,8 @@ def local_decode_attention(
     query : [T, H, D] the decode queries (the same on every rank).
     kv_cache : [num_blocks, 2, block_size, Hkv, D] this rank's cache.
     local_common : from :func:`build_local_metadata` (local seq_lens, may be 0).
-    impl : "reference" (torch loop, any device) or "triton" (``unified_attention(return_lse=...)``).
+    impl : "reference" (torch loop, any device), "triton" (``unified_attention(return_lse=...)``) or "flashinfer"
+        (``BatchDecodeWithPagedKVCacheWrapper.run(return_lse=True)`` over the requests this rank holds keys of).
     out : [T, H, D] float32 or the query dtype, optional; lse : [H, T] float32, optional.
 
     Returns
@@ -132,9 +133,53 @@ def local_decode_attention(
             causal=False, logits_soft_cap=spec.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
             num_decodes=local_common.num_reqs, return_lse=lse,
         )
+    elif impl == "flashinfer":
+        _local_flashinfer(query, kv_cache, local_common, spec, k_scale, v_scale, out, lse)
     else:
-        raise ValueError(f"impl must be 'reference' or 'triton', got {impl!r}")
+        raise ValueError(f"impl must be 'reference', 'triton' or 'flashinfer', got {impl!r}")
     return out, lse
+
+
+_FLASHINFER_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+_LN2 = 0.6931471805599453
+
+
+def _local_flashinfer(query, kv_cache, common, spec, k_scale, v_scale, out, lse) -> None:
+    """FlashInfer's decode wrapper over the requests with local keys (it cannot plan empty ones); the others get
+    output 0 and lse -inf. FlashInfer's LSE is base 2 (its kernels work in exp2): converted to natural log.
+    Planned per call (a sketch of the integration, not the hot path of an engine, which plans once per step)."""
+    from ..flashinfer.backend import import_flashinfer
+    from ..flashinfer.plan_inputs import paged_kv_plan_inputs
+
+    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+        raise ValueError("the flashinfer local path takes float k_scale / v_scale")
+    flashinfer = import_flashinfer()
+    out.zero_()
+    lse.fill_(float("-inf"))
+    held_cpu = torch.nonzero(common.seq_lens_cpu > 0).flatten()
+    if held_cpu.numel() == 0:
+        return
+    held = held_cpu.to(query.device, non_blocking=True)
+    n = held_cpu.numel()
+    inputs = paged_kv_plan_inputs(
+        torch.arange(n + 1, dtype=torch.int32), common.seq_lens_cpu[held_cpu].to(torch.int32),
+        common.block_table.index_select(0, held), spec.block_size,
+    )
+    workspace = _FLASHINFER_WORKSPACES.get(query.device)
+    if workspace is None:
+        workspace = _FLASHINFER_WORKSPACES[query.device] = torch.zeros(
+            128 * 1024 * 1024, dtype=torch.uint8, device=query.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=spec.num_queries_per_kv > 1)
+    wrapper.plan(
+        inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, spec.num_heads, spec.num_kv_heads,
+        spec.head_size, spec.block_size, pos_encoding_mode="NONE", logits_soft_cap=spec.logits_soft_cap,
+        sm_scale=spec.softmax_scale, q_data_type=query.dtype, kv_data_type=kv_cache.dtype, o_data_type=query.dtype,
+    )
+    scales = dict(k_scale=float(k_scale), v_scale=float(v_scale)) if kv_cache.dtype.itemsize == 1 else {}
+    part, part_lse = wrapper.run(query.index_select(0, held), kv_cache, return_lse=True, **scales)
+    out.index_copy_(0, held, part.to(out.dtype))
+    lse.index_copy_(1, held, (part_lse.float() * _LN2).transpose(0, 1))
 
 
 def merge_attn_states_n(
@@ -246,7 +291,7 @@ def cp_decode_attention(
     spec: AttentionSpec,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    impl: Literal["reference", "triton"] = "reference",
+    impl: Literal["reference", "triton", "flashinfer"] = "reference",
     method: Method = "all_gather",
     output: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
