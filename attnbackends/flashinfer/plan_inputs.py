@@ -138,14 +138,12 @@ def paged_kv_plan_inputs(
     row_start = np.arange(0, num_reqs * table.stride(0), table.stride(0), dtype=np.int64) + skip_pages
     np.add(np.arange(total, dtype=np.int32), np.repeat((row_start - kv_indptr[:-1]).astype(np.int32), num_pages),
            out=flat)
+    storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
     if block_table_cpu is not None:  # gather on the host, into the pinned buffer that plan() copies from
-        gathered = host_buffer[3 * b + total : 3 * b + 2 * total]
-        storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
-        np.take(storage.numpy(), flat, out=gathered.numpy())
-        kv_indices = gathered
+        kv_indices = host_buffer[3 * b + total : 3 * b + 2 * total]
+        np.take(storage.numpy(), flat, out=kv_indices.numpy())
     else:
         positions = host_buffer[3 * b : 3 * b + total].to(table.device, non_blocking=pin_memory)
-        storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
         kv_indices = storage.index_select(0, positions)
     return PagedKVPlanInputs(
         qo_indptr=qo_indptr,
