@@ -5,7 +5,8 @@ Decode, 32 query / 8 KV heads, head 128, page 16, bf16, pages in random order. P
 - ``run``: one layer's attention: ``FlashInferImpl.forward`` (cache already holding the tokens) vs
   ``BatchDecodeWithPagedKVCacheWrapper.run`` on a wrapper planned identically;
 - ``plan+run``: a whole step of one layer: ``FlashInferMetadataBuilder.build`` (page-table translation + plan) and
-  ``forward`` vs ``plan`` (page table already at hand) and ``run``.
+  ``forward`` vs ``plan`` (page table already at hand) and ``run``. Twice: with the builder's default re-planning
+  (:mod:`attnbackends.flashinfer.fast_plan`, ``fast_plan: true`` in the row) and with ``plan()`` every step.
 
 Times: ``us`` / ``peer_us`` are ``triton.testing.do_bench`` medians (GPU time per call; host work overlapping the
 preceding L2 flush is hidden); ``wall_us`` / ``peer_wall_us`` are back-to-back loop times (host-bound when the
@@ -78,17 +79,20 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
         common, cache, query = _decode_batch(batch, seq_len)
         out = torch.empty_like(query)
         builder = FlashInferMetadataBuilder(SPEC, "cuda")
+        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         meta = builder.build(common)
         inputs = meta.plan_inputs
-        raw_indices = inputs.kv_indices.to("cuda")  # the raw side gets its page ids on the device, ready
+        # The raw side gets its page table ready: host indptr / last-page arrays, page ids on the device.
+        raw_indptr, raw_last = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
+        raw_indices = inputs.kv_indices.to("cuda")
         raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
         )
 
         def raw_plan():
             raw.plan(
-                inputs.kv_indptr, raw_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                raw_indptr, raw_indices, raw_last, SPEC.num_heads, SPEC.num_kv_heads,
                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16,
                 sm_scale=SPEC.softmax_scale, non_blocking=True,
@@ -108,16 +112,26 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
         def ours_step():
             impl.forward(query, None, None, cache, builder.build(common), out)
 
+        def ours_step_planning():
+            impl.forward(query, None, None, cache, planning_builder.build(common), out)
+
         def raw_step():
             raw_plan()
             raw.run(query, cache, out=out)
 
-        for step, ours, peer in (("run", ours_run, raw_run), ("plan+run", ours_step, raw_step)):
+        ours_step()
+        ours_step_planning()
+        print(f"B={batch}: re-planning {builder.decode_replan_status}, plan() builder "
+              f"{planning_builder.decode_replan_status}")
+        variants = (("run", True, ours_run, raw_run), ("plan+run", True, ours_step, raw_step),
+                    ("plan+run", False, ours_step_planning, raw_step))
+        for step, fast_plan, ours, peer in variants:
             us = do_bench(ours, warmup=25, rep=200, return_mode="median") * 1e3
             peer_us = do_bench(peer, warmup=25, rep=200, return_mode="median") * 1e3
             wall, peer_wall = _wall_us(ours), _wall_us(peer)
             rows.append({
                 "case": "adapter_overhead", "backend": "flashinfer", "peer": "flashinfer_raw", "step": step,
+                "fast_plan": fast_plan,
                 "B": batch, "L": seq_len, "dtype": "bfloat16", "kv_dtype": "auto",
                 "us": round(us, 2), "peer_us": round(peer_us, 2), "ratio": round(us / peer_us, 4),
                 "wall_us": round(wall, 2), "peer_wall_us": round(peer_wall, 2),
@@ -134,7 +148,9 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
     for batch in batch_sizes:
         common, _, _ = _decode_batch(batch, seq_len)
         builder = FlashInferMetadataBuilder(SPEC, "cuda")
+        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
         inputs = builder.build(common).plan_inputs
+        raw_indptr, raw_last = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
         raw_indices = inputs.kv_indices.to("cuda")
         raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
@@ -142,7 +158,7 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
 
         def raw_plan():
             raw.plan(
-                inputs.kv_indptr, raw_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                raw_indptr, raw_indices, raw_last, SPEC.num_heads, SPEC.num_kv_heads,
                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
                 kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
                 non_blocking=True,
@@ -156,11 +172,13 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
             c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
             host_buffer=staging, block_table_cpu=c.block_table_cpu))
         build = _host_us(lambda: builder.build(common))
+        planning_build = _host_us(lambda: planning_builder.build(common))
         plan = _host_us(raw_plan)
         rows.append({
             "case": "build_host_time", "backend": "flashinfer", "peer": "flashinfer_raw_plan", "B": batch,
             "L": seq_len, "dtype": "bfloat16", "kv_dtype": "auto", "us": round(build, 2), "peer_us": round(plan, 2),
             "ratio": round(build / plan, 4), "translate_us": round(translate, 2),
+            "build_with_plan_us": round(planning_build, 2),
         })
     return rows
 
@@ -177,8 +195,10 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
         common, cache, query = _decode_batch(batch, seq_len)
         out = torch.empty_like(query)
         builder = FlashInferMetadataBuilder(SPEC, "cuda")
+        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         impl.forward(query, None, None, cache, builder.build(common), out)
+        planning_builder.build(common)
         c = common
         staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
         pieces = {
@@ -189,6 +209,7 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
                 c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
                 host_buffer=staging),
             "build": lambda: builder.build(common),
+            "build, plan() each step": lambda: planning_builder.build(common),
             "build+forward": lambda: impl.forward(query, None, None, cache, builder.build(common), out),
         }
         for name, fn in pieces.items():
@@ -221,11 +242,13 @@ def main(argv=None) -> int:
         return 0
     rows = adapter_overhead_rows() + build_host_time_rows()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {__import__('flashinfer').__version__}")
-    print(f"{'case':<18}{'step':<10}{'B':>5}{'L':>6}{'us':>10}{'peer_us':>10}{'ratio':>8}{'wall_us':>10}{'peer_wall':>10}")
+    print(f"{'case':<18}{'step':<18}{'B':>5}{'L':>6}{'us':>10}{'peer_us':>10}{'ratio':>8}{'wall_us':>10}{'peer_wall':>10}")
     for r in rows:
-        print(f"{r['case']:<18}{r.get('step', '-'):<10}{r['B']:>5}{r['L']:>6}{r['us']:>10.1f}{r['peer_us']:>10.1f}"
+        step = r.get("step", "-") + ("/plan()" if r.get("fast_plan") is False else "")
+        print(f"{r['case']:<18}{step:<18}{r['B']:>5}{r['L']:>6}{r['us']:>10.1f}{r['peer_us']:>10.1f}"
               f"{r['ratio']:>8.3f}{r.get('wall_us', float('nan')):>10.1f}{r.get('peer_wall_us', float('nan')):>10.1f}"
-              + (f"   translate {r['translate_us']:.1f} us" if "translate_us" in r else ""))
+              + (f"   translate {r['translate_us']:.1f} us, build with plan() {r['build_with_plan_us']:.1f} us"
+                 if "translate_us" in r else ""))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")

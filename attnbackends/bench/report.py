@@ -48,6 +48,14 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _step(row: dict[str, Any]) -> str:
+    """The adapter rows' step ("run", "plan+run"), marked when the builder called plan() every step."""
+    step = row.get("step")
+    if step is None:
+        return "-"
+    return f"{step} (plan() each step)" if row.get("fast_plan") is False else step
+
+
 def write_markdown(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """A table of every row with its target verdict; returns the markdown text."""
     table = []
@@ -55,13 +63,13 @@ def write_markdown(path: Path, header: dict[str, Any], rows: list[dict[str, Any]
         target = target_for(row)
         table.append(
             [
-                row.get("case"), row.get("backend"), row.get("peer"), row.get("B"), row.get("L"),
+                row.get("case"), _step(row), row.get("backend"), row.get("peer"), row.get("B"), row.get("L"),
                 row.get("kv_dtype"), _fmt(row.get("us")), _fmt(row.get("peer_us")), _fmt(row.get("ratio")),
                 _fmt(row.get("GBps")), _fmt(row.get("TFLOPs")),
                 "-" if target is None else f"{target[0]}: {'met' if target[1] else 'MISSED'}",
             ]
         )
-    heads = ["case", "backend", "peer", "B", "L", "kv", "us", "peer us", "ratio", "GB/s", "TFLOP/s", "PERF.md target"]
+    heads = ["case", "step", "backend", "peer", "B", "L", "kv", "us", "peer us", "ratio", "GB/s", "TFLOP/s", "PERF.md target"]
     text = (
         f"# Benchmarks: {header['gpu']}, {header['date']}\n\n"
         f"Command: `{header['command']}`; torch {header['torch']}, triton {header['triton']}, "

@@ -36,6 +36,7 @@ from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
+from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .host_ring import HostBufferRing
 from .plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs
 
@@ -168,6 +169,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         turns it off.
     max_model_len : longest sequence, sizing the persistent page-index buffer of CUDA-graph decode.
     use_tensor_cores : decode on tensor cores; default: when query heads are grouped (num_heads > num_kv_heads).
+    fast_plan : after a decode wrapper's first ``plan()``, re-plan it for later batches with
+        :class:`.fast_plan.DecodeReplanner` (the same plan, less host time) where the installed flashinfer is a
+        tested version; ``decode_replan_status`` says whether it is in use and why not. False: always ``plan()``.
     """
 
     reorder_batch_threshold = 1
@@ -185,6 +189,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         cascade_policy: Optional[CascadePolicy] = None,
         max_model_len: int = 32768,
         use_tensor_cores: Optional[bool] = None,
+        fast_plan: bool = True,
     ) -> None:
         super().__init__(spec, device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug)
         _check_spec(spec)
@@ -222,6 +227,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         # Pinned host buffers for the page-table arrays, used in turn (a busy one is replaced, never waited for).
         self._host_buffers = HostBufferRing(enabled=self._pin)
+        self.fast_plan = fast_plan
+        # Per decode wrapper (by id; the builder keeps its wrappers): its replanner, or why it has none.
+        self._replanners: dict[int, "DecodeReplanner | str"] = {}
 
     # -- wrappers, created on first use -------------------------------------------------------------------------
     def _fi(self) -> Any:
@@ -278,6 +286,39 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         self._graph_decode[batch_size] = wrapper
         return wrapper
+
+    def _replanner_for(self, wrapper: Any) -> Optional[DecodeReplanner]:
+        """The wrapper's replanner, set up after its first ``plan()``; None before that or where it cannot work."""
+        entry = self._replanners.get(id(wrapper))
+        return entry if isinstance(entry, DecodeReplanner) else None
+
+    def _after_public_plan(self, wrapper: Any) -> None:
+        """Set up re-planning for a decode wrapper that ``plan()`` has just planned (once per wrapper)."""
+        if id(wrapper) in self._replanners:
+            return
+        reason = "disabled (fast_plan=False)" if not self.fast_plan else replan_unsupported_reason(
+            getattr(self._fi(), "__version__", "unknown"), wrapper)
+        if reason is not None:
+            logger.info("FlashInfer decode plans go through plan(): %s", reason)
+            self._replanners[id(wrapper)] = reason
+            return
+        spec = self.spec
+        self._replanners[id(wrapper)] = DecodeReplanner(
+            wrapper, num_qo_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+            page_size=spec.block_size, window_left=self.window_left, logits_soft_cap=spec.logits_soft_cap,
+            q_dtype=spec.torch_dtype, kv_dtype=spec.kv_cache_torch_dtype,
+        )
+
+    @property
+    def decode_replan_status(self) -> dict[str, str]:
+        """For each decode wrapper planned so far ("eager", or "graph B" for a CUDA-graph size): "replanned" when
+        later batches skip ``plan()`` (:mod:`.fast_plan`), else why they go through it."""
+        names = {id(self._decode): "eager"} if self._decode is not None else {}
+        names.update({id(w): f"graph {size}" for size, w in self._graph_decode.items()})
+        return {
+            names[key]: "replanned" if isinstance(entry, DecodeReplanner) else entry
+            for key, entry in self._replanners.items() if key in names
+        }
 
     @property
     def cudagraph_batch_sizes(self) -> list[int]:
@@ -347,6 +388,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 self._host_buffers.release(self._plan_cascade(common, blocks, meta, self._host_buffers.take()))
                 return meta
 
+        decode_wrapper = None
+        if num_decodes:
+            decode_wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
+        replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
         inputs = paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
@@ -354,15 +399,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             spec.block_size,
             pin_memory=self._pin,
             host_buffer=self._host_buffers.take(),
-            # A graph plan copies host page ids synchronously: gather those on the device instead.
-            block_table_cpu=common.block_table_cpu if graph_wrapper is None else None,
+            # plan() in CUDA-graph mode copies host page ids synchronously: gather those on the device instead.
+            block_table_cpu=common.block_table_cpu if graph_wrapper is None or replanner is not None else None,
         )
         meta.plan_inputs = inputs
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
-        if num_decodes:
-            wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
+        if replanner is not None:
+            replanner.replan(inputs, num_decodes, common.seq_lens_cpu)
+            meta.decode_wrapper = decode_wrapper
+        elif decode_wrapper is not None:
             part = inputs.select(0, num_decodes)
-            wrapper.plan(
+            decode_wrapper.plan(
                 part.kv_indptr,
                 part.kv_indices,
                 part.kv_last_page_len,
@@ -373,7 +420,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
                 **self._plan_kwargs,
             )
-            meta.decode_wrapper = wrapper
+            self._after_public_plan(decode_wrapper)
+            meta.decode_wrapper = decode_wrapper
         if num_prefills:
             wrapper = self._prefill_wrapper()
             part = inputs.select(num_decodes, num_reqs)

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["PagedKVPlanInputs", "paged_kv_plan_inputs", "plan_host_buffer_size", "shared_prefix_blocks"]
+__all__ = ["PagedKVPlanInputs", "flat_page_positions", "paged_kv_plan_inputs", "plan_host_buffer_size", "shared_prefix_blocks"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,23 @@ class PagedKVPlanInputs:
     def num_reqs(self) -> int:
         return self.kv_last_page_len.shape[0]
 
+    def to_device(self, device: torch.device) -> "PagedKVPlanInputs":
+        """The four arrays on ``device`` by one asynchronous copy of the host buffer (whole batches only: the result
+        of :func:`paged_kv_plan_inputs`, not of :meth:`select`). A ``kv_indices`` already there is kept."""
+        if self.host_buffer is None:
+            raise ValueError("to_device needs the arrays in their host buffer (a whole batch, not a select())")
+        b = self.num_reqs + 1
+        host_indices = self.kv_indices.device.type == "cpu"
+        total = self.kv_indices.shape[0]
+        region = self.host_buffer[: 3 * b + total] if host_indices else self.host_buffer[: 3 * b]
+        on_device = region.to(device, non_blocking=True)
+        return PagedKVPlanInputs(
+            qo_indptr=on_device[2 * b : 3 * b],
+            kv_indptr=on_device[:b],
+            kv_last_page_len=on_device[b : 2 * b - 1],
+            kv_indices=on_device[3 * b : 3 * b + total] if host_indices else self.kv_indices,
+        )
+
     def select(self, start: int, end: int) -> "PagedKVPlanInputs":
         """Requests ``start:end`` alone, with both indptrs rebased to 0 (CPU index reads only)."""
         if start == 0 and end == self.num_reqs:
@@ -68,6 +85,23 @@ class PagedKVPlanInputs:
 def plan_host_buffer_size(num_reqs: int, total_pages: int) -> int:
     """int32 elements of the host buffer :func:`paged_kv_plan_inputs` needs for a batch."""
     return 3 * (num_reqs + 1) + 2 * total_pages
+
+
+#: Column numbers 0, 1, 2, ... (read-only; sliced to a block table's width).
+_COLUMNS = np.arange(1 << 16, dtype=np.int32)
+_COLUMNS.setflags(write=False)
+
+
+def _columns(width: int) -> np.ndarray:
+    return _COLUMNS[:width] if width <= _COLUMNS.shape[0] else np.arange(width, dtype=np.int32)
+
+
+def flat_page_positions(row_stride: int, skip_pages: int, keep: np.ndarray) -> np.ndarray:
+    """[total] positions in a block table's storage (row r starts at ``r * row_stride``) of the pages that ``keep``
+    [B, width] selects from columns ``skip_pages ..``, in row-major order."""
+    num_reqs, width = keep.shape
+    row_start = np.arange(skip_pages, skip_pages + num_reqs * row_stride, row_stride, dtype=np.int64)
+    return (row_start[:, None] + _columns(width))[keep]
 
 
 def paged_kv_plan_inputs(
@@ -104,6 +138,10 @@ def paged_kv_plan_inputs(
         there (``block_table_cpu``, or a CPU ``block_table``): a host array that FlashInfer's ``plan()`` copies to
         the GPU with its other arrays. Otherwise it is one ``index_select`` of the block table on its device at
         positions computed on the host (copied asynchronously from pinned memory). No host-device synchronisation.
+
+        The host buffer holds, in this order, ``kv_indptr`` [B + 1], ``kv_last_page_len`` [B], one spare element,
+        ``qo_indptr`` [B + 1], then (host gather) ``kv_indices``: ``host_buffer[:3 * (B + 1) + total_pages]`` is
+        every host array of the plan in one piece, which :func:`.fast_plan` copies to the GPU with one copy.
     """
     num_reqs = seq_lens_cpu.shape[0]
     if block_table.shape[0] < num_reqs:
@@ -114,39 +152,48 @@ def paged_kv_plan_inputs(
         num_pages = num_pages - skip_pages
         if num_reqs and num_pages.min() < 1:
             raise ValueError(f"skip_pages={skip_pages} leaves a request without pages")
-    total = int(num_pages.sum())
+    b = num_reqs + 1
+    # kv_indptr first: its last entry is the total, which sizes the buffer (a small scratch array until then).
+    indptr = np.empty(b, dtype=np.int32)
+    indptr[0] = 0
+    np.cumsum(num_pages, out=indptr[1:])
+    total = int(indptr[-1])
     needed = plan_host_buffer_size(num_reqs, total)
     if host_buffer is None or host_buffer.shape[0] < needed:
         host_buffer = torch.empty(needed + needed // 4, dtype=torch.int32, pin_memory=pin_memory)
     host = host_buffer.numpy()
-    b = num_reqs + 1
-    kv_indptr, last_page_len, flat = host[:b], host[b : 2 * b - 1], host[3 * b : 3 * b + total]
-    kv_indptr[0] = 0
-    np.cumsum(num_pages, out=kv_indptr[1:], dtype=np.int32)
+    host[:b] = indptr
+    last_page_len = host[b : 2 * b - 1]
     np.remainder(seq_lens - 1, block_size, out=last_page_len)
     last_page_len += 1
-    qo_indptr = host_buffer[2 * b : 3 * b]
     host[2 * b : 3 * b] = query_start_loc_cpu.numpy()
 
-    # Page k of kv_indices belongs to request r (kv_indptr[r] <= k < kv_indptr[r + 1]) and is element
-    # r * row_stride + skip_pages + (k - kv_indptr[r]) of the block table's storage.
+    # Request r's pages are columns skip_pages .. skip_pages + num_pages[r] - 1 of its row: a boolean mask over the
+    # table's first columns selects them, in row-major order, which is kv_indices' order.
+    width = int(num_pages.max()) if num_reqs else 0
+    if skip_pages + width > block_table.shape[1]:
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns, a request needs {skip_pages + width} pages"
+        )
+    keep = _columns(width) < num_pages[:, None]  # [B, width]
     if block_table_cpu is None and not block_table.is_cuda:
         block_table_cpu = block_table
-    table = block_table[:num_reqs] if block_table_cpu is None else block_table_cpu[:num_reqs]
-    if table.stride(-1) != 1 or table.dtype != torch.int32:
-        table = table.to(torch.int32).contiguous()
-    row_start = np.arange(0, num_reqs * table.stride(0), table.stride(0), dtype=np.int64) + skip_pages
-    np.add(np.arange(total, dtype=np.int32), np.repeat((row_start - kv_indptr[:-1]).astype(np.int32), num_pages),
-           out=flat)
-    storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
     if block_table_cpu is not None:  # gather on the host, into the pinned buffer that plan() copies from
-        kv_indices = host_buffer[3 * b + total : 3 * b + 2 * total]
-        np.take(storage.numpy(), flat, out=kv_indices.numpy())
-    else:
-        positions = host_buffer[3 * b : 3 * b + total].to(table.device, non_blocking=pin_memory)
+        table = block_table_cpu[:num_reqs, skip_pages : skip_pages + width]
+        if table.dtype != torch.int32:
+            table = table.to(torch.int32)
+        kv_indices = host_buffer[3 * b : 3 * b + total]
+        host[3 * b : 3 * b + total] = table.numpy()[keep]
+    else:  # gather on the device at flat positions of the table's storage
+        table = block_table[:num_reqs]
+        if table.stride(-1) != 1 or table.dtype != torch.int32:
+            table = table.to(torch.int32).contiguous()
+        host[3 * b + total : 3 * b + 2 * total] = flat_page_positions(table.stride(0), skip_pages, keep)
+        storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
+        positions = host_buffer[3 * b + total : 3 * b + 2 * total].to(table.device, non_blocking=pin_memory)
         kv_indices = storage.index_select(0, positions)
     return PagedKVPlanInputs(
-        qo_indptr=qo_indptr,
+        qo_indptr=host_buffer[2 * b : 3 * b],
         kv_indptr=host_buffer[:b],
         kv_last_page_len=host_buffer[b : 2 * b - 1],
         kv_indices=kv_indices,

@@ -481,3 +481,24 @@ def test_precompile_builds_each_module_in_its_own_thread(fake_flashinfer, monkey
     assert names == sorted(name for name, _ in built) and len(names) == 4  # fa2 (GQA decode), decode (MHA), fa3, cascade
     assert all(jobs is not None and int(jobs) >= 2 for _, jobs in built)
     assert "MAX_JOBS" not in os.environ
+
+
+def test_decode_replan_falls_back_to_plan_and_says_why(fake_flashinfer):
+    """The stand-in is not a tested flashinfer version, so every decode batch goes through plan(); the status says
+    why; with a tested version number but a wrapper without FlashInfer's private fields, the same."""
+    spec = AttentionSpec(**BASE)
+    builder = FlashInferMetadataBuilder(spec, "cpu", workspace_bytes=1024)
+    assert builder.decode_replan_status == {}
+    for seed in (30, 31):
+        batch = make_random_batch(spec, [SequenceShape(1, 10 * seed), SequenceShape(1, 3)], seed=seed)
+        builder.build(batch.common)
+    (status,) = builder.decode_replan_status.values()
+    assert "0.0-fake is not one of the tested versions" in status
+    assert len(builder._decode.plans) == 2  # plan() both times
+
+    fake_flashinfer.__version__ = "0.6.13"
+    meta, builder = check_against_oracle(make_random_batch(spec, [SequenceShape(1, 12)], seed=32))
+    assert "lacks" in builder.decode_replan_status["eager"]
+    assert "disabled" in check_against_oracle(
+        make_random_batch(spec, [SequenceShape(1, 12)], seed=33), builder_kwargs={"fast_plan": False}
+    )[1].decode_replan_status["eager"]

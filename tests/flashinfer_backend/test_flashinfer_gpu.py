@@ -7,7 +7,11 @@ parallel build (:func:`attnbackends.flashinfer.precompile`):
 - bf16, head 128 (fa2 decode + fa3 prefill: the H100 production path and the benchmark's config): decode, prefill,
   chunked prefill, mixed, padded, random, MQA, cascade, CUDA-graph capture/replay, no-sync;
 - fp16, head 64, fp8 e4m3 cache (fa2 for both parts): the conformance fp8 case, a large mixed batch, CUDA graphs;
-- fp16, head 64, fp8 e5m2 cache with sliding window and soft-cap (fa2): mixed batches through both parts.
+- fp16, head 64, fp8 e5m2 cache with sliding window and soft-cap (fa2): mixed batches through both parts;
+- fp16, head 64, 4 query heads on 4 KV heads (no grouping: FlashInfer's CUDA-core decode kernel): mixed batches.
+
+Each of these also re-plans a run of decode batches with :mod:`attnbackends.flashinfer.fast_plan` and checks the
+result bit for bit against a builder that calls ``plan()`` every time.
 """
 
 import dataclasses
@@ -49,6 +53,7 @@ SPECS = {
     "h128": AttentionSpec(**H128),
     "fp8_e4m3": AttentionSpec(**H64, kv_cache_dtype="fp8_e4m3"),
     "fp8_e5m2_window_softcap": AttentionSpec(**H64, kv_cache_dtype="fp8_e5m2", sliding_window=11, logits_soft_cap=5.0),
+    "h64_mha": AttentionSpec(**{**H64, "num_kv_heads": 4}),
 }
 
 
@@ -82,11 +87,48 @@ def test_conformance(case):
     check_backend_on_batch(FlashInferBackend, case.batch(DEVICE))
 
 
-@pytest.mark.parametrize("name", ["h128", "fp8_e4m3", "fp8_e5m2_window_softcap"])
+@pytest.mark.parametrize("name", ["h128", "fp8_e4m3", "fp8_e5m2_window_softcap", "h64_mha"])
 def test_large_mixed_batch(name):
     spec = SPECS[name]
     batch = make_random_batch(spec, MIXED, seed=3, device=DEVICE, pad_tokens=5, logit_magnitude=3.0)
     check_backend_on_batch(FlashInferBackend, batch)
+
+
+# Decode batches of changing size and length, a mixed batch in between (its decode part is re-planned too).
+REPLAN_STEPS = (
+    ((1, 5), (1, 40), (1, 17), (1, 100)),
+    ((1, 300), (1, 1), (1, 64)),
+    ((1, 0), (1, 16), (1, 700), (1, 33), (1, 2), (1, 90), (1, 15)),
+    tuple((s.query_len, s.context_len) for s in MIXED),
+    ((1, 1000),),
+    ((1, 5), (1, 40), (1, 17), (1, 100)),
+)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_replanned_decode_equals_plan_bit_for_bit(name):
+    """A builder that re-plans its decode wrapper (fast_plan) and one that calls plan() every step: the same plan
+    info from FlashInfer's scheduler and bitwise equal outputs, batch after batch; both close to the oracle."""
+    spec = SPECS[name]
+    fast = FlashInferMetadataBuilder(spec, DEVICE)
+    slow = FlashInferMetadataBuilder(spec, DEVICE, fast_plan=False)
+    for step, shapes in enumerate(REPLAN_STEPS):
+        batch = make_random_batch(spec, [SequenceShape(q, c) for q, c in shapes], seed=40 + step, device=DEVICE)
+        impl = FlashInferBackend.get_impl_cls()(spec, k_scale=batch.k_scale, v_scale=batch.v_scale)
+        outputs, plan_infos = [], []
+        for builder in (fast, slow):
+            meta = builder.build(batch.common)
+            out = batch.new_output()  # NaN-poisoned
+            impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
+            outputs.append(out)
+            plan_infos.append(list(meta.decode_wrapper._plan_info))
+        assert plan_infos[0] == plan_infos[1], f"step {step}: plan info differs"
+        assert torch.equal(outputs[0], outputs[1]), f"step {step}: outputs differ"
+        n = batch.num_actual_tokens
+        tol = tolerance_for(spec.torch_dtype, spec.kv_cache_dtype)
+        assert_close_to_oracle(outputs[0][:n], oracle_attention(batch), tol, what=f"re-planned step {step}")
+    assert fast.decode_replan_status == {"eager": "replanned"}, fast.decode_replan_status
+    assert slow.decode_replan_status == {"eager": "disabled (fast_plan=False)"}
 
 
 def _cpu_test_module():
@@ -155,6 +197,7 @@ def test_cuda_graph_capture_and_replay_with_new_seq_lens(name):
         slots.copy_(batch.common.slot_mapping)
         step = builder.build(dataclasses.replace(batch.common, slot_mapping=slots))
         assert step.cuda_graph and step.decode_wrapper is meta.decode_wrapper
+        assert builder.decode_replan_status == {"graph 4": "replanned"}, builder.decode_replan_status
         output.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -182,6 +225,7 @@ def test_no_host_device_sync_in_translation_and_forward():
     torch.cuda.set_sync_debug_mode("error")
     try:
         paged_kv_plan_inputs(c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, spec.block_size, pin_memory=True)
+        meta = builder.build(batch.common)  # re-planned (fast_plan)
         impl.forward(batch.query, batch.key, batch.value, cache, meta, out)
     finally:
         torch.cuda.set_sync_debug_mode("default")

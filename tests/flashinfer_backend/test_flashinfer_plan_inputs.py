@@ -183,3 +183,38 @@ def test_cascade_policy_thresholds():
         CascadePolicy(min_requests=1)
     with pytest.raises(ValueError, match="min_saved_fraction"):
         CascadePolicy(min_saved_fraction=1.5)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_flat_page_positions_index_the_table_storage(seed):
+    """The device-gather path's positions: gathering the table's flat storage at them gives the host gather."""
+    import numpy as np
+
+    from attnbackends.flashinfer.plan_inputs import flat_page_positions
+
+    rng = np.random.default_rng(seed)
+    num_reqs, width, skip = int(rng.integers(1, 9)), int(rng.integers(1, 12)), int(rng.integers(0, 3))
+    table = torch.randperm(10_000)[: num_reqs * (width + skip + 2)].reshape(num_reqs, -1).to(torch.int32)
+    num_pages = rng.integers(1, width + 1, size=num_reqs)
+    keep = np.arange(width)[None, :] < num_pages[:, None]
+    got = table.flatten()[torch.from_numpy(flat_page_positions(table.stride(0), skip, keep))]
+    want = [p for r in range(num_reqs) for p in table[r, skip : skip + num_pages[r]].tolist()]
+    assert got.tolist() == want
+
+
+def test_block_table_too_narrow_is_a_value_error():
+    common = build_common_metadata([1], [40], [[1, 2, 3]], 16)
+    with pytest.raises(ValueError, match="columns"):
+        paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table[:, :2], 16)
+
+
+def test_to_device_is_one_copy_of_the_host_buffer():
+    """to_device's views of its single copy hold the same four arrays (here "device" is the CPU)."""
+    common = build_common_metadata([1, 1, 5], [3, 16, 20], [[7], [2, 9], [4, 5, 6, 8]], 16)
+    p = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16)
+    d = p.to_device(torch.device("cpu"))
+    assert as_lists(d) == as_lists(p)
+    assert d.kv_indptr.untyped_storage().data_ptr() == d.kv_indices.untyped_storage().data_ptr()
+    assert d.host_buffer is None
+    with pytest.raises(ValueError, match="whole batch"):
+        p.select(1, 3).to_device(torch.device("cpu"))

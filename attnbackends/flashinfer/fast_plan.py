@@ -1,0 +1,134 @@
+"""Re-planning a FlashInfer decode wrapper for the next batch without its Python ``plan()``.
+
+``BatchDecodeWithPagedKVCacheWrapper.plan()`` does two things each step: per-batch work (copy the page table to
+the GPU, run the C++ scheduler on the host arrays) and set-up that is the same for every batch of a builder (resolve
+dtypes, look the compiled module up, store scale / window / soft-cap). Its Python costs more host time than a decode
+step at small batches, and at large ones its ``max()`` over a tensor walks the KV lengths one element at a time.
+
+A :class:`DecodeReplanner` keeps the set-up of one public ``plan()`` call and redoes only the per-batch part:
+
+- the page table goes to the GPU in one asynchronous copy of the builder's pinned host buffer (its layout is in
+  :func:`.plan_inputs.paged_kv_plan_inputs`), or into the wrapper's persistent buffers in CUDA-graph mode;
+- the compiled module's own ``plan`` (the C++ scheduler) runs on the host arrays, as ``plan()`` would call it;
+- the wrapper's per-batch fields are set as ``plan()`` sets them.
+
+This reads FlashInfer's private wrapper fields, so it is used only with the FlashInfer versions it was checked
+against on the GPU (:data:`TESTED_FLASHINFER_VERSIONS`: the plan info and the outputs equal those of ``plan()``,
+bit for bit, see tests/flashinfer_backend/test_flashinfer_gpu.py) and for the wrapper kinds it knows (FlashAttention-2
+and -3 tensor-core decode, the CUDA-core decode kernel; no JIT-customised modules). Anything else goes through
+``plan()``: :func:`replan_unsupported_reason` says why. The same idea is behind vLLM's and SGLang's fast decode plans.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .plan_inputs import PagedKVPlanInputs
+
+__all__ = ["TESTED_FLASHINFER_VERSIONS", "DecodeReplanner", "replan_unsupported_reason"]
+
+#: FlashInfer versions whose decode wrapper internals DecodeReplanner was checked against.
+TESTED_FLASHINFER_VERSIONS = frozenset({"0.6.13"})
+
+_WRAPPER_FIELDS = (
+    "_cached_module", "_plan_info", "_float_workspace_buffer", "_int_workspace_buffer",
+    "_pin_memory_int_workspace_buffer", "_paged_kv_indptr_buf", "_paged_kv_indices_buf",
+    "_paged_kv_last_page_len_buf", "_use_tensor_cores", "_use_cuda_graph", "_backend", "_jit_module",
+)
+
+
+def replan_unsupported_reason(flashinfer_version: str, wrapper: Any) -> Optional[str]:
+    """Why :class:`DecodeReplanner` cannot re-plan ``wrapper`` (a planned decode wrapper), or None when it can."""
+    if flashinfer_version not in TESTED_FLASHINFER_VERSIONS:
+        return f"flashinfer {flashinfer_version} is not one of the tested versions {sorted(TESTED_FLASHINFER_VERSIONS)}"
+    missing = [name for name in _WRAPPER_FIELDS if not hasattr(wrapper, name)]
+    if missing:
+        return f"the wrapper lacks {', '.join(missing)} (not planned yet, or another wrapper class)"
+    if wrapper._jit_module is not None:
+        return "the wrapper runs a JIT-customised module"
+    if wrapper._use_tensor_cores and wrapper._backend not in ("fa2", "fa3"):
+        return f"tensor-core decode on the {wrapper._backend!r} backend"
+    return None
+
+
+class DecodeReplanner:
+    """Re-plans one decode wrapper after a public ``plan()`` call set it up.
+
+    Parameters
+    ----------
+    wrapper : a ``BatchDecodeWithPagedKVCacheWrapper`` (plain or CUDA-graph mode) already planned through ``plan()``
+        with the same heads, head size, page size, dtypes, scale, window and soft-cap as every later batch;
+        :func:`replan_unsupported_reason` must have returned None for it.
+    num_qo_heads, num_kv_heads, head_dim, page_size : as given to that ``plan()``.
+    window_left : FlashInfer's window (-1: none); logits_soft_cap : None or the cap.
+    q_dtype, kv_dtype : the dtypes given to that ``plan()``.
+    """
+
+    def __init__(
+        self, wrapper: Any, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+        window_left: int, logits_soft_cap: Optional[float], q_dtype: torch.dtype, kv_dtype: torch.dtype,
+    ) -> None:
+        self.wrapper = wrapper
+        self.tensor_cores = bool(wrapper._use_tensor_cores)
+        self.cuda_graph = bool(wrapper._use_cuda_graph)
+        self.device = wrapper._float_workspace_buffer.device
+        w = wrapper
+        workspaces = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+        if self.tensor_cores:
+            # module.plan(workspaces, qo_indptr, kv_indptr, kv_lens, total_rows, batch, heads..., page_size,
+            #             cuda_graph, head_dim_qk, head_dim_vo, causal, window_left[, split size, no split, ctas])
+            self._fixed = (num_qo_heads, num_kv_heads, page_size, self.cuda_graph, head_dim, head_dim, False, window_left)
+            self._tail = (-1, False, 0) if w._backend == "fa2" else ()
+        else:
+            # module.plan(workspaces, kv_indptr, batch, heads..., page_size, cuda_graph, window_left, soft_cap,
+            #             head_dim_qk, head_dim_vo, empty q, empty kv)
+            self._fixed = (num_qo_heads, num_kv_heads, page_size, self.cuda_graph, window_left,
+                           0.0 if logits_soft_cap is None else float(logits_soft_cap), head_dim, head_dim,
+                           torch.empty(0, dtype=q_dtype), torch.empty(0, dtype=kv_dtype))
+            self._tail = ()
+        self._workspaces = workspaces
+
+    def replan(self, inputs: PagedKVPlanInputs, num_reqs: int, seq_lens_cpu: torch.Tensor) -> None:
+        """Plan requests ``0:num_reqs`` of ``inputs`` (the decodes; ``inputs`` as :func:`paged_kv_plan_inputs`
+        returned it, host arrays in its pinned host buffer) with KV lengths ``seq_lens_cpu[:num_reqs]``.
+
+        The host buffer must not be rewritten until the copies enqueued here have run (the builder's ring of
+        pinned buffers sees to that). No host-device synchronisation.
+        """
+        w = self.wrapper
+        b = num_reqs + 1
+        kv_indptr_host = inputs.kv_indptr[:b]
+        kv_lens_host = seq_lens_cpu[:num_reqs]
+        if self.cuda_graph:
+            if num_reqs != w._fixed_batch_size:
+                raise ValueError(
+                    f"this CUDA-graph decode plan is for {w._fixed_batch_size} requests, the batch has {num_reqs}"
+                )
+            num_pages = int(kv_indptr_host[-1])
+            if num_pages > w._paged_kv_indices_buf.shape[0]:
+                raise ValueError(
+                    f"the batch uses {num_pages} pages, the CUDA-graph page buffer holds "
+                    f"{w._paged_kv_indices_buf.shape[0]} (raise max_model_len)"
+                )
+            w._paged_kv_indptr_buf.copy_(kv_indptr_host, non_blocking=True)
+            w._paged_kv_last_page_len_buf.copy_(inputs.kv_last_page_len[:num_reqs], non_blocking=True)
+            w._paged_kv_indices_buf[:num_pages].copy_(inputs.kv_indices[:num_pages], non_blocking=True)
+        else:
+            on_device = inputs.to_device(self.device)
+            w._paged_kv_indptr_buf = on_device.kv_indptr[:b]
+            w._paged_kv_indices_buf = on_device.kv_indices
+            w._paged_kv_last_page_len_buf = on_device.kv_last_page_len[:num_reqs]
+            if self.tensor_cores:
+                w._qo_indptr_buf = on_device.qo_indptr[:b]
+        w._batch_size = num_reqs
+        w._block_tables = None
+        if self.tensor_cores:
+            w._max_kv_len = int(kv_lens_host.numpy().max())
+            w._plan_info = w._cached_module.plan(
+                *self._workspaces, inputs.qo_indptr[:b], kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
+                *self._fixed, *self._tail,
+            )
+        else:
+            w._plan_info = w._cached_module.plan(*self._workspaces, kv_indptr_host, num_reqs, *self._fixed)
