@@ -28,6 +28,13 @@ def _row(case, backend, B, L, us, peer_us, kv="auto", peer="flashinfer"):
         (_row("mla_decode", "triton_mla", 64, 4096, 170.0, 100.0, peer="flashinfer_mla"), False),
         (_row("adapter_overhead", "flashinfer", 1, 1024, 35.0, 14.0, peer="flashinfer_raw"), False),
         (_row("adapter_overhead", "flashinfer", 64, 4096, 102.0, 100.0, peer="flashinfer_raw"), True),
+        # B=1 with wall times: judged by them, not by the do_bench times
+        ({**_row("adapter_overhead", "flashinfer", 1, 4096, 180.0, 100.0, peer="flashinfer_raw"),
+          "wall_overhead_us": 19.0}, True),
+        ({**_row("adapter_overhead", "flashinfer", 1, 4096, 101.0, 100.0, peer="flashinfer_raw"),
+          "wall_overhead_us": 21.0}, False),
+        (_row("build_host_time", "flashinfer", 256, 4096, 99.0, 800.0, peer="flashinfer_raw_plan"), True),
+        (_row("build_host_time", "flashinfer", 256, 4096, 101.0, 800.0, peer="flashinfer_raw_plan"), False),
     ],
 )
 def test_targets(row, met):

@@ -8,9 +8,17 @@ Decode, 32 query / 8 KV heads, head 128, page 16, bf16, pages in random order. P
   ``forward`` vs ``plan`` (page table already at hand) and ``run``. Twice: with the builder's default re-planning
   (:mod:`attnbackends.flashinfer.fast_plan`, ``fast_plan: true`` in the row) and with ``plan()`` every step.
 
-Times: ``us`` / ``peer_us`` are ``triton.testing.do_bench`` medians (GPU time per call; host work overlapping the
-preceding L2 flush is hidden); ``wall_us`` / ``peer_wall_us`` are back-to-back loop times (host-bound when the
-host is the bottleneck). Also the host (CPU) time of ``build()`` at B=64 and B=256, context 4096.
+Times: ``us`` / ``peer_us`` are ``triton.testing.do_bench`` medians (GPU-event time per call, an L2 flush before
+each); ``wall_us`` / ``peer_wall_us`` are back-to-back loop times per call, the median of 7 rounds that alternate
+ours and the peer (what a step costs an engine when the host is the bottleneck). Also the host (CPU) time of
+``build()`` at B=64 and B=256, context 4096.
+
+A B=1 decode step is host-bound (a 15 us kernel, 100+ us of Python), and there the do_bench time is not the step's
+cost: it is the GPU-event span from the end of the flush to the step's last kernel, so it depends on how much of the
+step's host work comes before its first GPU operation (hidden behind the flush for the raw wrapper, whose plan()
+starts with its copies; not for the adapter, which translates the page table first). The B=1 per-step overhead is
+therefore judged by the wall times (``wall_overhead_us``), the B=64 one (GPU-bound) by the do_bench ratio; both
+are recorded. ``python -m attnbackends.bench.flashinfer_adapter --trace DIR`` writes the timelines that show this.
 
     python -m attnbackends.bench.flashinfer_adapter --out benchmarks/results/<gpu>-<date>-flashinfer-adapter.json
 """
@@ -44,6 +52,16 @@ def _decode_batch(batch: int, seq_len: int, device: str = "cuda", seed: int = 0)
     cache = torch.randn(num_blocks, 2, bs, SPEC.num_kv_heads, SPEC.head_size, dtype=torch.bfloat16, device=device)
     query = torch.randn(batch, SPEC.num_heads, SPEC.head_size, dtype=torch.bfloat16, device=device)
     return common, cache, query
+
+
+def _wall_us_pair(ours, peer, rounds: int = 7, iters: int = 200) -> tuple[float, float]:
+    """Back-to-back loop time per call of ``ours`` and ``peer``: the median over ``rounds`` rounds that alternate the
+    two, so that drift in the host's speed affects both alike."""
+    ours_times, peer_times = [], []
+    for _ in range(rounds):
+        ours_times.append(_wall_us(ours, iters))
+        peer_times.append(_wall_us(peer, iters))
+    return statistics.median(ours_times), statistics.median(peer_times)
 
 
 def _wall_us(fn, iters: int = 200) -> float:
@@ -128,7 +146,7 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
         for step, fast_plan, ours, peer in variants:
             us = do_bench(ours, warmup=25, rep=200, return_mode="median") * 1e3
             peer_us = do_bench(peer, warmup=25, rep=200, return_mode="median") * 1e3
-            wall, peer_wall = _wall_us(ours), _wall_us(peer)
+            wall, peer_wall = _wall_us_pair(ours, peer)
             rows.append({
                 "case": "adapter_overhead", "backend": "flashinfer", "peer": "flashinfer_raw", "step": step,
                 "fast_plan": fast_plan,
@@ -183,6 +201,83 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
     return rows
 
 
+def _host_us_behind_busy_gpu(fn, iters: int = 50, busy_us: float = 1000.0) -> float:
+    """Median host time of one call enqueued behind ``busy_us`` of GPU work: close to ``busy_us`` or more when the
+    call waits for the GPU (a hidden synchronisation), else the same as with the GPU idle."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(1_000_000 * busy_us / (start.elapsed_time(end) * 1e3))
+    times = []
+    for i in range(iters + 5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _back_to_back_us(fn, iters: int = 300) -> float:
+    """Host time per call in a loop with no synchronisation (the GPU drained only at the end)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
+
+
+def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict:
+    """The parts of a re-planned decode build, each alone (reads the builder's private fields: a profiling aid)."""
+    import flashinfer
+
+    from attnbackends.flashinfer.backend import FlashInferMetadata
+    from attnbackends.flashinfer.plan_inputs import paged_kv_plan_inputs
+
+    wrapper = builder._decode
+    replanner = builder._replanner_for(wrapper)
+    if replanner is None:
+        return {}
+    c = common
+    staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
+    inputs = paged_kv_plan_inputs(c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size,
+                                  pin_memory=True, host_buffer=staging, block_table_cpu=c.block_table_cpu)
+    b = c.num_reqs + 1
+    args = (*replanner._workspaces, inputs.qo_indptr[:b], inputs.kv_indptr[:b], c.seq_lens_cpu, c.num_reqs,
+            c.num_reqs, *replanner._fixed, *replanner._tail)
+    raw_indices = inputs.kv_indices.to("cuda")
+    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(builder._workspace_buffer(), "NHD", use_tensor_cores=True)
+
+    def raw_plan():
+        raw.plan(inputs.kv_indptr, raw_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
+                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
+                 non_blocking=True)
+
+    ring = builder._host_buffers
+    return {
+        "  raw plan()": raw_plan,
+        "  raw plan()+run": lambda: (raw_plan(), raw.run(*run_args)),
+        "  replan": lambda: replanner.replan(inputs, c.num_reqs, c.seq_lens_cpu),
+        "  . to_device (one H2D copy, 4 views)": lambda: inputs.to_device(wrapper.device),
+        "  . scheduler (module.plan)": lambda: wrapper._cached_module.plan(*args),
+        "  host buffer ring take+release": lambda: ring.release(ring.take()),
+        "  torch.cuda.current_stream()": torch.cuda.current_stream,
+        "  one pinned H2D copy (.to)": lambda: staging[:16].to("cuda", non_blocking=True),
+        "  metadata object": lambda: FlashInferMetadata(
+            plan_key=builder.plan_key, num_actual_tokens=c.num_actual_tokens, num_decodes=c.num_reqs,
+            num_decode_tokens=c.num_reqs, num_prefills=0, slot_mapping=c.slot_mapping, common=c),
+    }
+
+
 def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) -> None:
     """Where a step's host time goes: cProfile of ``steps`` build + forward calls per batch size (top functions by
     own time), and the host time of each piece of the translation."""
@@ -212,8 +307,11 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
             "build, plan() each step": lambda: planning_builder.build(common),
             "build+forward": lambda: impl.forward(query, None, None, cache, builder.build(common), out),
         }
+        pieces.update(_replan_pieces(builder, common, (query, cache)))
         for name, fn in pieces.items():
-            print(f"B={batch} {name}: {_host_us(fn):.1f} us host (median, GPU drained before each)")
+            print(f"B={batch} {name}: {_host_us(fn):.1f} us host (median, GPU drained before each); "
+                  f"{_host_us_behind_busy_gpu(fn):.1f} us with 1 ms of GPU work queued ahead; "
+                  f"{_back_to_back_us(fn):.1f} us per call back to back")
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
@@ -225,10 +323,55 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
+def trace_steps(out_dir: Path, batch: int = 1, seq_len: int = 4096, reps: int = 30) -> None:
+    """Chrome traces (torch.profiler, CPU and CUDA) of ``reps`` do_bench-style steps (L2 flush, then the step) of
+    the adapter and of the raw wrapper, to see where a step's GPU-timed span goes."""
+    import flashinfer
+    from torch.profiler import ProfilerActivity, profile
+
+    common, cache, query = _decode_batch(batch, seq_len)
+    out = torch.empty_like(query)
+    builder = FlashInferMetadataBuilder(SPEC, "cuda")
+    impl = FlashInferBackend.get_impl_cls()(SPEC)
+    inputs = builder.build(common).plan_inputs
+    raw_indptr, raw_last = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
+    raw_indices = inputs.kv_indices.to("cuda")
+    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+
+    def raw_step():
+        raw.plan(raw_indptr, raw_indices, raw_last, SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_size,
+                 SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                 o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale, non_blocking=True)
+        raw.run(query, cache, out=out)
+
+    def ours_step():
+        impl.forward(query, None, None, cache, builder.build(common), out)
+
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for name, step in (("ours", ours_step), ("raw", raw_step)):
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for start, end in events:
+                flush.zero_()
+                start.record()
+                step()
+                end.record()
+            torch.cuda.synchronize()
+        spans = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
+        print(f"{name}: event-timed step median {spans[reps // 2]:.1f} us (min {spans[0]:.1f}, max {spans[-1]:.1f})")
+        prof.export_chrome_trace(str(out_dir / f"trace-{name}-B{batch}.json"))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the JSON rows here")
     parser.add_argument("--profile", action="store_true", help="print where build()'s host time goes, then exit")
+    parser.add_argument("--trace", type=Path, help="write Chrome traces of do_bench-style steps here, then exit")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -239,6 +382,10 @@ def main(argv=None) -> int:
         return 1
     if args.profile:
         profile_build()
+        return 0
+    if args.trace:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        trace_steps(args.trace)
         return 0
     rows = adapter_overhead_rows() + build_host_time_rows()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {__import__('flashinfer').__version__}")

@@ -30,9 +30,13 @@ def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
         return ">= 0.6x flashinfer MLA TFLOP/s", 1.0 / ratio >= 0.6
     if case == "adapter_overhead" and ratio is not None:
         if B == 1:
-            extra = row["us"] - row["peer_us"]
-            return "<= 20 us over raw wrappers", extra <= 20.0
+            # Host-bound: judged by back-to-back wall time per step (see attnbackends.bench.flashinfer_adapter);
+            # rows without wall times fall back to the do_bench times.
+            extra = row.get("wall_overhead_us", row["us"] - row["peer_us"])
+            return "<= 20 us over raw wrappers (wall, back to back)", extra <= 20.0
         return "<= 3% over raw wrappers", ratio <= 1.03
+    if case == "build_host_time" and B == 256 and L == 4096 and row.get("us") is not None:
+        return "build() <= 100 us CPU time", row["us"] <= 100.0
     return None
 
 

@@ -226,7 +226,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._graph_decode: dict[int, Any] = {}
         self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         # Pinned host buffers for the page-table arrays, used in turn (a busy one is replaced, never waited for).
-        self._host_buffers = HostBufferRing(enabled=self._pin)
+        self._host_buffers = HostBufferRing(enabled=self._pin, slots=8)
         self.fast_plan = fast_plan
         # Per decode wrapper (by id; the builder keeps its wrappers): its replanner, or why it has none.
         self._replanners: dict[int, "DecodeReplanner | str"] = {}
@@ -401,11 +401,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             host_buffer=self._host_buffers.take(),
             # plan() in CUDA-graph mode copies host page ids synchronously: gather those on the device instead.
             block_table_cpu=common.block_table_cpu if graph_wrapper is None or replanner is not None else None,
+            max_seq_len=common.max_seq_len,
         )
         meta.plan_inputs = inputs
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
         if replanner is not None:
-            replanner.replan(inputs, num_decodes, common.seq_lens_cpu)
+            replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
+                             max_kv_len=common.max_seq_len if num_decodes == num_reqs else None)
             meta.decode_wrapper = decode_wrapper
         elif decode_wrapper is not None:
             part = inputs.select(0, num_decodes)
@@ -459,6 +461,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             pin_memory=self._pin,
             host_buffer=host_buffer,
             block_table_cpu=common.block_table_cpu,
+            max_seq_len=common.max_seq_len,
         )
         top_qo = torch.tensor([0, common.num_actual_tokens], dtype=torch.int32)
         top_kv = torch.tensor([0, shared_blocks], dtype=torch.int32)

@@ -90,17 +90,22 @@ class DecodeReplanner:
             self._tail = ()
         self._workspaces = workspaces
 
-    def replan(self, inputs: PagedKVPlanInputs, num_reqs: int, seq_lens_cpu: torch.Tensor) -> None:
+    def replan(
+        self, inputs: PagedKVPlanInputs, num_reqs: int, seq_lens_cpu: torch.Tensor, max_kv_len: Optional[int] = None
+    ) -> None:
         """Plan requests ``0:num_reqs`` of ``inputs`` (the decodes; ``inputs`` as :func:`paged_kv_plan_inputs`
-        returned it, host arrays in its pinned host buffer) with KV lengths ``seq_lens_cpu[:num_reqs]``.
+        returned it, host arrays in its pinned host buffer) with KV lengths ``seq_lens_cpu[:num_reqs]``
+        (``max_kv_len``: their maximum, when the caller knows it).
 
         The host buffer must not be rewritten until the copies enqueued here have run (the builder's ring of
         pinned buffers sees to that). No host-device synchronisation.
         """
         w = self.wrapper
         b = num_reqs + 1
-        kv_indptr_host = inputs.kv_indptr[:b]
-        kv_lens_host = seq_lens_cpu[:num_reqs]
+        whole = num_reqs == inputs.num_reqs  # a pure-decode batch: no views to make
+        kv_indptr_host = inputs.kv_indptr if whole else inputs.kv_indptr[:b]
+        qo_indptr_host = inputs.qo_indptr if whole else inputs.qo_indptr[:b]
+        kv_lens_host = seq_lens_cpu if seq_lens_cpu.shape[0] == num_reqs else seq_lens_cpu[:num_reqs]
         if self.cuda_graph:
             if num_reqs != w._fixed_batch_size:
                 raise ValueError(
@@ -113,21 +118,26 @@ class DecodeReplanner:
                     f"{w._paged_kv_indices_buf.shape[0]} (raise max_model_len)"
                 )
             w._paged_kv_indptr_buf.copy_(kv_indptr_host, non_blocking=True)
-            w._paged_kv_last_page_len_buf.copy_(inputs.kv_last_page_len[:num_reqs], non_blocking=True)
+            w._paged_kv_last_page_len_buf.copy_(
+                inputs.kv_last_page_len if whole else inputs.kv_last_page_len[:num_reqs], non_blocking=True)
             w._paged_kv_indices_buf[:num_pages].copy_(inputs.kv_indices[:num_pages], non_blocking=True)
         else:
             on_device = inputs.to_device(self.device)
-            w._paged_kv_indptr_buf = on_device.kv_indptr[:b]
             w._paged_kv_indices_buf = on_device.kv_indices
-            w._paged_kv_last_page_len_buf = on_device.kv_last_page_len[:num_reqs]
-            if self.tensor_cores:
+            if whole:
+                w._paged_kv_indptr_buf = on_device.kv_indptr
+                w._paged_kv_last_page_len_buf = on_device.kv_last_page_len
+                w._qo_indptr_buf = on_device.qo_indptr
+            else:
+                w._paged_kv_indptr_buf = on_device.kv_indptr[:b]
+                w._paged_kv_last_page_len_buf = on_device.kv_last_page_len[:num_reqs]
                 w._qo_indptr_buf = on_device.qo_indptr[:b]
         w._batch_size = num_reqs
         w._block_tables = None
         if self.tensor_cores:
-            w._max_kv_len = int(kv_lens_host.numpy().max())
+            w._max_kv_len = int(kv_lens_host.numpy().max()) if max_kv_len is None else max_kv_len
             w._plan_info = w._cached_module.plan(
-                *self._workspaces, inputs.qo_indptr[:b], kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
+                *self._workspaces, qo_indptr_host, kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
                 *self._fixed, *self._tail,
             )
         else:

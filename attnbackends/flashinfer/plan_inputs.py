@@ -53,14 +53,14 @@ class PagedKVPlanInputs:
             raise ValueError("to_device needs the arrays in their host buffer (a whole batch, not a select())")
         b = self.num_reqs + 1
         host_indices = self.kv_indices.device.type == "cpu"
-        total = self.kv_indices.shape[0]
-        region = self.host_buffer[: 3 * b + total] if host_indices else self.host_buffer[: 3 * b]
-        on_device = region.to(device, non_blocking=True)
+        total = self.kv_indices.shape[0] if host_indices else 0
+        on_device = self.host_buffer[: 3 * b + total].to(device, non_blocking=True)
+        kv_indptr, kv_last_page_len, _, qo_indptr, kv_indices = on_device.split_with_sizes((b, b - 1, 1, b, total))
         return PagedKVPlanInputs(
-            qo_indptr=on_device[2 * b : 3 * b],
-            kv_indptr=on_device[:b],
-            kv_last_page_len=on_device[b : 2 * b - 1],
-            kv_indices=on_device[3 * b : 3 * b + total] if host_indices else self.kv_indices,
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_last_page_len=kv_last_page_len,
+            kv_indices=kv_indices if host_indices else self.kv_indices,
         )
 
     def select(self, start: int, end: int) -> "PagedKVPlanInputs":
@@ -114,6 +114,7 @@ def paged_kv_plan_inputs(
     pin_memory: bool = False,
     host_buffer: Optional[torch.Tensor] = None,
     block_table_cpu: Optional[torch.Tensor] = None,
+    max_seq_len: Optional[int] = None,
 ) -> PagedKVPlanInputs:
     """FlashInfer's page-table arrays for a batch.
 
@@ -130,6 +131,7 @@ def paged_kv_plan_inputs(
         it has :func:`plan_host_buffer_size` elements; the caller must not reuse it while copies from it may be
         pending. Otherwise a new one is allocated; either way the result's ``host_buffer`` names it.
     block_table_cpu : optional host copy of ``block_table`` (same values; see CommonAttentionMetadata).
+    max_seq_len : ``max(seq_lens_cpu)`` when the caller knows it (CommonAttentionMetadata does); saves a reduction.
 
     Returns
     -------
@@ -146,10 +148,11 @@ def paged_kv_plan_inputs(
     num_reqs = seq_lens_cpu.shape[0]
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, the batch has {num_reqs} requests")
+    # Host time matters here (once per step, small batches): numpy on views of one buffer, few torch calls.
     seq_lens = seq_lens_cpu.numpy()
     num_pages = (seq_lens + (block_size - 1)) // block_size  # [B] pages holding each request's tokens
     if skip_pages:
-        num_pages = num_pages - skip_pages
+        num_pages -= skip_pages
         if num_reqs and num_pages.min() < 1:
             raise ValueError(f"skip_pages={skip_pages} leaves a request without pages")
     b = num_reqs + 1
@@ -163,14 +166,18 @@ def paged_kv_plan_inputs(
         host_buffer = torch.empty(needed + needed // 4, dtype=torch.int32, pin_memory=pin_memory)
     host = host_buffer.numpy()
     host[:b] = indptr
-    last_page_len = host[b : 2 * b - 1]
-    np.remainder(seq_lens - 1, block_size, out=last_page_len)
-    last_page_len += 1
+    last_page_len = host[b : 2 * b - 1]  # seq_len - (pages - 1) * block_size, in [1, block_size]
+    np.subtract(seq_lens, (num_pages + (skip_pages - 1)) * block_size, out=last_page_len)
     host[2 * b : 3 * b] = query_start_loc_cpu.numpy()
 
     # Request r's pages are columns skip_pages .. skip_pages + num_pages[r] - 1 of its row: a boolean mask over the
     # table's first columns selects them, in row-major order, which is kv_indices' order.
-    width = int(num_pages.max()) if num_reqs else 0
+    if not num_reqs:
+        width = 0
+    elif max_seq_len is not None:
+        width = (max_seq_len + block_size - 1) // block_size - skip_pages
+    else:
+        width = int(num_pages.max())
     if skip_pages + width > block_table.shape[1]:
         raise ValueError(
             f"block_table has {block_table.shape[1]} columns, a request needs {skip_pages + width} pages"
@@ -178,24 +185,23 @@ def paged_kv_plan_inputs(
     keep = _columns(width) < num_pages[:, None]  # [B, width]
     if block_table_cpu is None and not block_table.is_cuda:
         block_table_cpu = block_table
+    # One split gives every host array: kv_indptr, kv_last_page_len, spare, qo_indptr, kv_indices, positions.
+    parts = host_buffer[:needed].split_with_sizes((b, num_reqs, 1, b, total, total))
     if block_table_cpu is not None:  # gather on the host, into the pinned buffer that plan() copies from
-        table = block_table_cpu[:num_reqs, skip_pages : skip_pages + width]
-        if table.dtype != torch.int32:
-            table = table.to(torch.int32)
-        kv_indices = host_buffer[3 * b : 3 * b + total]
-        host[3 * b : 3 * b + total] = table.numpy()[keep]
+        table = block_table_cpu.numpy()[:num_reqs, skip_pages : skip_pages + width]
+        host[3 * b : 3 * b + total] = table[keep]  # (numpy casts a wider integer table)
+        kv_indices = parts[4]
     else:  # gather on the device at flat positions of the table's storage
         table = block_table[:num_reqs]
         if table.stride(-1) != 1 or table.dtype != torch.int32:
             table = table.to(torch.int32).contiguous()
         host[3 * b + total : 3 * b + 2 * total] = flat_page_positions(table.stride(0), skip_pages, keep)
         storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
-        positions = host_buffer[3 * b + total : 3 * b + 2 * total].to(table.device, non_blocking=pin_memory)
-        kv_indices = storage.index_select(0, positions)
+        kv_indices = storage.index_select(0, parts[5].to(table.device, non_blocking=pin_memory))
     return PagedKVPlanInputs(
-        qo_indptr=host_buffer[2 * b : 3 * b],
-        kv_indptr=host_buffer[:b],
-        kv_last_page_len=host_buffer[b : 2 * b - 1],
+        qo_indptr=parts[3],
+        kv_indptr=parts[0],
+        kv_last_page_len=parts[1],
         kv_indices=kv_indices,
         host_buffer=host_buffer,
     )
