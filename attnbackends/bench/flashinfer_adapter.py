@@ -54,6 +54,28 @@ def _decode_batch(batch: int, seq_len: int, device: str = "cuda", seed: int = 0)
     return common, cache, query
 
 
+def _raw_decode_peer(inputs):
+    """The peer: FlashInfer's decode wrapper (tensor cores, as the adapter uses for 32 query / 8 KV heads) on its own
+    workspace, and its ``plan()`` call with the page table at hand (host indptr / last-page arrays, page ids on the
+    device; copies, so later builds cannot change them). Returns (wrapper, plan)."""
+    import flashinfer
+
+    indptr, last_page_len = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
+    indices = inputs.kv_indices.to("cuda")
+    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
+    )
+
+    def raw_plan():
+        raw.plan(
+            indptr, indices, last_page_len, SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_size, SPEC.block_size,
+            pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale, non_blocking=True,
+        )
+
+    return raw, raw_plan
+
+
 def _wall_us_pair(ours, peer, rounds: int = 7, iters: int = 200) -> tuple[float, float]:
     """Back-to-back loop time per call of ``ours`` and ``peer``: the median over ``rounds`` rounds that alternate the
     two, so that drift in the host's speed affects both alike."""
@@ -64,15 +86,20 @@ def _wall_us_pair(ours, peer, rounds: int = 7, iters: int = 200) -> tuple[float,
     return statistics.median(ours_times), statistics.median(peer_times)
 
 
-def _wall_us(fn, iters: int = 200) -> float:
+def _wall_us(fn, iters: int = 200, *, drain: bool = True) -> float:
+    """Time per call of ``iters`` back-to-back calls (no synchronisation between them); ``drain``: the clock stops
+    after the GPU has finished them, else when the host has enqueued the last one (host time alone)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    if drain:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+    return elapsed / iters * 1e6
 
 
 def _host_us(fn, iters: int = 100) -> float:
@@ -89,7 +116,6 @@ def _host_us(fn, iters: int = 100) -> float:
 
 def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict]:
     """JSON rows: the adapter vs raw FlashInfer for decode steps (see the module docstring)."""
-    import flashinfer
     from triton.testing import do_bench
 
     rows = []
@@ -100,22 +126,7 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
         planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         meta = builder.build(common)
-        inputs = meta.plan_inputs
-        # The raw side gets its page table ready: host indptr / last-page arrays, page ids on the device.
-        raw_indptr, raw_last = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
-        raw_indices = inputs.kv_indices.to("cuda")
-        raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
-        )
-
-        def raw_plan():
-            raw.plan(
-                raw_indptr, raw_indices, raw_last, SPEC.num_heads, SPEC.num_kv_heads,
-                SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
-                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16,
-                sm_scale=SPEC.softmax_scale, non_blocking=True,
-            )
-
+        raw, raw_plan = _raw_decode_peer(meta.plan_inputs)
         raw_plan()
         torch.testing.assert_close(
             impl.forward(query, None, None, cache, meta, out.clone()), raw.run(query, cache), rtol=1e-2, atol=1e-2
@@ -160,27 +171,13 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
 
 def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dict]:
     """Host time of build() (translation + FlashInfer's plan) and of the raw plan() alone, per batch."""
-    import flashinfer
 
     rows = []
     for batch in batch_sizes:
         common, _, _ = _decode_batch(batch, seq_len)
         builder = FlashInferMetadataBuilder(SPEC, "cuda")
         planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
-        inputs = builder.build(common).plan_inputs
-        raw_indptr, raw_last = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
-        raw_indices = inputs.kv_indices.to("cuda")
-        raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
-        )
-
-        def raw_plan():
-            raw.plan(
-                raw_indptr, raw_indices, raw_last, SPEC.num_heads, SPEC.num_kv_heads,
-                SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
-                kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
-                non_blocking=True,
-            )
+        _, raw_plan = _raw_decode_peer(builder.build(common).plan_inputs)
 
         from attnbackends.flashinfer import paged_kv_plan_inputs
 
@@ -222,23 +219,8 @@ def _host_us_behind_busy_gpu(fn, iters: int = 50, busy_us: float = 1000.0) -> fl
     return statistics.median(times) * 1e6
 
 
-def _back_to_back_us(fn, iters: int = 300) -> float:
-    """Host time per call in a loop with no synchronisation (the GPU drained only at the end)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e6
-
-
 def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict:
     """The parts of a re-planned decode build, each alone (reads the builder's private fields: a profiling aid)."""
-    import flashinfer
-
     from attnbackends.flashinfer.backend import FlashInferMetadata
     from attnbackends.flashinfer.plan_inputs import paged_kv_plan_inputs
 
@@ -253,14 +235,7 @@ def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict
     b = c.num_reqs + 1
     args = (*replanner._workspaces, inputs.qo_indptr[:b], inputs.kv_indptr[:b], c.seq_lens_cpu, c.num_reqs,
             c.num_reqs, *replanner._fixed, *replanner._tail)
-    raw_indices = inputs.kv_indices.to("cuda")
-    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(builder._workspace_buffer(), "NHD", use_tensor_cores=True)
-
-    def raw_plan():
-        raw.plan(inputs.kv_indptr, raw_indices, inputs.kv_last_page_len, SPEC.num_heads, SPEC.num_kv_heads,
-                 SPEC.head_size, SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale,
-                 non_blocking=True)
+    raw, raw_plan = _raw_decode_peer(inputs)
 
     ring = builder._host_buffers
     return {
@@ -311,7 +286,7 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
         for name, fn in pieces.items():
             print(f"B={batch} {name}: {_host_us(fn):.1f} us host (median, GPU drained before each); "
                   f"{_host_us_behind_busy_gpu(fn):.1f} us with 1 ms of GPU work queued ahead; "
-                  f"{_back_to_back_us(fn):.1f} us per call back to back")
+                  f"{_wall_us(fn, 300, drain=False):.1f} us per call back to back")
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
@@ -326,23 +301,16 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
 def trace_steps(out_dir: Path, batch: int = 1, seq_len: int = 4096, reps: int = 30) -> None:
     """Chrome traces (torch.profiler, CPU and CUDA) of ``reps`` do_bench-style steps (L2 flush, then the step) of
     the adapter and of the raw wrapper, to see where a step's GPU-timed span goes."""
-    import flashinfer
     from torch.profiler import ProfilerActivity, profile
 
     common, cache, query = _decode_batch(batch, seq_len)
     out = torch.empty_like(query)
     builder = FlashInferMetadataBuilder(SPEC, "cuda")
     impl = FlashInferBackend.get_impl_cls()(SPEC)
-    inputs = builder.build(common).plan_inputs
-    raw_indptr, raw_last = inputs.kv_indptr.clone(), inputs.kv_last_page_len.clone()
-    raw_indices = inputs.kv_indices.to("cuda")
-    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+    raw, raw_plan = _raw_decode_peer(builder.build(common).plan_inputs)
 
     def raw_step():
-        raw.plan(raw_indptr, raw_indices, raw_last, SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_size,
-                 SPEC.block_size, pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-                 o_data_type=torch.bfloat16, sm_scale=SPEC.softmax_scale, non_blocking=True)
+        raw_plan()
         raw.run(query, cache, out=out)
 
     def ours_step():
