@@ -79,7 +79,9 @@ class DecodeReplanner:
         if self.tensor_cores:
             # module.plan(workspaces, qo_indptr, kv_indptr, kv_lens, total_rows, batch, heads..., page_size,
             #             cuda_graph, head_dim_qk, head_dim_vo, causal, window_left[, split size, no split, ctas])
-            self._fixed = (num_qo_heads, num_kv_heads, page_size, self.cuda_graph, head_dim, head_dim, False, window_left)
+            self._fixed = (
+                num_qo_heads, num_kv_heads, page_size, self.cuda_graph, head_dim, head_dim, False, window_left
+            )
             self._tail = (-1, False, 0) if w._backend == "fa2" else ()
         else:
             # module.plan(workspaces, kv_indptr, batch, heads..., page_size, cuda_graph, window_left, soft_cap,

@@ -20,7 +20,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["PagedKVPlanInputs", "flat_page_positions", "paged_kv_plan_inputs", "plan_host_buffer_size", "shared_prefix_blocks"]
+__all__ = [
+    "PagedKVPlanInputs", "flat_page_positions", "paged_kv_plan_inputs", "plan_host_buffer_size", "shared_prefix_blocks",
+]
 
 
 @dataclass(frozen=True)
