@@ -179,13 +179,7 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
         planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
         _, raw_plan = _raw_decode_peer(builder.build(common).plan_inputs)
 
-        from attnbackends.flashinfer import paged_kv_plan_inputs
-
-        c = common
-        staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
-        translate = _host_us(lambda: paged_kv_plan_inputs(
-            c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
-            host_buffer=staging, block_table_cpu=c.block_table_cpu))
+        translate = _host_us(lambda: builder._plan_inputs(common))
         build = _host_us(lambda: builder.build(common))
         planning_build = _host_us(lambda: planning_builder.build(common))
         plan = _host_us(raw_plan)
@@ -222,44 +216,45 @@ def _host_us_behind_busy_gpu(fn, iters: int = 50, busy_us: float = 1000.0) -> fl
 def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict:
     """The parts of a re-planned decode build, each alone (reads the builder's private fields: a profiling aid)."""
     from attnbackends.flashinfer.backend import FlashInferMetadata
-    from attnbackends.flashinfer.plan_inputs import paged_kv_plan_inputs
+    from attnbackends.flashinfer.page_ids import gather_page_ids
 
     wrapper = builder._decode
     replanner = builder._replanner_for(wrapper)
     if replanner is None:
         return {}
     c = common
-    staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
-    inputs = paged_kv_plan_inputs(c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size,
-                                  pin_memory=True, host_buffer=staging, block_table_cpu=c.block_table_cpu)
+    inputs = builder._plan_inputs(c)
     b = c.num_reqs + 1
-    args = (*replanner._workspaces, inputs.qo_indptr[:b], inputs.kv_indptr[:b], c.seq_lens_cpu, c.num_reqs,
-            c.num_reqs, *replanner._fixed, *replanner._tail)
+    args = (*replanner._workspaces, replanner._arange(b), inputs.host_kv_indptr(c.num_reqs), c.seq_lens_cpu,
+            c.num_reqs, c.num_reqs, *replanner._fixed, *replanner._tail)
     raw, raw_plan = _raw_decode_peer(inputs)
+    staged = builder._device_plan_buffer
+    host = inputs.host_buffer
+    on_device = inputs.on_device
+    table = c.block_table
 
-    ring = builder._host_buffers
     return {
         "  raw plan()": raw_plan,
         "  raw plan()+run": lambda: (raw_plan(), raw.run(*run_args)),
         "  replan": lambda: replanner.replan(inputs, c.num_reqs, c.seq_lens_cpu),
-        "  . to_device (one H2D copy, 4 views)": lambda: inputs.to_device(wrapper.device),
         "  . scheduler (module.plan)": lambda: wrapper._cached_module.plan(*args),
-        "  host buffer ring take+release": lambda: ring.release(ring.take()),
-        "  torch.cuda.current_stream()": torch.cuda.current_stream,
-        "  one pinned H2D copy (.to)": lambda: staging[:16].to("cuda", non_blocking=True),
+        "  stage the small arrays (one H2D copy, cached views)": lambda: staged.stage(
+            host, c.num_reqs, inputs.num_pages, host_gathered=True),
+        "  page-id gather kernel": lambda: gather_page_ids(table, on_device.kv_indptr, on_device.kv_indices),
+        "  pinned host buffer (torch.empty, caching host allocator)": lambda: torch.empty(
+            3 * b, dtype=torch.int32, pin_memory=True),
+        "  one pinned H2D copy (copy_)": lambda: on_device.kv_indptr.copy_(host[:b], non_blocking=True),
         "  metadata object": lambda: FlashInferMetadata(
             plan_key=builder.plan_key, num_actual_tokens=c.num_actual_tokens, num_decodes=c.num_reqs,
             num_decode_tokens=c.num_reqs, num_prefills=0, slot_mapping=c.slot_mapping, common=c),
     }
 
 
-def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) -> None:
+def profile_build(batch_sizes=(1, 64, 256), seq_len: int = 4096, steps: int = 300) -> None:
     """Where a step's host time goes: cProfile of ``steps`` build + forward calls per batch size (top functions by
     own time), and the host time of each piece of the translation."""
     import cProfile
     import pstats
-
-    from attnbackends.flashinfer import paged_kv_plan_inputs
 
     for batch in batch_sizes:
         common, cache, query = _decode_batch(batch, seq_len)
@@ -269,15 +264,11 @@ def profile_build(batch_sizes=(1, 64), seq_len: int = 4096, steps: int = 300) ->
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         impl.forward(query, None, None, cache, builder.build(common), out)
         planning_builder.build(common)
-        c = common
-        staging = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
+        host_gather = FlashInferMetadataBuilder(SPEC, "cuda", host_gather_max_pages=1 << 30)
+        device_gather = FlashInferMetadataBuilder(SPEC, "cuda", host_gather_max_pages=0)
         pieces = {
-            "translate (host gather)": lambda: paged_kv_plan_inputs(
-                c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
-                host_buffer=staging, block_table_cpu=c.block_table_cpu),
-            "translate (device gather)": lambda: paged_kv_plan_inputs(
-                c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, SPEC.block_size, pin_memory=True,
-                host_buffer=staging),
+            "translate+stage (host gather)": lambda: host_gather._plan_inputs(common),
+            "translate+stage (device gather)": lambda: device_gather._plan_inputs(common),
             "build": lambda: builder.build(common),
             "build, plan() each step": lambda: planning_builder.build(common),
             "build+forward": lambda: impl.forward(query, None, None, cache, builder.build(common), out),

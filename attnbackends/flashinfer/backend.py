@@ -37,8 +37,7 @@ from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
-from .host_ring import HostBufferRing
-from .plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs
+from .plan_inputs import DEFAULT_HOST_GATHER_MAX_PAGES, DevicePlanBuffer, PagedKVPlanInputs, paged_kv_plan_inputs
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
@@ -172,6 +171,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     fast_plan : after a decode wrapper's first ``plan()``, re-plan it for later batches with
         :class:`.fast_plan.DecodeReplanner` (the same plan, less host time) where the installed flashinfer is a
         tested version; ``decode_replan_status`` says whether it is in use and why not. False: always ``plan()``.
+    host_gather_max_pages : batches of up to this many pages gather their page ids on the host (from
+        ``block_table_cpu``), larger ones on the GPU (:mod:`.page_ids`).
     """
 
     reorder_batch_threshold = 1
@@ -190,6 +191,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         max_model_len: int = 32768,
         use_tensor_cores: Optional[bool] = None,
         fast_plan: bool = True,
+        host_gather_max_pages: int = DEFAULT_HOST_GATHER_MAX_PAGES,
     ) -> None:
         super().__init__(spec, device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug)
         _check_spec(spec)
@@ -225,8 +227,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._cascade: Any = None
         self._graph_decode: dict[int, Any] = {}
         self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-        # Pinned host buffers for the page-table arrays, used in turn (a busy one is replaced, never waited for).
-        self._host_buffers = HostBufferRing(enabled=self._pin, slots=8)
+        self.host_gather_max_pages = host_gather_max_pages
+        # Each batch's page table goes here by one copy (from a pinned host buffer of torch's caching host
+        # allocator, which keeps a buffer out of use until the copies out of it have run).
+        self._device_plan_buffer: Optional[DevicePlanBuffer] = None
         self.fast_plan = fast_plan
         # Per decode wrapper (by id; the builder keeps its wrappers): its replanner, or why it has none.
         self._replanners: dict[int, "DecodeReplanner | str"] = {}
@@ -385,29 +389,18 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 fp8_kv_cache=spec.is_fp8_kv_cache,
             )
             if blocks:
-                self._host_buffers.release(self._plan_cascade(common, blocks, meta, self._host_buffers.take()))
+                self._plan_cascade(common, blocks, meta)
                 return meta
 
         decode_wrapper = None
         if num_decodes:
             decode_wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
-        replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
-        inputs = paged_kv_plan_inputs(
-            common.query_start_loc_cpu,
-            common.seq_lens_cpu,
-            common.block_table,
-            spec.block_size,
-            pin_memory=self._pin,
-            host_buffer=self._host_buffers.take(),
-            # plan() in CUDA-graph mode copies host page ids synchronously: gather those on the device instead.
-            block_table_cpu=common.block_table_cpu if graph_wrapper is None or replanner is not None else None,
-            max_seq_len=common.max_seq_len,
-        )
+        inputs = self._plan_inputs(common)
         meta.plan_inputs = inputs
-        heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+        replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
-                             max_kv_len=common.max_seq_len if num_decodes == num_reqs else None)
+                             max_kv_len=common.max_seq_len if num_prefills == 0 else None)
             meta.decode_wrapper = decode_wrapper
         elif decode_wrapper is not None:
             part = inputs.select(0, num_decodes)
@@ -415,7 +408,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 part.kv_indptr,
                 part.kv_indices,
                 part.kv_last_page_len,
-                *heads,
+                spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
                 pos_encoding_mode="NONE",
                 o_data_type=spec.torch_dtype,
                 non_blocking=True,
@@ -432,7 +425,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 part.kv_indptr,
                 part.kv_indices,
                 part.kv_last_page_len,
-                *heads,
+                spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
                 causal=True,
                 pos_encoding_mode="NONE",
                 o_data_type=spec.torch_dtype,
@@ -441,28 +434,33 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 **self._plan_kwargs,
             )
             meta.prefill_wrapper = wrapper
-        self._host_buffers.release(inputs.host_buffer)
         return meta
 
-    def _plan_cascade(
-        self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata,
-        host_buffer: Optional[torch.Tensor],
-    ) -> Optional[torch.Tensor]:
-        """Two levels: every query over the shared pages (one pseudo-request, no mask: they are all cached context),
-        then each request over its own remaining pages (causal). Returns the host buffer the page table went in."""
-        spec = self.spec
-        bs = spec.block_size
-        unique = paged_kv_plan_inputs(
+    def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0) -> PagedKVPlanInputs:
+        """The batch's page table (without each request's first ``skip_pages`` pages), on the host and in the
+        builder's device buffer."""
+        device_buffer = self._device_plan_buffer
+        if device_buffer is None:
+            device_buffer = self._device_plan_buffer = DevicePlanBuffer(self.device)
+        return paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
             common.block_table,
-            bs,
-            skip_pages=shared_blocks,
+            self.spec.block_size,
+            skip_pages=skip_pages,
             pin_memory=self._pin,
-            host_buffer=host_buffer,
             block_table_cpu=common.block_table_cpu,
             max_seq_len=common.max_seq_len,
+            device_buffer=device_buffer,
+            host_gather_max_pages=self.host_gather_max_pages,
         )
+
+    def _plan_cascade(self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata) -> None:
+        """Two levels: every query over the shared pages (one pseudo-request, no mask: they are all cached context),
+        then each request over its own remaining pages (causal)."""
+        spec = self.spec
+        bs = spec.block_size
+        unique = self._plan_inputs(common, skip_pages=shared_blocks)
         top_qo = torch.tensor([0, common.num_actual_tokens], dtype=torch.int32)
         top_kv = torch.tensor([0, shared_blocks], dtype=torch.int32)
         top_last = torch.tensor([bs], dtype=torch.int32)
@@ -483,7 +481,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         meta.cascade_wrapper = wrapper
         meta.cascade_shared_blocks = shared_blocks
-        return unique.host_buffer
 
 
 def _torch_reshape_and_cache(

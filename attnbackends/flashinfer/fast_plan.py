@@ -7,8 +7,9 @@ step at small batches, and at large ones its ``max()`` over a tensor walks the K
 
 A :class:`DecodeReplanner` keeps the set-up of one public ``plan()`` call and redoes only the per-batch part:
 
-- the page table goes to the GPU in one asynchronous copy of the builder's pinned host buffer (its layout is in
-  :func:`.plan_inputs.paged_kv_plan_inputs`), or into the wrapper's persistent buffers in CUDA-graph mode;
+- the page table is already on the GPU, in the builder's :class:`.plan_inputs.DevicePlanBuffer` (one asynchronous
+  copy of a pinned host buffer, page ids gathered there for large batches): the wrapper is pointed at it, or, in
+  CUDA-graph mode, it is copied into the wrapper's persistent buffers;
 - the compiled module's own ``plan`` (the C++ scheduler) runs on the host arrays, as ``plan()`` would call it;
 - the wrapper's per-batch fields are set as ``plan()`` sets them.
 
@@ -91,23 +92,29 @@ class DecodeReplanner:
                            torch.empty(0, dtype=q_dtype), torch.empty(0, dtype=kv_dtype))
             self._tail = ()
         self._workspaces = workspaces
+        self._aranges: dict[int, torch.Tensor] = {}
+
+    def _arange(self, b: int) -> torch.Tensor:
+        """[b] int32 CPU 0, 1, ..., b - 1: the decodes' qo_indptr (one query token each), made once per size."""
+        qo = self._aranges.get(b)
+        if qo is None:
+            qo = self._aranges[b] = torch.arange(b, dtype=torch.int32)
+        return qo
 
     def replan(
         self, inputs: PagedKVPlanInputs, num_reqs: int, seq_lens_cpu: torch.Tensor, max_kv_len: Optional[int] = None
     ) -> None:
-        """Plan requests ``0:num_reqs`` of ``inputs`` (the decodes; ``inputs`` as :func:`paged_kv_plan_inputs`
-        returned it, host arrays in its pinned host buffer) with KV lengths ``seq_lens_cpu[:num_reqs]``
-        (``max_kv_len``: their maximum, when the caller knows it).
-
-        The host buffer must not be rewritten until the copies enqueued here have run (the builder's ring of
-        pinned buffers sees to that). No host-device synchronisation.
+        """Plan requests ``0:num_reqs`` of ``inputs`` (the decodes, one query token each; ``inputs`` as
+        :func:`paged_kv_plan_inputs` returned it for the whole batch, with its arrays on the device, ``on_device``, in
+        plain mode) with KV lengths ``seq_lens_cpu[:num_reqs]`` (``max_kv_len``: their maximum, when the caller knows
+        it). No host-device synchronisation.
         """
         w = self.wrapper
         b = num_reqs + 1
         whole = num_reqs == inputs.num_reqs  # a pure-decode batch: no views to make
-        kv_indptr_host = inputs.kv_indptr if whole else inputs.kv_indptr[:b]
-        qo_indptr_host = inputs.qo_indptr if whole else inputs.qo_indptr[:b]
+        kv_indptr_host = inputs.host_kv_indptr(num_reqs)
         kv_lens_host = seq_lens_cpu if seq_lens_cpu.shape[0] == num_reqs else seq_lens_cpu[:num_reqs]
+        on_device = inputs.on_device
         if self.cuda_graph:
             if num_reqs != w._fixed_batch_size:
                 raise ValueError(
@@ -119,27 +126,28 @@ class DecodeReplanner:
                     f"the batch uses {num_pages} pages, the CUDA-graph page buffer holds "
                     f"{w._paged_kv_indices_buf.shape[0]} (raise max_model_len)"
                 )
-            w._paged_kv_indptr_buf.copy_(kv_indptr_host, non_blocking=True)
-            w._paged_kv_last_page_len_buf.copy_(
-                inputs.kv_last_page_len if whole else inputs.kv_last_page_len[:num_reqs], non_blocking=True)
-            w._paged_kv_indices_buf[:num_pages].copy_(inputs.kv_indices[:num_pages], non_blocking=True)
+            src = on_device if on_device is not None else inputs  # device-to-device copies when staged there
+            w._paged_kv_indptr_buf.copy_(src.kv_indptr[:b], non_blocking=True)
+            w._paged_kv_last_page_len_buf.copy_(src.kv_last_page_len[:num_reqs], non_blocking=True)
+            w._paged_kv_indices_buf[:num_pages].copy_(src.kv_indices[:num_pages], non_blocking=True)
         else:
-            on_device = inputs.to_device(self.device)
-            w._paged_kv_indices_buf = on_device.kv_indices
+            if on_device is None:
+                raise ValueError("re-planning a decode wrapper needs the page table on the device: build it with "
+                                 "paged_kv_plan_inputs(..., device_buffer=...)")
             if whole:
-                w._paged_kv_indptr_buf = on_device.kv_indptr
-                w._paged_kv_last_page_len_buf = on_device.kv_last_page_len
-                w._qo_indptr_buf = on_device.qo_indptr
+                w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_last_page_len_buf, w._paged_kv_indices_buf = (
+                    on_device)
             else:
                 w._paged_kv_indptr_buf = on_device.kv_indptr[:b]
                 w._paged_kv_last_page_len_buf = on_device.kv_last_page_len[:num_reqs]
                 w._qo_indptr_buf = on_device.qo_indptr[:b]
+                w._paged_kv_indices_buf = on_device.kv_indices[: int(kv_indptr_host[-1])]
         w._batch_size = num_reqs
         w._block_tables = None
         if self.tensor_cores:
             w._max_kv_len = int(kv_lens_host.numpy().max()) if max_kv_len is None else max_kv_len
             w._plan_info = w._cached_module.plan(
-                *self._workspaces, qo_indptr_host, kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
+                *self._workspaces, self._arange(b), kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
                 *self._fixed, *self._tail,
             )
         else:

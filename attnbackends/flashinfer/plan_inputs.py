@@ -1,8 +1,9 @@
-"""CommonAttentionMetadata -> the page-table arrays FlashInfer's ``plan()`` takes, in vectorised torch.
+"""CommonAttentionMetadata -> the page-table arrays FlashInfer's ``plan()`` takes, with numpy on the host.
 
-Pure functions, no flashinfer import: they run (and are tested) on the CPU. The per-request quantities come from the
-CPU copies (``query_start_loc_cpu``, ``seq_lens_cpu``) with numpy; only ``paged_kv_indices`` needs the block table, and
-it is gathered on the block table's own device at positions computed on the host, so nothing waits for the GPU.
+No flashinfer import: this runs (and is tested) on the CPU. The per-request quantities come from the CPU copies
+(``query_start_loc_cpu``, ``seq_lens_cpu``); only ``paged_kv_indices`` needs the block table. It is gathered on the
+host from the table's host copy when the batch has few pages, else on the table's device by one kernel
+(:mod:`.page_ids`), so nothing waits for the GPU and the host work stays O(batch) for large batches.
 
 FlashInfer's page table ("CSR" layout) for requests ``0..B-1``:
 
@@ -10,83 +11,151 @@ FlashInfer's page table ("CSR" layout) for requests ``0..B-1``:
 - ``kv_indptr[B + 1]``: request i uses pages ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, in order;
 - ``kv_last_page_len[B]``: tokens in the last page of request i, in ``[1, page_size]``;
 - request i's KV length is ``(kv_indptr[i + 1] - kv_indptr[i] - 1) * page_size + kv_last_page_len[i]``.
+
+The host arrays of a whole batch live in one (pinned) host buffer, in this order: ``kv_indptr`` [B + 1],
+``kv_last_page_len`` [B], one spare element, ``qo_indptr`` [B + 1], then, when gathered on the host, ``kv_indices``.
+``host_buffer[:3 * (B + 1) + pages]`` is the whole page table in one piece, which :class:`DevicePlanBuffer` copies to
+the GPU with one copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from .page_ids import gather_page_ids
+
 __all__ = [
-    "PagedKVPlanInputs", "flat_page_positions", "paged_kv_plan_inputs", "plan_host_buffer_size", "shared_prefix_blocks",
+    "DEFAULT_HOST_GATHER_MAX_PAGES", "DevicePlanBuffer", "PagedKVPlanInputs", "PlanArrays", "paged_kv_plan_inputs",
+    "shared_prefix_blocks",
 ]
 
+#: Up to this many pages in a batch, page ids are gathered on the host (numpy, ~1-2 ns a page, copied with the rest
+#: of the page table); above it, on the device (one kernel launch, a fixed host cost of a few microseconds).
+DEFAULT_HOST_GATHER_MAX_PAGES = 4096
 
-@dataclass(frozen=True)
-class PagedKVPlanInputs:
-    """The page-table arrays of a run of consecutive requests.
 
-    Attributes
-    ----------
-    qo_indptr : [B + 1] int32, CPU
-    kv_indptr : [B + 1] int32, CPU
-    kv_last_page_len : [B] int32, CPU
-    kv_indices : [kv_indptr[-1]] int32, on the block table's device
-    host_buffer : the 1-D int32 CPU tensor the host arrays live in (see :func:`paged_kv_plan_inputs`), or None
-    """
+class PlanArrays(NamedTuple):
+    """FlashInfer's four page-table arrays, on one device (int32)."""
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_last_page_len: torch.Tensor
     kv_indices: torch.Tensor
-    host_buffer: Optional[torch.Tensor] = None
+
+
+class PagedKVPlanInputs:
+    """The page table of a run of consecutive requests.
+
+    Attributes
+    ----------
+    num_reqs : B.
+    num_pages : kv_indptr[-1], the pages of all B requests.
+    kv_indices : [num_pages] int32: on the device when ``on_device`` is set (its ``kv_indices``) or when gathered
+        there, else on the host.
+    host_buffer : the 1-D int32 CPU tensor of a whole batch (layout in the module docstring), or None after
+        :meth:`select`.
+    on_device : the four arrays on the GPU (a :class:`DevicePlanBuffer`'s views), or None.
+    qo_indptr, kv_indptr : [B + 1] int32 on the CPU; kv_last_page_len : [B] int32 on the CPU (views made on use).
+    """
+
+    __slots__ = ("num_reqs", "num_pages", "kv_indices", "host_buffer", "on_device", "_host")
+
+    def __init__(
+        self, num_reqs: int, num_pages: int, kv_indices: torch.Tensor, *, host_buffer: Optional[torch.Tensor] = None,
+        on_device: Optional[PlanArrays] = None,
+        host_arrays: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    ) -> None:
+        self.num_reqs = num_reqs
+        self.num_pages = num_pages
+        self.kv_indices = kv_indices
+        self.host_buffer = host_buffer
+        self.on_device = on_device
+        self._host = host_arrays  # (qo_indptr, kv_indptr, kv_last_page_len), or None: views of host_buffer
+
+    def _host_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._host is None:
+            b = self.num_reqs + 1
+            kv_indptr, last, _, qo = self.host_buffer[: 3 * b].split_with_sizes((b, b - 1, 1, b))
+            self._host = (qo, kv_indptr, last)
+        return self._host
 
     @property
-    def num_reqs(self) -> int:
-        return self.kv_last_page_len.shape[0]
+    def qo_indptr(self) -> torch.Tensor:
+        return self._host_arrays()[0]
 
-    def to_device(self, device: torch.device) -> "PagedKVPlanInputs":
-        """The four arrays on ``device`` by one asynchronous copy of the host buffer (whole batches only: the result
-        of :func:`paged_kv_plan_inputs`, not of :meth:`select`). A ``kv_indices`` already there is kept."""
-        if self.host_buffer is None:
-            raise ValueError("to_device needs the arrays in their host buffer (a whole batch, not a select())")
-        b = self.num_reqs + 1
-        host_indices = self.kv_indices.device.type == "cpu"
-        total = self.kv_indices.shape[0] if host_indices else 0
-        on_device = self.host_buffer[: 3 * b + total].to(device, non_blocking=True)
-        kv_indptr, kv_last_page_len, _, qo_indptr, kv_indices = on_device.split_with_sizes((b, b - 1, 1, b, total))
-        return PagedKVPlanInputs(
-            qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr,
-            kv_last_page_len=kv_last_page_len,
-            kv_indices=kv_indices if host_indices else self.kv_indices,
-        )
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self._host_arrays()[1]
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return self._host_arrays()[2]
+
+    def host_kv_indptr(self, num_reqs: int) -> torch.Tensor:
+        """[num_reqs + 1] int32 CPU: the start of ``kv_indptr`` (requests ``0:num_reqs``), one view."""
+        if self.host_buffer is not None:
+            return self.host_buffer[: num_reqs + 1]
+        return self.kv_indptr[: num_reqs + 1]
 
     def select(self, start: int, end: int) -> "PagedKVPlanInputs":
-        """Requests ``start:end`` alone, with both indptrs rebased to 0 (CPU index reads only)."""
+        """Requests ``start:end`` alone, with both indptrs rebased to 0 (CPU index reads only; the device arrays are
+        not carried over)."""
         if start == 0 and end == self.num_reqs:
             return self
-        qo = self.qo_indptr[start : end + 1]
-        kv = self.kv_indptr[start : end + 1]
+        qo_all, kv_all, last_all = self._host_arrays()
+        qo = qo_all[start : end + 1]
+        kv = kv_all[start : end + 1]
         kv_begin, kv_end = int(kv[0]), int(kv[-1])
         if start:
             pin = qo.is_pinned()
             qo = torch.sub(qo, qo[0], out=torch.empty_like(qo, pin_memory=pin))
             kv = torch.sub(kv, kv_begin, out=torch.empty_like(kv, pin_memory=pin))
         return PagedKVPlanInputs(
-            qo_indptr=qo,
-            kv_indptr=kv,
-            kv_last_page_len=self.kv_last_page_len[start:end],
-            kv_indices=self.kv_indices[kv_begin:kv_end],
+            end - start, kv_end - kv_begin, self.kv_indices[kv_begin:kv_end], host_arrays=(qo, kv, last_all[start:end])
         )
 
 
-def plan_host_buffer_size(num_reqs: int, total_pages: int) -> int:
-    """int32 elements of the host buffer :func:`paged_kv_plan_inputs` needs for a batch."""
-    return 3 * (num_reqs + 1) + 2 * total_pages
+class DevicePlanBuffer:
+    """One persistent int32 buffer on the GPU that receives each batch's page table by one asynchronous copy.
+
+    Its arrays are overwritten by the next batch's copy, which is enqueued on the stream after every kernel of the
+    previous batch (the FlashInfer wrappers hold one plan at a time anyway: build the next batch after the last layer
+    of this one). The small arrays' views are made once per batch size. It grows when a batch needs more room.
+    """
+
+    def __init__(self, device: "torch.device | str", initial_elements: int = 1 << 16) -> None:
+        self.device = torch.device(device)
+        self._buffer = torch.zeros(initial_elements, dtype=torch.int32, device=self.device)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _views_for(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        views = self._views.get(b)
+        if views is None:
+            kv_indptr, last, _, qo = self._buffer[: 3 * b].split_with_sizes((b, b - 1, 1, b))
+            views = self._views[b] = (qo, kv_indptr, last)
+        return views
+
+    def stage(
+        self, host_buffer: torch.Tensor, num_reqs: int, num_pages: int, *, host_gathered: bool,
+        block_table: Optional[torch.Tensor] = None, skip_pages: int = 0,
+    ) -> PlanArrays:
+        """Copy a whole batch's host buffer (layout in the module docstring) here, and gather the page ids from
+        ``block_table`` (on this device) when they were not gathered on the host. Returns views of this buffer."""
+        b = num_reqs + 1
+        if 3 * b + num_pages > self._buffer.shape[0]:
+            grown = max(3 * b + num_pages, 2 * self._buffer.shape[0])
+            self._buffer = torch.zeros(grown, dtype=torch.int32, device=self.device)
+            self._views.clear()
+        copied = 3 * b + num_pages if host_gathered else 3 * b
+        self._buffer[:copied].copy_(host_buffer[:copied], non_blocking=True)
+        qo, kv_indptr, last = self._views_for(b)
+        kv_indices = self._buffer[3 * b : 3 * b + num_pages]
+        if not host_gathered:
+            gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages)
+        return PlanArrays(qo, kv_indptr, last, kv_indices)
 
 
 #: Column numbers 0, 1, 2, ... (read-only; sliced to a block table's width).
@@ -98,14 +167,6 @@ def _columns(width: int) -> np.ndarray:
     return _COLUMNS[:width] if width <= _COLUMNS.shape[0] else np.arange(width, dtype=np.int32)
 
 
-def flat_page_positions(row_stride: int, skip_pages: int, keep: np.ndarray) -> np.ndarray:
-    """[total] positions in a block table's storage (row r starts at ``r * row_stride``) of the pages that ``keep``
-    [B, width] selects from columns ``skip_pages ..``, in row-major order."""
-    num_reqs, width = keep.shape
-    row_start = np.arange(skip_pages, skip_pages + num_reqs * row_stride, row_stride, dtype=np.int64)
-    return (row_start[:, None] + _columns(width))[keep]
-
-
 def paged_kv_plan_inputs(
     query_start_loc_cpu: torch.Tensor,
     seq_lens_cpu: torch.Tensor,
@@ -114,9 +175,10 @@ def paged_kv_plan_inputs(
     *,
     skip_pages: int = 0,
     pin_memory: bool = False,
-    host_buffer: Optional[torch.Tensor] = None,
     block_table_cpu: Optional[torch.Tensor] = None,
     max_seq_len: Optional[int] = None,
+    device_buffer: Optional[DevicePlanBuffer] = None,
+    host_gather_max_pages: int = DEFAULT_HOST_GATHER_MAX_PAGES,
 ) -> PagedKVPlanInputs:
     """FlashInfer's page-table arrays for a batch.
 
@@ -128,24 +190,20 @@ def paged_kv_plan_inputs(
     block_size : tokens per page.
     skip_pages : leave out each request's first ``skip_pages`` pages (the shared prefix that cascade attention
         serves from its own level); every request must keep at least one page.
-    pin_memory : put the host arrays in pinned memory (on CUDA hosts) so the copies to the GPU are async.
-    host_buffer : a 1-D int32 CPU tensor to hold the host arrays (a builder's persistent pinned buffer), used when
-        it has :func:`plan_host_buffer_size` elements; the caller must not reuse it while copies from it may be
-        pending. Otherwise a new one is allocated; either way the result's ``host_buffer`` names it.
+    pin_memory : put the host arrays in pinned memory (on CUDA hosts) so the copies to the GPU are asynchronous.
+        The buffer comes from torch's caching host allocator, which does not hand it out again before the copies
+        out of it have run.
     block_table_cpu : optional host copy of ``block_table`` (same values; see CommonAttentionMetadata).
     max_seq_len : ``max(seq_lens_cpu)`` when the caller knows it (CommonAttentionMetadata does); saves a reduction.
+    device_buffer : when given, the page table is also copied there (``on_device`` of the result).
+    host_gather_max_pages : with a GPU block table and its host copy, gather on the host up to this many pages.
 
     Returns
     -------
     PagedKVPlanInputs
-        The host arrays are computed with numpy. ``kv_indices`` is gathered on the host when the block table is
-        there (``block_table_cpu``, or a CPU ``block_table``): a host array that FlashInfer's ``plan()`` copies to
-        the GPU with its other arrays. Otherwise it is one ``index_select`` of the block table on its device at
-        positions computed on the host (copied asynchronously from pinned memory). No host-device synchronisation.
-
-        The host buffer holds, in this order, ``kv_indptr`` [B + 1], ``kv_last_page_len`` [B], one spare element,
-        ``qo_indptr`` [B + 1], then (host gather) ``kv_indices``: ``host_buffer[:3 * (B + 1) + total_pages]`` is
-        every host array of the plan in one piece, which :func:`.fast_plan` copies to the GPU with one copy.
+        Host arrays computed with numpy. ``kv_indices`` is gathered on the host when the block table is there (a
+        CPU table, or its host copy for a batch of at most ``host_gather_max_pages`` pages), else by one kernel on
+        the table's device. No host-device synchronisation.
     """
     num_reqs = seq_lens_cpu.shape[0]
     if block_table.shape[0] < num_reqs:
@@ -157,23 +215,6 @@ def paged_kv_plan_inputs(
         num_pages -= skip_pages
         if num_reqs and num_pages.min() < 1:
             raise ValueError(f"skip_pages={skip_pages} leaves a request without pages")
-    b = num_reqs + 1
-    # kv_indptr first: its last entry is the total, which sizes the buffer (a small scratch array until then).
-    indptr = np.empty(b, dtype=np.int32)
-    indptr[0] = 0
-    np.cumsum(num_pages, out=indptr[1:])
-    total = int(indptr[-1])
-    needed = plan_host_buffer_size(num_reqs, total)
-    if host_buffer is None or host_buffer.shape[0] < needed:
-        host_buffer = torch.empty(needed + needed // 4, dtype=torch.int32, pin_memory=pin_memory)
-    host = host_buffer.numpy()
-    host[:b] = indptr
-    last_page_len = host[b : 2 * b - 1]  # seq_len - (pages - 1) * block_size, in [1, block_size]
-    np.subtract(seq_lens, (num_pages + (skip_pages - 1)) * block_size, out=last_page_len)
-    host[2 * b : 3 * b] = query_start_loc_cpu.numpy()
-
-    # Request r's pages are columns skip_pages .. skip_pages + num_pages[r] - 1 of its row: a boolean mask over the
-    # table's first columns selects them, in row-major order, which is kv_indices' order.
     if not num_reqs:
         width = 0
     elif max_seq_len is not None:
@@ -184,29 +225,40 @@ def paged_kv_plan_inputs(
         raise ValueError(
             f"block_table has {block_table.shape[1]} columns, a request needs {skip_pages + width} pages"
         )
-    keep = _columns(width) < num_pages[:, None]  # [B, width]
+    b = num_reqs + 1
+    # kv_indptr first: its last entry is the total, which sizes the buffer (a small scratch array until then).
+    indptr = np.empty(b, dtype=np.int32)
+    indptr[0] = 0
+    np.add.accumulate(num_pages, out=indptr[1:])  # (np.cumsum, the same, costs twice the host time)
+    total = int(indptr[-1])
     if block_table_cpu is None and not block_table.is_cuda:
         block_table_cpu = block_table
-    # One split gives every host array: kv_indptr, kv_last_page_len, spare, qo_indptr, kv_indices, positions.
-    parts = host_buffer[:needed].split_with_sizes((b, num_reqs, 1, b, total, total))
-    if block_table_cpu is not None:  # gather on the host, into the pinned buffer that plan() copies from
+    host_gather = block_table_cpu is not None and (total <= host_gather_max_pages or not block_table.is_cuda)
+    if not host_gather and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    host_buffer = torch.empty(3 * b + (total if host_gather else 0), dtype=torch.int32, pin_memory=pin_memory)
+    host = host_buffer.numpy()
+    host[:b] = indptr
+    last_page_len = host[b : 2 * b - 1]  # seq_len - (pages - 1) * block_size, in [1, block_size]
+    np.subtract(seq_lens, (num_pages + (skip_pages - 1)) * block_size, out=last_page_len)
+    host[2 * b : 3 * b] = query_start_loc_cpu.numpy()
+    if host_gather:
+        # Request r's pages are columns skip_pages .. skip_pages + num_pages[r] - 1 of its row: a boolean mask over
+        # the table's first columns selects them, in row-major order, which is kv_indices' order.
         table = block_table_cpu.numpy()[:num_reqs, skip_pages : skip_pages + width]
-        host[3 * b : 3 * b + total] = table[keep]  # (numpy casts a wider integer table)
-        kv_indices = parts[4]
-    else:  # gather on the device at flat positions of the table's storage
-        table = block_table[:num_reqs]
-        if table.stride(-1) != 1 or table.dtype != torch.int32:
-            table = table.to(torch.int32).contiguous()
-        host[3 * b + total : 3 * b + 2 * total] = flat_page_positions(table.stride(0), skip_pages, keep)
-        storage = table.as_strided(((num_reqs - 1) * table.stride(0) + table.shape[1],) if num_reqs else (0,), (1,))
-        kv_indices = storage.index_select(0, parts[5].to(table.device, non_blocking=pin_memory))
-    return PagedKVPlanInputs(
-        qo_indptr=parts[3],
-        kv_indptr=parts[0],
-        kv_last_page_len=parts[1],
-        kv_indices=kv_indices,
-        host_buffer=host_buffer,
-    )
+        host[3 * b :] = table[_columns(width) < num_pages[:, None]]  # (numpy casts a wider integer table)
+    on_device = None
+    if device_buffer is not None:
+        on_device = device_buffer.stage(host_buffer, num_reqs, total, host_gathered=host_gather,
+                                        block_table=block_table, skip_pages=skip_pages)
+        kv_indices = on_device.kv_indices
+    elif host_gather:
+        kv_indices = host_buffer[3 * b :]
+    else:
+        kv_indptr = host_buffer[:b].to(block_table.device, non_blocking=pin_memory)
+        kv_indices = torch.empty(total, dtype=torch.int32, device=block_table.device)
+        gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages)
+    return PagedKVPlanInputs(num_reqs, total, kv_indices, host_buffer=host_buffer, on_device=on_device)
 
 
 def shared_prefix_blocks(

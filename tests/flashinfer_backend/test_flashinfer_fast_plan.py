@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnbackends.flashinfer.fast_plan import DecodeReplanner, replan_unsupported_reason
-from attnbackends.flashinfer.plan_inputs import paged_kv_plan_inputs
+from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer, paged_kv_plan_inputs
 from attnbackends.metadata import build_common_metadata
 
 
@@ -43,10 +43,15 @@ def replanner(wrapper, **overrides):
     return DecodeReplanner(wrapper, **{**kw, **overrides})
 
 
-def decode_inputs():
-    # KV lengths 4, 17, 33 at page size 16: 1, 2, 3 pages.
+def decode_inputs(staged=True):
+    """KV lengths 4, 17, 33 at page size 16: 1, 2, 3 pages; staged in a device buffer (here on the CPU), whose
+    storage is poisoned first."""
     common = build_common_metadata([1, 1, 1], [3, 16, 32], [[7], [2, 9], [4, 5, 6]], 16)
-    inputs = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16)
+    device_buffer = DevicePlanBuffer("cpu", initial_elements=64) if staged else None
+    if staged:
+        device_buffer._buffer.fill_(-77)
+    inputs = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16,
+                                  device_buffer=device_buffer)
     return common, inputs
 
 
@@ -77,6 +82,17 @@ def test_tensor_core_replan(backend, tail):
     assert w._paged_kv_indices_buf.tolist() == [7, 2, 9, 4, 5, 6]
     assert w._paged_kv_last_page_len_buf.tolist() == [4, 1, 1]
     assert w._qo_indptr_buf.tolist() == [0, 1, 2, 3]
+    # run() reads the staged device arrays, not host copies
+    staged = inputs.on_device
+    for name, t in (("_paged_kv_indptr_buf", staged.kv_indptr), ("_paged_kv_indices_buf", staged.kv_indices),
+                    ("_paged_kv_last_page_len_buf", staged.kv_last_page_len), ("_qo_indptr_buf", staged.qo_indptr)):
+        assert getattr(w, name) is t, name
+
+
+def test_plain_replan_needs_the_staged_arrays():
+    common, inputs = decode_inputs(staged=False)
+    with pytest.raises(ValueError, match="device_buffer"):
+        replanner(stand_in_wrapper()).replan(inputs, 3, common.seq_lens_cpu)
 
 
 def test_cuda_core_replan_passes_soft_cap_and_dtypes():
@@ -88,10 +104,12 @@ def test_cuda_core_replan_passes_soft_cap_and_dtypes():
     assert args[4:12] == (2, 8, 2, 16, False, -1, 30.0, 64) and args[12] == 64
     assert args[13].dtype == torch.float16 and args[14].dtype == torch.float8_e4m3fn
     assert w._paged_kv_indptr_buf.tolist() == [0, 1, 3] and w._paged_kv_last_page_len_buf.tolist() == [4, 1]
+    assert w._paged_kv_indices_buf.tolist() == [7, 2, 9]
 
 
-def test_cuda_graph_replan_fills_the_persistent_buffers():
-    common, inputs = decode_inputs()
+@pytest.mark.parametrize("staged", [True, False])
+def test_cuda_graph_replan_fills_the_persistent_buffers(staged):
+    common, inputs = decode_inputs(staged)
     w = stand_in_wrapper(cuda_graph=True, batch=3, pages=8)
     buffers = (w._paged_kv_indptr_buf, w._paged_kv_indices_buf, w._paged_kv_last_page_len_buf)
     replanner(w).replan(inputs, 3, common.seq_lens_cpu)

@@ -107,27 +107,31 @@ REPLAN_STEPS = (
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_replanned_decode_equals_plan_bit_for_bit(name):
-    """A builder that re-plans its decode wrapper (fast_plan) and one that calls plan() every step: the same plan
-    info from FlashInfer's scheduler and bitwise equal outputs, batch after batch; both close to the oracle."""
+    """A builder that re-plans its decode wrapper (fast_plan), the same gathering page ids on the GPU
+    (host_gather_max_pages=0) and one that calls plan() every step: the same plan info from FlashInfer's scheduler
+    and bitwise equal outputs, batch after batch; all close to the oracle."""
     spec = SPECS[name]
     fast = FlashInferMetadataBuilder(spec, DEVICE)
+    device_gather = FlashInferMetadataBuilder(spec, DEVICE, host_gather_max_pages=0)
     slow = FlashInferMetadataBuilder(spec, DEVICE, fast_plan=False)
     for step, shapes in enumerate(REPLAN_STEPS):
         batch = make_random_batch(spec, [SequenceShape(q, c) for q, c in shapes], seed=40 + step, device=DEVICE)
         impl = FlashInferBackend.get_impl_cls()(spec, k_scale=batch.k_scale, v_scale=batch.v_scale)
         outputs, plan_infos = [], []
-        for builder in (fast, slow):
+        for builder in (fast, device_gather, slow):
             meta = builder.build(batch.common)
             out = batch.new_output()  # NaN-poisoned
             impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
             outputs.append(out)
             plan_infos.append(list(meta.decode_wrapper._plan_info))
-        assert plan_infos[0] == plan_infos[1], f"step {step}: plan info differs"
-        assert torch.equal(outputs[0], outputs[1]), f"step {step}: outputs differ"
+        for i in (1, 2):
+            assert plan_infos[0] == plan_infos[i], f"step {step}: plan info differs (builder {i})"
+            assert torch.equal(outputs[0], outputs[i]), f"step {step}: outputs differ (builder {i})"
         n = batch.num_actual_tokens
         tol = tolerance_for(spec.torch_dtype, spec.kv_cache_dtype)
         assert_close_to_oracle(outputs[0][:n], oracle_attention(batch), tol, what=f"re-planned step {step}")
     assert fast.decode_replan_status == {"eager": "replanned"}, fast.decode_replan_status
+    assert device_gather.decode_replan_status == {"eager": "replanned"}
     assert slow.decode_replan_status == {"eager": "disabled (fast_plan=False)"}
 
 
@@ -215,16 +219,20 @@ def test_no_host_device_sync_in_translation_and_forward():
     spec = SPECS["h128"]
     batch = make_random_batch(spec, MIXED, seed=4, device=DEVICE)
     builder = FlashInferMetadataBuilder(spec, DEVICE)
+    device_gather = FlashInferMetadataBuilder(spec, DEVICE, host_gather_max_pages=0)
     impl = FlashInferBackend.get_impl_cls()(spec)
     meta = builder.build(batch.common)
     out = batch.new_output()
     cache = batch.kv_cache.clone()
     impl.forward(batch.query, batch.key, batch.value, cache, meta, out)  # first call validates arguments
+    device_gather.build(batch.common)
     torch.cuda.synchronize()
     c = batch.common
     torch.cuda.set_sync_debug_mode("error")
     try:
+        # the page ids gathered on the GPU (no host copy of the table), then by both builders
         paged_kv_plan_inputs(c.query_start_loc_cpu, c.seq_lens_cpu, c.block_table, spec.block_size, pin_memory=True)
+        device_gather.build(batch.common)
         meta = builder.build(batch.common)  # re-planned (fast_plan)
         impl.forward(batch.query, batch.key, batch.value, cache, meta, out)
     finally:

@@ -185,36 +185,97 @@ def test_cascade_policy_thresholds():
         CascadePolicy(min_saved_fraction=1.5)
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_flat_page_positions_index_the_table_storage(seed):
-    """The device-gather path's positions: gathering the table's flat storage at them gives the host gather."""
-    import numpy as np
-
-    from attnbackends.flashinfer.plan_inputs import flat_page_positions
-
-    rng = np.random.default_rng(seed)
-    num_reqs, width, skip = int(rng.integers(1, 9)), int(rng.integers(1, 12)), int(rng.integers(0, 3))
-    table = torch.randperm(10_000)[: num_reqs * (width + skip + 2)].reshape(num_reqs, -1).to(torch.int32)
-    num_pages = rng.integers(1, width + 1, size=num_reqs)
-    keep = np.arange(width)[None, :] < num_pages[:, None]
-    got = table.flatten()[torch.from_numpy(flat_page_positions(table.stride(0), skip, keep))]
-    want = [p for r in range(num_reqs) for p in table[r, skip : skip + num_pages[r]].tolist()]
-    assert got.tolist() == want
-
-
 def test_block_table_too_narrow_is_a_value_error():
     common = build_common_metadata([1], [40], [[1, 2, 3]], 16)
     with pytest.raises(ValueError, match="columns"):
         paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table[:, :2], 16)
 
 
-def test_to_device_is_one_copy_of_the_host_buffer():
-    """to_device's views of its single copy hold the same four arrays (here "device" is the CPU)."""
+def random_tables(seed, dtype=torch.int32):
+    """A random batch's table (rows wider than needed, wider than the batch), page counts and skip."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = int(torch.randint(1, 9, (1,), generator=gen))
+    skip = int(torch.randint(0, 3, (1,), generator=gen))
+    counts = torch.randint(1, 600, (num_reqs,), generator=gen)  # > the kernel's 256-page block for some
+    width = skip + int(counts.max()) + 3
+    table = torch.randperm(100_000, generator=gen)[: (num_reqs + 2) * width].reshape(num_reqs + 2, width).to(dtype)
+    return table, counts, skip
+
+
+def want_page_ids(table, counts, skip):
+    return [p for r, n in enumerate(counts.tolist()) for p in table[r, skip : skip + n].tolist()]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_gather_page_ids_matches_brute_force(seed, impl, monkeypatch):
+    """The device gather (Triton, interpreted on the CPU; or the torch stand-in) takes each request's pages from
+    column ``skip`` on, in request order; int64 tables are narrowed to int32."""
+    from attnbackends.flashinfer import page_ids
+
+    if impl == "triton" and not (torch.cuda.is_available() or page_ids._triton_interpret_env()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    if impl == "torch":
+        monkeypatch.setattr(page_ids, "_triton_interpret_env", lambda: False)
+    table, counts, skip = random_tables(seed, torch.int64 if seed % 2 else torch.int32)
+    indptr = torch.zeros(counts.shape[0] + 1, dtype=torch.int32)
+    indptr[1:] = counts.cumsum(0)
+    out = torch.full((int(indptr[-1]),), -5, dtype=torch.int32)
+    assert page_ids.gather_page_ids(table, indptr, out, skip_pages=skip) is out
+    assert out.tolist() == want_page_ids(table, counts, skip)
+
+
+def test_gather_page_ids_rejects_bad_input():
+    from attnbackends.flashinfer.page_ids import gather_page_ids
+
+    table = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = torch.empty(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        gather_page_ids(table, indptr.long(), out)
+    with pytest.raises(ValueError, match="unit column stride"):
+        gather_page_ids(table.t(), indptr, out)
+    with pytest.raises(ValueError, match="rows"):
+        gather_page_ids(table[:1], indptr, out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_plan_buffer_stages_the_page_table(seed):
+    """One copy of the host buffer (+ the page-id gather when not done on the host) gives the four arrays; the
+    buffer grows for a large batch, and the small arrays' views are reused for a batch size seen before."""
+    from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
+
+    table, counts, skip = random_tables(seed)
+    num_reqs, bs = counts.shape[0], 16
+    seq_lens = ((counts + skip - 1) * bs + torch.randint(1, bs + 1, (num_reqs,))).tolist()
+    common = build_common_metadata([1] * num_reqs, [n - 1 for n in seq_lens], table[:num_reqs].tolist(), bs)
+    want = brute_force([1] * num_reqs, [n - 1 for n in seq_lens], table[:num_reqs].tolist(), bs, skip)
+    for host_gather_max_pages in (0, 1 << 20):  # a CPU table is gathered on the host either way
+        buffer = DevicePlanBuffer("cpu", initial_elements=8)
+        buffer._buffer.fill_(-1)
+        for _ in range(2):
+            p = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, bs,
+                                     skip_pages=skip, device_buffer=buffer, host_gather_max_pages=host_gather_max_pages)
+            assert as_lists(p) == want and as_lists(p.on_device) == want
+            assert p.kv_indices is p.on_device.kv_indices
+    views = p.on_device
+    # Device-side gather into the same buffer: poison it, stage only the small arrays, gather from the table.
+    buffer._buffer.fill_(-1)
+    again = buffer.stage(p.host_buffer, num_reqs, p.num_pages, host_gathered=False, block_table=table,
+                         skip_pages=skip)
+    assert as_lists(again) == want
+    assert again.kv_indptr is views.kv_indptr and again.qo_indptr is views.qo_indptr
+    assert buffer._buffer.shape[0] >= 3 * (num_reqs + 1) + p.num_pages
+
+
+def test_select_keeps_host_arrays_and_device_page_ids():
+    from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
+
     common = build_common_metadata([1, 1, 5], [3, 16, 20], [[7], [2, 9], [4, 5, 6, 8]], 16)
-    p = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16)
-    d = p.to_device(torch.device("cpu"))
-    assert as_lists(d) == as_lists(p)
-    assert d.kv_indptr.untyped_storage().data_ptr() == d.kv_indices.untyped_storage().data_ptr()
-    assert d.host_buffer is None
-    with pytest.raises(ValueError, match="whole batch"):
-        p.select(1, 3).to_device(torch.device("cpu"))
+    p = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16,
+                             device_buffer=DevicePlanBuffer("cpu"))
+    tail = p.select(1, 3)
+    assert as_lists(tail) == ([0, 1, 6], [0, 2, 4], [2, 9, 4, 5], [1, 9])
+    assert tail.on_device is None and tail.host_buffer is None
+    assert tail.kv_indices.untyped_storage().data_ptr() == p.on_device.kv_indices.untyped_storage().data_ptr()
+    assert p.host_kv_indptr(2).tolist() == [0, 1, 3] and tail.host_kv_indptr(1).tolist() == [0, 2]
