@@ -239,7 +239,7 @@ def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict
         "  replan": lambda: replanner.replan(inputs, c.num_reqs, c.seq_lens_cpu),
         "  . scheduler (module.plan)": lambda: wrapper._cached_module.plan(*args),
         "  stage the small arrays (one H2D copy, cached views)": lambda: staged.stage(
-            host, c.num_reqs, inputs.num_pages, host_gathered=True),
+            host, c.num_reqs, 0, host_gathered=True),
         "  page-id gather kernel": lambda: gather_page_ids(table, on_device.kv_indptr, on_device.kv_indices),
         "  pinned host buffer (torch.empty, caching host allocator)": lambda: torch.empty(
             3 * b, dtype=torch.int32, pin_memory=True),

@@ -279,3 +279,22 @@ def test_select_keeps_host_arrays_and_device_page_ids():
     assert tail.on_device is None and tail.host_buffer is None
     assert tail.kv_indices.untyped_storage().data_ptr() == p.on_device.kv_indices.untyped_storage().data_ptr()
     assert p.host_kv_indptr(2).tolist() == [0, 1, 3] and tail.host_kv_indptr(1).tolist() == [0, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gather_page_ids_on_the_gpu_first_and_later_launches():
+    """The first launch per table dtype goes through Triton's JIT, later ones launch the compiled kernel directly:
+    both give the brute-force page ids, for int32 and int64 tables, any skip, outputs at unaligned offsets."""
+    from attnbackends.flashinfer.page_ids import gather_page_ids
+
+    for seed in range(8):
+        table, counts, skip = random_tables(seed, torch.int64 if seed % 2 else torch.int32)
+        indptr = torch.zeros(counts.shape[0] + 1, dtype=torch.int32)
+        indptr[1:] = counts.cumsum(0)
+        offset = seed % 3  # out starts 0, 4 or 8 bytes into its buffer
+        buffer = torch.full((offset + int(indptr[-1]) + 5,), -5, dtype=torch.int32, device="cuda")
+        out = buffer[offset : offset + int(indptr[-1])]
+        gather_page_ids(table.cuda(), indptr.cuda(), out, skip_pages=skip)
+        assert out.tolist() == want_page_ids(table, counts, skip), f"seed {seed}"
+        assert buffer[:offset].eq(-5).all() and buffer[offset + out.shape[0] :].eq(-5).all(), "wrote outside out"
