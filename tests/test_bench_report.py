@@ -51,8 +51,10 @@ def test_fp8_speedup_and_report_files(tmp_path):
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 5
     text = write_markdown(tmp_path / "r.md", header, rows + speed)
     assert ">= 1.7x own bf16 decode: met" in text and "time <= 1.05x flashinfer: met" in text
-    write_plot(tmp_path / "r.png", rows)
+    assert write_plot(tmp_path / "r.png", rows)
     assert (tmp_path / "r.png").stat().st_size > 1000
+    adapter_only = [dict(rows[0], case="adapter_overhead")]
+    assert not write_plot(tmp_path / "empty.png", adapter_only) and not (tmp_path / "empty.png").exists()
 
 
 def test_bench_without_gpu_says_so(capsys):

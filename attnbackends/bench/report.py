@@ -84,14 +84,17 @@ def write_markdown(path: Path, header: dict[str, Any], rows: list[dict[str, Any]
     return text
 
 
-def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Decode time against context length, one line per (backend, batch size), ours and the peer's."""
+def write_plot(path: Path, rows: list[dict[str, Any]]) -> bool:
+    """Decode time against context length, one line per (backend, batch size), ours and the peer's. Writes nothing
+    and returns False when ``rows`` hold no decode rows (e.g. an adapter-overhead run alone)."""
+    panels = [("decode", "auto", "paged decode, bf16 KV"), ("mla_decode", "auto", "MLA decode")]
+    if not any(r.get("case") == case and r.get("kv_dtype", "auto") == kv for r in rows for case, kv, _ in panels):
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("decode", "auto", "paged decode, bf16 KV"), ("mla_decode", "auto", "MLA decode")]
     fig, axes = plt.subplots(1, len(panels), figsize=(12, 4.5))
     for ax, (case, kv, title) in zip(axes, panels):
         picked = [r for r in rows if r.get("case") == case and r.get("kv_dtype", "auto") == kv]
@@ -109,3 +112,4 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True

@@ -103,8 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stem = f"{_gpu_slug(gpu)}-{date}" + (f"-{args.tag}" if args.tag else "")
     write_json(outdir / f"{stem}.json", header, rows)
     print(write_markdown(outdir / f"{stem}.md", header, rows))
-    write_plot(outdir / f"{stem}.png", rows)
-    print(f"wrote {outdir / stem}.json/.md/.png" + (f"; failed suites: {', '.join(failed)}" if failed else ""))
+    plotted = write_plot(outdir / f"{stem}.png", rows)
+    print(f"wrote {outdir / stem}.json/.md" + ("/.png" if plotted else "")
+          + (f"; failed suites: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
