@@ -98,9 +98,13 @@ def _launch(block_table: torch.Tensor, kv_indptr: torch.Tensor, out: torch.Tenso
     and returns the kernel; later ones launch that kernel directly (``compiled[grid](*args)``, Triton's launcher for
     a compiled kernel), skipping the JIT's per-call argument binding and cache lookup: a few microseconds of host
     time instead of ~15 on a step that is host-bound. Valid because nothing is specialised (the decorator)."""
+    index = block_table.device.index
+    if index is not None and index != torch.cuda.current_device():  # Triton launches on the current device's stream
+        with torch.cuda.device(index):
+            return _launch(block_table, kv_indptr, out, skip_pages, num_reqs)
     grid = _grid(block_table, skip_pages, num_reqs)
     args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
-    key = (block_table.device.index, block_table.dtype)
+    key = (index, block_table.dtype)
     compiled = _compiled.get(key)
     if compiled is None:
         _compiled[key] = _gather_page_ids_kernel[grid](*args, BLOCK=_BLOCK)
