@@ -260,6 +260,8 @@ def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict
         "  . scheduler (module.plan)": lambda: wrapper._cached_module.plan(*args),
         "  stage the small arrays (one H2D copy, cached views)": lambda: staged.stage(
             host, c.num_reqs, 0, host_gathered=True),
+        "  decode table on the device (host kv_indptr + one kernel)": lambda: staged.decode_table(
+            c.seq_lens_cpu, c.seq_lens, table, SPEC.block_size, c.max_seq_len),
         "  page-id gather kernel": lambda: gather_page_ids(table, on_device.kv_indptr, on_device.kv_indices),
         "  pinned host buffer (torch.empty, caching host allocator)": lambda: torch.empty(
             3 * b, dtype=torch.int32, pin_memory=True),

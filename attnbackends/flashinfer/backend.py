@@ -37,6 +37,7 @@ from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
+from .page_ids import DECODE_TABLE_MAX_REQS
 from .plan_inputs import DEFAULT_HOST_GATHER_MAX_PAGES, DevicePlanBuffer, PagedKVPlanInputs, paged_kv_plan_inputs
 
 __all__ = [
@@ -395,9 +396,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         decode_wrapper = None
         if num_decodes:
             decode_wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
-        inputs = self._plan_inputs(common)
-        meta.plan_inputs = inputs
         replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
+        if (replanner is not None and num_prefills == 0 and num_reqs <= DECODE_TABLE_MAX_REQS
+                and common.block_table.is_cuda and common.seq_lens.is_cuda):
+            # the common decode step: the page table is built on the GPU, the host computes kv_indptr alone
+            inputs = self._device_buffer().decode_table(
+                common.seq_lens_cpu, common.seq_lens, common.block_table, spec.block_size, common.max_seq_len)
+        else:
+            inputs = self._plan_inputs(common)
+        meta.plan_inputs = inputs
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
                              max_kv_len=common.max_seq_len if num_prefills == 0 else None)
@@ -436,12 +443,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             meta.prefill_wrapper = wrapper
         return meta
 
+    def _device_buffer(self) -> DevicePlanBuffer:
+        if self._device_plan_buffer is None:
+            self._device_plan_buffer = DevicePlanBuffer(self.device)
+        return self._device_plan_buffer
+
     def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0) -> PagedKVPlanInputs:
         """The batch's page table (without each request's first ``skip_pages`` pages), on the host and in the
         builder's device buffer."""
-        device_buffer = self._device_plan_buffer
-        if device_buffer is None:
-            device_buffer = self._device_plan_buffer = DevicePlanBuffer(self.device)
         return paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
@@ -451,7 +460,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             pin_memory=self._pin,
             block_table_cpu=common.block_table_cpu,
             max_seq_len=common.max_seq_len,
-            device_buffer=device_buffer,
+            device_buffer=self._device_buffer(),
             host_gather_max_pages=self.host_gather_max_pages,
         )
 

@@ -10,7 +10,7 @@ On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) a Triton kernel does it; o
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import triton
@@ -18,9 +18,12 @@ import triton.language as tl
 
 from ..platform import _triton_interpret_env
 
-__all__ = ["gather_page_ids"]
+__all__ = ["DECODE_TABLE_MAX_REQS", "decode_page_table", "gather_page_ids"]
 
 _BLOCK = 256  # page ids per program
+
+#: Most requests :func:`decode_page_table` takes (each program sums the page counts of the requests before its own).
+DECODE_TABLE_MAX_REQS = 4096
 
 
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
@@ -69,13 +72,14 @@ def gather_page_ids(
         raise ValueError(f"block_table has {block_table.shape[0]} rows, kv_indptr describes {num_reqs} requests")
     if num_reqs <= 0 or out.shape[0] == 0:
         return out
-    if block_table.is_cuda:
-        _launch(block_table, kv_indptr, out, skip_pages, num_reqs)
-        return out
-    if _triton_interpret_env():
-        _gather_page_ids_kernel[_grid(block_table, skip_pages, num_reqs)](
-            block_table, block_table.stride(0), kv_indptr, out, skip_pages, BLOCK=_BLOCK
-        )
+    if block_table.is_cuda or _triton_interpret_env():
+        grid = (num_reqs, triton.cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
+        args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
+        if block_table.is_cuda:
+            key = ("gather", block_table.device.index, block_table.dtype)
+            _launch(_gather_page_ids_kernel, key, block_table.device, grid, args, {"BLOCK": _BLOCK})
+        else:
+            _gather_page_ids_kernel[grid](*args, BLOCK=_BLOCK)
         return out
     counts = (kv_indptr[1:] - kv_indptr[:-1]).long()
     rows = torch.repeat_interleave(torch.arange(num_reqs), counts)
@@ -84,29 +88,105 @@ def gather_page_ids(
     return out
 
 
-def _grid(block_table: torch.Tensor, skip_pages: int, num_reqs: int) -> tuple[int, int, int]:
-    return num_reqs, triton.cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1
+@triton.jit(
+    do_not_specialize=["table_row_stride", "num_reqs", "page_size"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "table_ptr", "kv_indptr_ptr", "last_page_len_ptr",
+                                    "kv_indices_ptr"],
+)
+def _decode_page_table_kernel(seq_lens_ptr, table_ptr, table_row_stride, kv_indptr_ptr, last_page_len_ptr,
+                              kv_indices_ptr, num_reqs, page_size, BLOCK: tl.constexpr, REQS: tl.constexpr):
+    """Grid: (num_reqs, cdiv(table columns, BLOCK)). Program (r, j) finds request r's first page in the CSR layout
+    (the pages of requests 0..r-1, summed over all REQS >= num_reqs lengths), writes kv_indptr[r + 1] and
+    kv_last_page_len[r] (j == 0; kv_indptr[0] too for r == 0) and copies request r's page ids j*BLOCK ..."""
+    req = tl.program_id(0)
+    reqs = tl.arange(0, REQS)
+    lens = tl.load(seq_lens_ptr + reqs, mask=reqs < num_reqs, other=0)
+    start = tl.sum(tl.where(reqs < req, (lens + page_size - 1) // page_size, 0))
+    seq_len = tl.load(seq_lens_ptr + req)
+    count = (seq_len + page_size - 1) // page_size
+    if tl.program_id(1) == 0:
+        tl.store(kv_indptr_ptr + req + 1, start + count)
+        tl.store(last_page_len_ptr + req, seq_len - (count - 1) * page_size)
+        if req == 0:
+            tl.store(kv_indptr_ptr, start)  # 0
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < count
+    row = table_ptr + req.to(tl.int64) * table_row_stride
+    tl.store(kv_indices_ptr + start + cols, tl.load(row + cols, mask=mask), mask=mask)
 
 
-#: The compiled kernel per (device index, table dtype), after its first launch through the JIT.
-_compiled: dict[tuple[Optional[int], torch.dtype], Any] = {}
+def decode_page_table(
+    seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor, kv_indices: torch.Tensor,
+) -> None:
+    """FlashInfer's whole page table for B requests, built on their device by one kernel from the KV lengths.
+
+    Parameters
+    ----------
+    seq_lens : [>= B] int32, request r's KV length in ``seq_lens[r]`` (>= 1; entries past B are ignored).
+    block_table : [>= B, width] int32 or int64 (unit column stride); row r lists request r's pages.
+    page_size : tokens per page.
+    kv_indptr : [B + 1] int32, written: request r's pages are ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+    kv_last_page_len : [B] int32, written: tokens in request r's last page.
+    kv_indices : [>= sum of pages] int32, written.
+
+    The caller checks on the host, from its copy of the lengths, that ``width`` columns hold every request's pages
+    (reading ``seq_lens`` here would synchronise). Requests are one program row each, and every program sums the page
+    counts of the requests before its own: fine for the batch sizes of a decode step (B <= DECODE_TABLE_MAX_REQS).
+    """
+    num_reqs = kv_last_page_len.shape[0]
+    tensors = (("seq_lens", seq_lens), ("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len),
+               ("kv_indices", kv_indices))
+    for name, t in tensors:
+        if t.dtype != torch.int32 or t.device != block_table.device:
+            raise ValueError(f"{name} must be int32 on {block_table.device}, got {t.dtype} on {t.device}")
+    if kv_indptr.shape[0] != num_reqs + 1 or seq_lens.shape[0] < num_reqs or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"for {num_reqs} requests: kv_indptr needs {num_reqs + 1} entries (has {kv_indptr.shape[0]}), seq_lens "
+            f"and block_table at least {num_reqs} (have {seq_lens.shape[0]}, {block_table.shape[0]})"
+        )
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be 2-D with unit column stride, got shape {tuple(block_table.shape)}")
+    if num_reqs > DECODE_TABLE_MAX_REQS:
+        raise ValueError(f"decode_page_table takes at most {DECODE_TABLE_MAX_REQS} requests, got {num_reqs}")
+    if num_reqs == 0:
+        kv_indptr.zero_()
+        return
+    grid = (num_reqs, triton.cdiv(block_table.shape[1], _BLOCK), 1)
+    args = (seq_lens, block_table, block_table.stride(0), kv_indptr, kv_last_page_len, kv_indices, num_reqs,
+            page_size)
+    constexprs = {"BLOCK": _BLOCK, "REQS": triton.next_power_of_2(num_reqs)}
+    if block_table.is_cuda:
+        key = ("decode", block_table.device.index, block_table.dtype, constexprs["REQS"])
+        _launch(_decode_page_table_kernel, key, block_table.device, grid, args, constexprs)
+    elif _triton_interpret_env():
+        _decode_page_table_kernel[grid](*args, **constexprs)
+    else:
+        pages = (seq_lens[:num_reqs] + page_size - 1) // page_size
+        kv_indptr[0] = 0
+        torch.cumsum(pages, 0, out=kv_indptr[1:])
+        kv_last_page_len.copy_(seq_lens[:num_reqs] - (pages - 1) * page_size)
+        total = int(kv_indptr[-1])
+        gather_page_ids(block_table, kv_indptr, kv_indices[:total])
 
 
-def _launch(block_table: torch.Tensor, kv_indptr: torch.Tensor, out: torch.Tensor, skip_pages: int,
-            num_reqs: int) -> None:
-    """Launch on the current stream. The first launch per (device, table dtype) goes through the JIT, which compiles
-    and returns the kernel; later ones launch that kernel directly (``compiled[grid](*args)``, Triton's launcher for
-    a compiled kernel), skipping the JIT's per-call argument binding and cache lookup: a few microseconds of host
-    time instead of ~15 on a step that is host-bound. Valid because nothing is specialised (the decorator)."""
-    index = block_table.device.index
-    if index is not None and index != torch.cuda.current_device():  # Triton launches on the current device's stream
-        with torch.cuda.device(index):
-            return _launch(block_table, kv_indptr, out, skip_pages, num_reqs)
-    grid = _grid(block_table, skip_pages, num_reqs)
-    args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
-    key = (index, block_table.dtype)
+
+#: Compiled kernels by (kernel name, device index, table dtype, ...), after their first launch through the JIT.
+_compiled: dict[tuple, Any] = {}
+
+
+def _launch(kernel: Any, key: tuple, device: torch.device, grid: tuple[int, int, int], args: tuple,
+            constexprs: dict[str, int]) -> None:
+    """Launch ``kernel`` on the current stream of ``device``. The first launch per ``key`` goes through the JIT, which
+    compiles and returns the kernel; later ones launch that kernel directly (``compiled[grid](*args)``, Triton's
+    launcher for a compiled kernel), skipping the JIT's per-call argument binding and cache lookup: a few
+    microseconds of host time instead of ~15 on a step that is host-bound. Valid because the kernels specialise on
+    nothing but their dtypes and constexprs, which ``key`` must name; ``constexprs`` in signature order."""
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device.index):  # Triton launches on the current device's stream
+            return _launch(kernel, key, device, grid, args, constexprs)
     compiled = _compiled.get(key)
     if compiled is None:
-        _compiled[key] = _gather_page_ids_kernel[grid](*args, BLOCK=_BLOCK)
+        _compiled[key] = kernel[grid](*args, **constexprs)
     else:
-        compiled[grid](*args, _BLOCK)
+        compiled[grid](*args, *constexprs.values())

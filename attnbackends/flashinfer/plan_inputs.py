@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from .page_ids import gather_page_ids
+from .page_ids import decode_page_table, gather_page_ids
 
 __all__ = [
     "DEFAULT_HOST_GATHER_MAX_PAGES", "DevicePlanBuffer", "PagedKVPlanInputs", "PlanArrays", "paged_kv_plan_inputs",
@@ -58,15 +58,17 @@ class PagedKVPlanInputs:
     host_buffer : the 1-D int32 CPU tensor of a whole batch (layout in the module docstring), or None after
         :meth:`select`.
     on_device : the four arrays on the GPU (a :class:`DevicePlanBuffer`'s views), or None.
-    qo_indptr, kv_indptr : [B + 1] int32 on the CPU; kv_last_page_len : [B] int32 on the CPU (views made on use).
+    qo_indptr, kv_indptr : [B + 1] int32 on the CPU; kv_last_page_len : [B] int32 on the CPU (views made on use; a
+        table built on the device by :meth:`DevicePlanBuffer.decode_table` keeps only ``host_kv_indptr``).
     """
 
-    __slots__ = ("num_reqs", "num_pages", "kv_indices", "host_buffer", "on_device", "_host")
+    __slots__ = ("num_reqs", "num_pages", "kv_indices", "host_buffer", "on_device", "_host", "_host_kv_indptr")
 
     def __init__(
         self, num_reqs: int, num_pages: int, kv_indices: torch.Tensor, *, host_buffer: Optional[torch.Tensor] = None,
         on_device: Optional[PlanArrays] = None,
         host_arrays: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+        host_kv_indptr: Optional[torch.Tensor] = None,
     ) -> None:
         self.num_reqs = num_reqs
         self.num_pages = num_pages
@@ -74,9 +76,13 @@ class PagedKVPlanInputs:
         self.host_buffer = host_buffer
         self.on_device = on_device
         self._host = host_arrays  # (qo_indptr, kv_indptr, kv_last_page_len), or None: views of host_buffer
+        self._host_kv_indptr = host_kv_indptr  # the host kv_indptr alone (a table built on the device)
 
     def _host_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._host is None:
+            if self.host_buffer is None:
+                raise ValueError("this page table was built on the device (DevicePlanBuffer.decode_table): its host "
+                                 "arrays are not kept, only kv_indptr (host_kv_indptr) and on_device")
             b = self.num_reqs + 1
             kv_indptr, last, _, qo = self.host_buffer[: 3 * b].split_with_sizes((b, b - 1, 1, b))
             self._host = (qo, kv_indptr, last)
@@ -98,7 +104,8 @@ class PagedKVPlanInputs:
         """[num_reqs + 1] int32 CPU: the start of ``kv_indptr`` (requests ``0:num_reqs``), one view."""
         if self.host_buffer is not None:
             return self.host_buffer[: num_reqs + 1]
-        return self.kv_indptr[: num_reqs + 1]
+        kv_indptr = self._host_kv_indptr if self._host_kv_indptr is not None else self.kv_indptr
+        return kv_indptr if kv_indptr.shape[0] == num_reqs + 1 else kv_indptr[: num_reqs + 1]
 
     def select(self, start: int, end: int) -> "PagedKVPlanInputs":
         """Requests ``start:end`` alone, with both indptrs rebased to 0 (CPU index reads only; the device arrays are
@@ -130,6 +137,11 @@ class DevicePlanBuffer:
         self.device = torch.device(device)
         self._buffer = torch.zeros(initial_elements, dtype=torch.int32, device=self.device)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # decode_table: kv_indptr on the host (read synchronously by FlashInfer's scheduler, so one is reused), and
+        # the decodes' qo_indptr 0, 1, ..., B here; by B + 1.
+        self._host_indptr = torch.zeros(1, dtype=torch.int32)
+        self._host_indptr_views: dict[int, torch.Tensor] = {}
+        self._aranges: dict[int, torch.Tensor] = {}
 
     def _views_for(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         views = self._views.get(b)
@@ -138,6 +150,50 @@ class DevicePlanBuffer:
             views = self._views[b] = (qo, kv_indptr, last)
         return views
 
+    def _grow(self, elements: int) -> None:
+        if elements > self._buffer.shape[0]:
+            self._buffer = torch.zeros(max(elements, 2 * self._buffer.shape[0]), dtype=torch.int32, device=self.device)
+            self._views.clear()
+
+    def decode_table(
+        self, seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+        max_seq_len: int,
+    ) -> PagedKVPlanInputs:
+        """The page table of a pure-decode batch (one query token per request), built here by one kernel
+        (:func:`.page_ids.decode_page_table`) from the device copy of the KV lengths; the host computes only
+        ``kv_indptr`` from ``seq_lens_cpu`` (FlashInfer's scheduler reads it there). Much less host work than
+        :func:`paged_kv_plan_inputs` + :meth:`stage`; the result keeps no other host arrays, and its host
+        ``kv_indptr`` is overwritten by the next call.
+
+        seq_lens_cpu : [B] int32 CPU; seq_lens : the same on this device (entries past B ignored);
+        block_table : [>= B, width] on this device; max_seq_len : max(seq_lens_cpu).
+        """
+        num_reqs = seq_lens_cpu.shape[0]
+        b = num_reqs + 1
+        width = (max_seq_len + block_size - 1) // block_size
+        if width > block_table.shape[1]:
+            raise ValueError(f"block_table has {block_table.shape[1]} columns, a request needs {width} pages")
+        if block_table.shape[0] < num_reqs:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows, the batch has {num_reqs} requests")
+        host_indptr = self._host_indptr_views.get(b)
+        if host_indptr is None:
+            if b > self._host_indptr.shape[0]:
+                self._host_indptr = torch.zeros(max(b, 2 * self._host_indptr.shape[0]), dtype=torch.int32)
+                self._host_indptr_views.clear()
+            host_indptr = self._host_indptr_views[b] = self._host_indptr[:b]
+        indptr = host_indptr.numpy()
+        np.add.accumulate((seq_lens_cpu.numpy() + (block_size - 1)) // block_size, out=indptr[1:])
+        total = int(indptr[num_reqs])
+        self._grow(3 * b + total)
+        _, kv_indptr, last = self._views_for(b)
+        kv_indices = self._buffer[3 * b : 3 * b + total]
+        decode_page_table(seq_lens, block_table, block_size, kv_indptr, last, kv_indices)
+        qo_indptr = self._aranges.get(b)
+        if qo_indptr is None:
+            qo_indptr = self._aranges[b] = torch.arange(b, dtype=torch.int32, device=self.device)
+        return PagedKVPlanInputs(num_reqs, total, kv_indices, host_kv_indptr=host_indptr,
+                                 on_device=PlanArrays(qo_indptr, kv_indptr, last, kv_indices))
+
     def stage(
         self, host_buffer: torch.Tensor, num_reqs: int, num_pages: int, *, host_gathered: bool,
         block_table: Optional[torch.Tensor] = None, skip_pages: int = 0,
@@ -145,10 +201,7 @@ class DevicePlanBuffer:
         """Copy a whole batch's host buffer (layout in the module docstring) here, and gather the page ids from
         ``block_table`` (on this device) when they were not gathered on the host. Returns views of this buffer."""
         b = num_reqs + 1
-        if 3 * b + num_pages > self._buffer.shape[0]:
-            grown = max(3 * b + num_pages, 2 * self._buffer.shape[0])
-            self._buffer = torch.zeros(grown, dtype=torch.int32, device=self.device)
-            self._views.clear()
+        self._grow(3 * b + num_pages)
         copied = 3 * b + num_pages if host_gathered else 3 * b
         self._buffer[:copied].copy_(host_buffer[:copied], non_blocking=True)
         qo, kv_indptr, last = self._views_for(b)

@@ -298,3 +298,85 @@ def test_gather_page_ids_on_the_gpu_first_and_later_launches():
         gather_page_ids(table.cuda(), indptr.cuda(), out, skip_pages=skip)
         assert out.tolist() == want_page_ids(table, counts, skip), f"seed {seed}"
         assert buffer[:offset].eq(-5).all() and buffer[offset + out.shape[0] :].eq(-5).all(), "wrote outside out"
+
+
+def decode_batch(seed, dtype=torch.int32):
+    """A random pure-decode batch: common metadata whose table rows are wider than needed, and the expected table."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, bs = int(torch.randint(1, 20, (1,), generator=gen)), int(torch.randint(1, 3, (1,), generator=gen)) * 8
+    context = torch.randint(0, 700, (num_reqs,), generator=gen).tolist()
+    width = max(-(-(c + 1) // bs) for c in context) + 2
+    tables = torch.randperm(100_000, generator=gen)[: num_reqs * width].reshape(num_reqs, width)
+    common = build_common_metadata([1] * num_reqs, context, tables.tolist(), bs)
+    common.block_table = common.block_table.to(dtype)
+    return common, bs, brute_force([1] * num_reqs, context, tables.tolist(), bs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_decode_page_table_matches_brute_force(seed, impl, monkeypatch):
+    """The whole decode page table built on the device from the KV lengths (Triton interpreted on the CPU, or the
+    torch stand-in) equals the brute-force one; outputs poisoned first."""
+    from attnbackends.flashinfer import page_ids
+
+    if impl == "triton" and not page_ids._triton_interpret_env():
+        pytest.skip("needs TRITON_INTERPRET=1 (the GPU test covers CUDA)")
+    if impl == "torch":
+        monkeypatch.setattr(page_ids, "_triton_interpret_env", lambda: False)
+    common, bs, (_, kv, indices, last) = decode_batch(seed, torch.int64 if seed % 2 else torch.int32)
+    n = common.num_reqs
+    kv_indptr, last_out = torch.full((n + 1,), -3, dtype=torch.int32), torch.full((n,), -3, dtype=torch.int32)
+    kv_indices = torch.full((len(indices) + 4,), -3, dtype=torch.int32)
+    page_ids.decode_page_table(common.seq_lens, common.block_table, bs, kv_indptr, last_out, kv_indices)
+    assert (kv_indptr.tolist(), last_out.tolist()) == (kv, last)
+    assert kv_indices.tolist() == indices + [-3] * 4
+
+
+def test_decode_page_table_rejects_bad_input():
+    from attnbackends.flashinfer.page_ids import DECODE_TABLE_MAX_REQS, decode_page_table
+
+    common, bs, _ = decode_batch(0)
+    n = common.num_reqs
+    out = (torch.empty(n + 1, dtype=torch.int32), torch.empty(n, dtype=torch.int32), torch.empty(9999, dtype=torch.int32))
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        decode_page_table(common.seq_lens.long(), common.block_table, bs, *out)
+    with pytest.raises(ValueError, match=f"needs {n + 1} entries"):
+        decode_page_table(common.seq_lens, common.block_table, bs, out[0][:n], *out[1:])
+    many = DECODE_TABLE_MAX_REQS + 1
+    with pytest.raises(ValueError, match="at most"):
+        decode_page_table(torch.ones(many, dtype=torch.int32), torch.zeros(many, 1, dtype=torch.int32), bs,
+                          torch.empty(many + 1, dtype=torch.int32), torch.empty(many, dtype=torch.int32), out[2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_device_plan_buffer_decode_table(seed):
+    """DevicePlanBuffer.decode_table (here on the CPU, the kernel interpreted or the torch stand-in): the device
+    arrays are the brute-force table, the host keeps kv_indptr alone and says so when asked for more."""
+    from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
+
+    common, bs, (qo, kv, indices, last) = decode_batch(seed)
+    buffer = DevicePlanBuffer("cpu", initial_elements=8)
+    for _ in range(2):  # the second call reuses the cached views
+        buffer._buffer.fill_(-1)
+        p = buffer.decode_table(common.seq_lens_cpu, common.seq_lens, common.block_table, bs, common.max_seq_len)
+        assert as_lists(p.on_device) == (qo, kv, indices, last)
+        assert p.host_kv_indptr(common.num_reqs).tolist() == kv and p.num_pages == len(indices)
+    with pytest.raises(ValueError, match="built on the device"):
+        p.kv_last_page_len
+    with pytest.raises(ValueError, match="columns"):
+        buffer.decode_table(common.seq_lens_cpu, common.seq_lens, common.block_table[:, :1], bs,
+                            common.max_seq_len + 2 * bs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_page_table_on_the_gpu():
+    from attnbackends.flashinfer.page_ids import decode_page_table
+
+    for seed in range(8):  # first and later (direct) launches, two table dtypes, several batch sizes
+        common, bs, (_, kv, indices, last) = decode_batch(seed, torch.int64 if seed % 2 else torch.int32)
+        n = common.num_reqs
+        outs = [torch.full((size,), -3, dtype=torch.int32, device="cuda") for size in (n + 1, n, len(indices) + 4)]
+        decode_page_table(common.seq_lens.cuda(), common.block_table.cuda(), bs, *outs)
+        assert (outs[0].tolist(), outs[1].tolist()) == (kv, last), f"seed {seed}"
+        assert outs[2].tolist() == indices + [-3] * 4, f"seed {seed}"
