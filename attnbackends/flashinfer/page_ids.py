@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..platform import _triton_interpret_env
+from ..ops.launch_math import cdiv, next_power_of_2
 
 __all__ = ["DECODE_TABLE_MAX_REQS", "decode_page_table", "gather_page_ids"]
 
@@ -73,7 +74,7 @@ def gather_page_ids(
     if num_reqs <= 0 or out.shape[0] == 0:
         return out
     if block_table.is_cuda or _triton_interpret_env():
-        grid = (num_reqs, triton.cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
+        grid = (num_reqs, cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
         args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
         if block_table.is_cuda:
             key = ("gather", block_table.device.index, block_table.dtype)
@@ -152,10 +153,10 @@ def decode_page_table(
     if num_reqs == 0:
         kv_indptr.zero_()
         return
-    grid = (num_reqs, triton.cdiv(block_table.shape[1], _BLOCK), 1)
+    grid = (num_reqs, cdiv(block_table.shape[1], _BLOCK), 1)
     args = (seq_lens, block_table, block_table.stride(0), kv_indptr, kv_last_page_len, kv_indices, num_reqs,
             page_size)
-    constexprs = {"BLOCK": _BLOCK, "REQS": triton.next_power_of_2(num_reqs)}
+    constexprs = {"BLOCK": _BLOCK, "REQS": next_power_of_2(num_reqs)}
     if block_table.is_cuda:
         key = ("decode", block_table.device.index, block_table.dtype, constexprs["REQS"])
         _launch(_decode_page_table_kernel, key, block_table.device, grid, args, constexprs)

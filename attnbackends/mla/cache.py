@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..ops.kv_cache_write import round_to_fp8_grid
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache, fp8_max, quantize_for_cache
+from ..ops.launch_math import next_power_of_2
 
 __all__ = [
     "MLA_KV_CACHE_LAYOUT",
@@ -134,8 +135,8 @@ def concat_and_cache_mla(
         kv_cache.shape[1],
         KV_LORA=kv_lora,
         ROPE=rope,
-        BLOCK_C=triton.next_power_of_2(kv_lora),
-        BLOCK_R=triton.next_power_of_2(rope),
+        BLOCK_C=next_power_of_2(kv_lora),
+        BLOCK_R=next_power_of_2(rope),
         IS_FP8=is_fp8,
         FP8_MANT_BITS=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,
         FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14,

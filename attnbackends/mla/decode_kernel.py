@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache
+from ..ops.launch_math import cdiv, next_power_of_2
 
 __all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits"]
 
@@ -36,10 +37,10 @@ class MLADecodeConfig:
 def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:
     """The launch config for ``num_heads`` heads (tiny tiles under the interpreter)."""
     if interpreted:
-        return MLADecodeConfig(block_h=max(16, min(triton.next_power_of_2(num_heads), 16)), block_n=16, num_warps=4, num_stages=1)
+        return MLADecodeConfig(block_h=max(16, min(next_power_of_2(num_heads), 16)), block_n=16, num_warps=4, num_stages=1)
     # H100 sweep (python -m attnbackends.bench.mla --sweep, 128 heads, page 64), 2026-11-21: 64 heads x 64 keys with
     # 8 warps, 2 stages, whole tiles by TMA was fastest (274 us at B=64 L=4096; 354 us with pointer loads).
-    block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
+    block_h = 64 if num_heads >= 64 else max(16, next_power_of_2(num_heads))
     return MLADecodeConfig(block_h=block_h, block_n=64 if block_h >= 64 else 32, num_warps=8 if block_h >= 64 else 4,
                            num_stages=2, use_tma=True)
 
@@ -47,11 +48,11 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
 def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: int, config: MLADecodeConfig) -> int:
     """KV splits for grids under half the SMs (so the grid fills the GPU about once), never more than one split per
     256 tokens or 64 splits. Fuller grids run unsplit: the partials' round trip costs more than the idle SMs."""
-    programs = batch * triton.cdiv(num_heads, config.block_h)
+    programs = batch * cdiv(num_heads, config.block_h)
     if sm_count <= 0 or 2 * programs >= sm_count:
         return 1
-    want = triton.cdiv(sm_count, programs)
-    return int(max(1, min(want, triton.cdiv(max_seq_len, 256), 64)))
+    want = cdiv(sm_count, programs)
+    return int(max(1, min(want, cdiv(max_seq_len, 256), 64)))
 
 
 @triton.jit
@@ -427,10 +428,10 @@ def mla_decode(
         return output
     config = config or default_decode_config(num_heads, interpreted=not q_nope.is_cuda)
     num_splits = max(1, int(num_splits))
-    block_c = triton.next_power_of_2(kv_lora)
-    block_r = triton.next_power_of_2(rope)
+    block_c = next_power_of_2(kv_lora)
+    block_r = next_power_of_2(rope)
     is_fp8 = kv_cache.dtype in FP8_DTYPES
-    grid = (batch, triton.cdiv(num_heads, config.block_h), num_splits)
+    grid = (batch, cdiv(num_heads, config.block_h), num_splits)
     common = dict(
         KV_LORA=kv_lora,
         ROPE=rope,
@@ -491,7 +492,7 @@ def mla_decode(
         KV_LORA=kv_lora,
         BLOCK_C=block_c,
         NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=next_power_of_2(num_splits),
         STORE_LSE=lse is not None,
         num_warps=4,
     )

@@ -15,6 +15,7 @@ from typing import Union
 import torch
 import triton
 import triton.language as tl
+from .launch_math import cdiv, next_power_of_2
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_torch", "check_reshape_and_cache_args", "round_to_fp8_grid"]
 
@@ -170,11 +171,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         return
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    head_pad = triton.next_power_of_2(head_size)
-    heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
+    head_pad = next_power_of_2(head_size)
+    heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
     fp8 = kv_cache.dtype in _FP8_DTYPES
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
-    grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
+    grid = (num_tokens, cdiv(num_kv_heads, heads_per_program))
     _reshape_and_cache_kernel[grid](
         key, value, kv_cache, slot_mapping,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),

@@ -12,6 +12,7 @@ from typing import Literal, Optional
 import torch
 import triton
 import triton.language as tl
+from .launch_math import next_power_of_2
 
 __all__ = ["merge_attn_states", "merge_attn_states_torch"]
 
@@ -145,7 +146,7 @@ def merge_attn_states(
         prefix_lse.stride(0),
         head_size,
         HAS_OUT_LSE=lse_out is not None,
-        BLOCK_D=triton.next_power_of_2(head_size),
+        BLOCK_D=next_power_of_2(head_size),
     )
     if output_lse is not None and lse_out is not output_lse:
         output_lse.copy_(lse_out)

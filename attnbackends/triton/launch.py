@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 
+from attnbackends.ops.launch_math import next_power_of_2
 from attnbackends.triton.kernels import _reduce_segments_kernel, _unified_attention_kernel
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ def _is_interpreted() -> bool:
     except ImportError:  # pragma: no cover - older triton
         return False
     return isinstance(_unified_attention_kernel, InterpretedFunction)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 @lru_cache(maxsize=None)
@@ -140,7 +137,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_heads: int, num_s
     target = programs_per_sm * num_sms
     if programs >= target:
         return 1
-    splits = _next_pow2(math.ceil(target / programs))
+    splits = next_power_of_2(math.ceil(target / programs))
     if max_seq_len is not None:
         splits = min(splits, max(1, max_seq_len // max(1, min_keys_per_split)))
     splits = min(splits, max(1, max_splits))
@@ -175,8 +172,8 @@ def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, 
     fewer than 512 keys per segment; 4 warps, 3 stages. Prefill: up to 128 rows; 128 keys per step with
     8 warps for long sequences, 32 keys with 4 warps for short ones.
     """
-    head_pad = _next_pow2(head_size)
-    qpk_pad = _next_pow2(queries_per_kv)
+    head_pad = next_power_of_2(head_size)
+    qpk_pad = next_power_of_2(queries_per_kv)
     decode_block_m = max(16, qpk_pad)
     big_head = head_pad > 128
     if big_head:
@@ -363,7 +360,7 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
         config = pick_kernel_config(head_size, qpk, max_query_len, has_decode_path=decode_path,
                                     has_generic_path=generic_path, kv_fp8=kv_fp8,
                                     keys_per_split=max_seq_len // num_kv_splits, max_seq_len=max_seq_len)
-    block_m = max(config.block_m, _next_pow2(qpk))
+    block_m = max(config.block_m, next_power_of_2(qpk))
     block_q = max(1, block_m // qpk)
     if num_kv_splits > 1:
         if workspace is None:
@@ -401,8 +398,8 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         *pstrides, lse_stride_h,
         float(softmax_scale), float(logits_soft_cap) if logits_soft_cap else 0.0,
-        QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=_next_pow2(head_size), BLOCK_SIZE=block_size,
-        DECODE_PATH=decode_path, DECODE_BLOCK_M=max(config.decode_block_m, _next_pow2(qpk)),
+        QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size), BLOCK_SIZE=block_size,
+        DECODE_PATH=decode_path, DECODE_BLOCK_M=max(config.decode_block_m, next_power_of_2(qpk)),
         DECODE_TILE_N=config.decode_tile_n,
         GENERIC_PATH=generic_path, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.tile_n,
         PAGED=paged, CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
@@ -412,12 +409,12 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_kv_splits > 1:
-        head_pad = _next_pow2(head_size)
+        head_pad = next_power_of_2(head_size)
         _reduce_segments_kernel[(num_tokens, num_heads)](
             output, partial_out, partial_lse, return_lse if return_lse is not None else dummy, query_start_loc,
             num_seqs, output.stride(0), output.stride(1), *pstrides, lse_stride_h,
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=num_kv_splits,
-            SEG_PAD=_next_pow2(num_kv_splits), RETURN_LSE=return_lse is not None, num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
+            SEG_PAD=next_power_of_2(num_kv_splits), RETURN_LSE=return_lse is not None, num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
         )
     return output
 
