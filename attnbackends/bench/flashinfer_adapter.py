@@ -102,30 +102,23 @@ def _wall_us(fn, iters: int = 200, *, drain: bool = True) -> float:
     return elapsed / iters * 1e6
 
 
-def _host_us(fn, iters: int = 100) -> float:
-    """Median host time of one call, the GPU drained before each."""
+def _host_us(fn, iters: int = 100, clock=time.perf_counter_ns) -> float:
+    """Median host time of one call in microseconds, the GPU drained before each (``clock``: nanoseconds)."""
     times = []
     for i in range(iters + 10):
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         if i >= 10:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+            times.append(clock() - t0)
+    return statistics.median(times) / 1e3
 
 
 def _host_cpu_us(fn, iters: int = 200) -> float:
     """Median CPU time of the calling thread in one call (``time.thread_time``), the GPU drained before each: the
     host work itself, without the time the thread spends descheduled (which makes wall-clock medians of ~100 us calls
     swing by 1.5x between runs on a shared host)."""
-    times = []
-    for i in range(iters + 10):
-        torch.cuda.synchronize()
-        t0 = time.thread_time_ns()
-        fn()
-        if i >= 10:
-            times.append(time.thread_time_ns() - t0)
-    return statistics.median(times) / 1e3
+    return _host_us(fn, iters, clock=time.thread_time_ns)
 
 
 def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict]:
