@@ -1,11 +1,13 @@
-"""Gather FlashInfer's ``paged_kv_indices`` from a block table on the GPU: one kernel launch, no host work per page.
+"""FlashInfer's page table built on the GPU: the O(pages) work in one kernel launch, no host work per page.
 
-For request ``r`` the page ids are ``block_table[r, skip_pages : skip_pages + n_r]`` with
-``n_r = kv_indptr[r + 1] - kv_indptr[r]``, written to ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``. The host
-computes only ``kv_indptr`` (O(batch)); the O(pages) copy runs on the device, so a build of 256 decodes at context
-4096 (65k pages) costs the host one launch instead of a 65k-element gather.
+- :func:`decode_page_table`: the whole table of a pure-decode batch (``kv_indptr``, ``kv_last_page_len``,
+  ``kv_indices``) from the device KV lengths; the host computes only the ``kv_indptr`` FlashInfer's scheduler reads.
+- :func:`gather_page_ids`: ``kv_indices`` alone, from a ``kv_indptr`` the host computed (any batch; cascade levels
+  skip a shared prefix). For request ``r`` the page ids are ``block_table[r, skip_pages : skip_pages + n_r]`` with
+  ``n_r = kv_indptr[r + 1] - kv_indptr[r]``, written to ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``.
 
-On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) a Triton kernel does it; other CPU tensors use torch.
+A build of 256 decodes at context 4096 (65k pages) thus costs the host one launch instead of a 65k-element gather.
+On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; other CPU tensors use torch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ DECODE_TABLE_MAX_REQS = 4096
 
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
 # and later calls can launch it directly (see _launch).
+@triton.jit
+def _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, BLOCK: tl.constexpr):
+    """Block ``tl.program_id(1)`` of request ``req``'s page ids: ``table[req, skip_pages + c]`` to
+    ``out[start + c]`` for the columns ``c < count`` of that block."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < count
+    row = table_ptr + req.to(tl.int64) * table_row_stride + skip_pages
+    tl.store(out_ptr + start + cols, tl.load(row + cols, mask=mask), mask=mask)
+
+
 @triton.jit(
     do_not_specialize=["table_row_stride", "skip_pages"],
     do_not_specialize_on_alignment=["table_ptr", "kv_indptr_ptr", "out_ptr"],
@@ -39,10 +51,7 @@ def _gather_page_ids_kernel(table_ptr, table_row_stride, kv_indptr_ptr, out_ptr,
     req = tl.program_id(0)
     start = tl.load(kv_indptr_ptr + req)
     count = tl.load(kv_indptr_ptr + req + 1) - start
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < count
-    row = table_ptr + req.to(tl.int64) * table_row_stride + skip_pages
-    tl.store(out_ptr + start + cols, tl.load(row + cols, mask=mask), mask=mask)
+    _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, BLOCK)
 
 
 def gather_page_ids(
@@ -110,10 +119,7 @@ def _decode_page_table_kernel(seq_lens_ptr, table_ptr, table_row_stride, kv_indp
         tl.store(last_page_len_ptr + req, seq_len - (count - 1) * page_size)
         if req == 0:
             tl.store(kv_indptr_ptr, start)  # 0
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < count
-    row = table_ptr + req.to(tl.int64) * table_row_stride
-    tl.store(kv_indices_ptr + start + cols, tl.load(row + cols, mask=mask), mask=mask)
+    _copy_page_ids(table_ptr, table_row_stride, req, 0, kv_indices_ptr, start, count, BLOCK)
 
 
 def decode_page_table(
