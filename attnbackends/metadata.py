@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -46,7 +46,10 @@ class CommonAttentionMetadata:
         unknown. Backends may use it for cascade attention.
     block_table_cpu : torch.Tensor or None
         Optional host copy of ``block_table`` (engines usually keep one). When given it must hold the same values;
-        backends that plan on the host (FlashInfer) then read page ids from it instead of gathering on the device.
+        backends that plan on the host (FlashInfer) then read page ids from it instead of gathering on the device,
+        and the page-id range check runs on it before any kernel (see :mod:`attnbackends.ops.page_guard`).
+    pages_checked_for : int or None
+        Set by the page-id guard: the cache size (pages) this batch's block table was range-checked against.
     """
 
     query_start_loc: torch.Tensor
@@ -62,6 +65,7 @@ class CommonAttentionMetadata:
     causal: bool = True
     common_prefix_len: int = 0
     block_table_cpu: Optional[torch.Tensor] = None
+    pages_checked_for: Optional[int] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

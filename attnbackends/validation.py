@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from .metadata import CommonAttentionMetadata, validate_common_metadata
+from .ops.page_guard import guard_block_table
 from .spec import AttentionSpec
 
 __all__ = [
@@ -216,9 +217,12 @@ def check_forward_inputs(
     backend: Optional[type] = None,
     mla: bool = False,
 ) -> None:
-    """The hook every impl's ``forward`` calls first: validates the tensors on the impl's first call and on every
-    call in debug mode, plus the metadata against the cache in debug mode. Cheap after the first call outside
+    """The hook every impl's ``forward`` calls first: range-checks the batch's page ids against the cache once per
+    batch (:func:`attnbackends.ops.page_guard.guard_block_table`), validates the tensors on the impl's first call and
+    on every call in debug mode, plus the metadata against the cache in debug mode. Cheap after the first call outside
     debug mode (two attribute reads). ``backend``: the backend class whose ``kv_cache_shape`` the cache must have."""
+    if kv_cache is not None and common is not None and kv_cache.dim() >= 1:
+        guard_block_table(common, kv_cache.shape[0], impl.spec.block_size)
     debug = debug_enabled(impl, metadata)
     if impl._inputs_checked and not debug:
         return

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from .launch_math import cdiv, next_power_of_2
+from .page_guard import FAULT_SLOT, PageTableError, fault_record, record_fault
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_torch", "check_reshape_and_cache_args", "round_to_fp8_grid"]
 
@@ -42,15 +43,19 @@ def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
-    num_kv_heads,
+    num_kv_heads, num_slots, fault_ptr, fault_flag_ptr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Grid: (num_tokens, cdiv(num_kv_heads, HEADS_PER_PROGRAM))."""
+    """Grid: (num_tokens, cdiv(num_kv_heads, HEADS_PER_PROGRAM)). A slot outside ``[-1, num_slots)`` is skipped
+    and recorded as a fault (reported by :func:`attnbackends.ops.page_guard.raise_pending_faults`)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
-    if slot >= 0:
+    if (slot < -1) | (slot >= num_slots):
+        if tl.program_id(1) == 0:
+            record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, tok, slot, num_slots)
+    elif slot >= 0:
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
@@ -132,6 +137,12 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: to
     """Pure-torch :func:`reshape_and_cache` (syncs the host: for CPUs and tests)."""
     block_size = kv_cache.shape[2]
     n = slot_mapping.shape[0]
+    num_slots = kv_cache.shape[0] * block_size
+    bad = torch.nonzero((slot_mapping < -1) | (slot_mapping >= num_slots))
+    if bad.numel():
+        i = int(bad[0])
+        raise PageTableError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside the KV cache's {num_slots} "
+                             "slots (and not -1, padding)")
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blk, off = slots // block_size, slots % block_size
@@ -176,12 +187,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     fp8 = kv_cache.dtype in _FP8_DTYPES
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
     grid = (num_tokens, cdiv(num_kv_heads, heads_per_program))
+    faults = fault_record(kv_cache.device)
     _reshape_and_cache_kernel[grid](
         key, value, kv_cache, slot_mapping,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        num_kv_heads,
+        num_kv_heads, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEADS_PER_PROGRAM=heads_per_program, BLOCK_SIZE=block_size,
         FP8=fp8, FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if fp8 else 0.0, SCALES_ARE_PTRS=scales_are_ptrs,
         FP8_MANT_BITS=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,

@@ -17,6 +17,8 @@ them. The grid depends only on shapes and host ints, never on ``seq_lens`` value
 import triton
 import triton.language as tl
 
+from attnbackends.ops.page_guard import safe_page
+
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -35,7 +37,7 @@ def _cdiv(a, b):
 @triton.jit
 def _attn_tile(
     acc, l_i, m_i, q, j,
-    key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+    key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     pos, kv_end, qk_scale, soft_cap, slope, offs_d,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -49,6 +51,7 @@ def _attn_tile(
             blk = tl.load(block_table_ptr + seq_idx * stride_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
         else:
             blk = tl.load(block_table_ptr + seq_idx * stride_bt + offs_n // BLOCK_SIZE)
+        blk = safe_page(blk, num_blocks)
         k_off = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
         v_off = blk.to(tl.int64) * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs
     else:
@@ -110,7 +113,7 @@ def _attn_tile(
 @triton.jit
 def _attn_range(
     acc, l_i, m_i, q, lo, hi,
-    key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+    key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     pos, kv_end, qk_scale, soft_cap, slope, offs_d,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -123,7 +126,7 @@ def _attn_range(
         j = lo
         while j < hi:
             acc, l_i, m_i = _attn_tile(
-                acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+                acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 pos, kv_end, qk_scale, soft_cap, slope, offs_d,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
@@ -132,7 +135,7 @@ def _attn_range(
     else:
         for j in range(lo, hi):
             acc, l_i, m_i = _attn_tile(
-                acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+                acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 pos, kv_end, qk_scale, soft_cap, slope, offs_d,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
@@ -142,7 +145,7 @@ def _attn_range(
 
 @triton.jit
 def _attend(
-    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
     seq_idx, q_block, kv_head, segm,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -220,19 +223,22 @@ def _attend(
         kv_row_start = q_start
 
         acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+            acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
+            seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             pos, kv_end, qk_scale, soft_cap, slope, offs_d,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
             True, INTERPRET)
         acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+            acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+            seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             pos, kv_end, qk_scale, soft_cap, slope, offs_d,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
             False, INTERPRET)
         acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, seq_idx, kv_head, kv_row_start,
+            acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+            seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             pos, kv_end, qk_scale, soft_cap, slope, offs_d,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
@@ -259,7 +265,7 @@ def _attend(
 
 @triton.jit
 def _unified_attention_kernel(
-    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, k_scale, v_scale,
     num_seqs, num_decodes,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -302,7 +308,8 @@ def _unified_attention_kernel(
     if DECODE_PATH:
         if pid < num_decodes:
             _attend(
-                query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+                query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
+                seq_lens_ptr, query_start_loc_ptr,
                 alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                 pid, 0, kv_head, segm,
                 stride_qt, stride_qh, stride_ot, stride_oh,
@@ -335,7 +342,8 @@ def _unified_attention_kernel(
             n_blk = _cdiv(tl.load(query_start_loc_ptr + seq_idx + 1) - q_start, BLOCK_Q)
             q_block = tl.where(q_block < n_blk, n_blk - 1 - q_block, n_blk)
             _attend(
-                query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+                query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
+                seq_lens_ptr, query_start_loc_ptr,
                 alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                 seq_idx, q_block, kv_head, segm,
                 stride_qt, stride_qh, stride_ot, stride_oh,

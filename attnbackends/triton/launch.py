@@ -388,8 +388,8 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
     dummy = output
     lse_stride_h = return_lse.stride(0) if return_lse is not None else 0
     _unified_attention_kernel[(grid0, num_kv_heads, num_kv_splits)](
-        query, key, value, output, block_table if paged else dummy, seq_lens if paged else dummy,
-        query_start_loc,
+        query, key, value, output, block_table if paged else dummy, key.shape[0] if paged else 1,
+        seq_lens if paged else dummy, query_start_loc,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         partial_out, partial_lse, return_lse if return_lse is not None else dummy,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
