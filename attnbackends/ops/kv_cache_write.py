@@ -15,6 +15,7 @@ from typing import Union
 import torch
 import triton
 import triton.language as tl
+from .direct_launch import DirectLauncher
 from .launch_math import cdiv, next_power_of_2
 from .page_guard import FAULT_SLOT, PageTableError, fault_record, record_fault
 
@@ -38,7 +39,8 @@ def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     return (f + tl.where(up, 1.0, 0.0)) * ulp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"],
+            do_not_specialize_on_alignment=["slot_mapping_ptr", "k_scale", "v_scale", "fault_ptr", "fault_flag_ptr"])
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -186,17 +188,27 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
     fp8 = kv_cache.dtype in _FP8_DTYPES
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
-    grid = (num_tokens, cdiv(num_kv_heads, heads_per_program))
+    grid = (num_tokens, cdiv(num_kv_heads, heads_per_program), 1)
     faults = fault_record(kv_cache.device)
-    _reshape_and_cache_kernel[grid](
+    constexprs = (
+        head_size, head_pad, heads_per_program, block_size, fp8,
+        float(torch.finfo(kv_cache.dtype).max) if fp8 else 0.0, scales_are_ptrs,
+        3 if kv_cache.dtype == torch.float8_e4m3fn else 2, -6 if kv_cache.dtype == torch.float8_e4m3fn else -14,
+        _is_interpreted(),
+    )
+    args = (
         key, value, kv_cache, slot_mapping,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEADS_PER_PROGRAM=heads_per_program, BLOCK_SIZE=block_size,
-        FP8=fp8, FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if fp8 else 0.0, SCALES_ARE_PTRS=scales_are_ptrs,
-        FP8_MANT_BITS=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,
-        FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14, INTERPRET=_is_interpreted(),
-        num_warps=4 if heads_per_program * head_pad >= 1024 else 2,
     )
+    num_warps = 4 if heads_per_program * head_pad >= 1024 else 2
+    launch_key = (constexprs, key.dtype, kv_cache.dtype, args[6:14], num_kv_heads, key.data_ptr() % 16,
+                  value.data_ptr() % 16, kv_cache.data_ptr() % 16)
+    _write_launcher(launch_key, grid, args, constexprs, num_warps, 3)
+
+
+_write_launcher = DirectLauncher(_reshape_and_cache_kernel, (
+    "HEAD_SIZE", "HEAD_PAD", "HEADS_PER_PROGRAM", "BLOCK_SIZE", "FP8", "FP8_MAX", "SCALES_ARE_PTRS", "FP8_MANT_BITS",
+    "FP8_MIN_EXP", "INTERPRET"))

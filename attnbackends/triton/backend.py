@@ -6,6 +6,7 @@ and replayed with new sequence lengths.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +15,7 @@ import torch
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.kv_cache_write import reshape_and_cache
+from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
@@ -22,11 +24,13 @@ from .launch import (
     MAX_KV_SPLITS,
     MIN_HEAD_SIZE,
     KernelConfig,
+    LaunchPlan,
     SplitKVWorkspace,
+    check_unified_attention_args,
     choose_num_kv_splits,
+    launch_attention,
     pick_kernel_config,
-    unified_attention,
-    varlen_attention,
+    plan_attention,
 )
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
@@ -34,14 +38,30 @@ __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", 
 
 @dataclass
 class TritonMetadata:
-    """One batch for the Triton kernels: the common tensors plus the launch decisions made on the host."""
+    """One batch for the Triton kernels: the common tensors plus the launch plan :meth:`TritonMetadataBuilder.build`
+    made for it (split-KV factor, tile config, grid, constexprs, workspace views)."""
 
     common: CommonAttentionMetadata
-    num_decodes: int  # leading requests with query_len 1, run on the decode tiles
-    num_kv_splits: int  # KV segments per decode (1: no split-KV)
-    workspace: Optional[SplitKVWorkspace]
+    plan: LaunchPlan
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
-    config: Optional[KernelConfig] = None  # fixed tile config (deterministic mode); None: chosen per launch
+
+    @property
+    def num_decodes(self) -> int:
+        """Leading requests with query_len 1, run on the decode tiles."""
+        return self.plan.num_decodes
+
+    @property
+    def num_kv_splits(self) -> int:
+        """KV segments per decode (1: no split-KV)."""
+        return self.plan.num_kv_splits
+
+    @property
+    def workspace(self) -> Optional[SplitKVWorkspace]:
+        return self.plan.workspace
+
+    @property
+    def config(self) -> KernelConfig:
+        return self.plan.config
 
 
 #: The query length the deterministic mode's fixed tile config is picked for (any batch then uses that config).
@@ -58,7 +78,8 @@ def deterministic_kernel_config(spec: AttentionSpec) -> KernelConfig:
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
-    """Chooses the split-KV factor per batch and owns the split-KV workspace (``max_num_reqs`` decode rows).
+    """Makes every launch decision of a batch (:class:`~attnbackends.triton.launch.LaunchPlan`) and owns the
+    split-KV workspace (``max_num_reqs`` decode rows).
 
     Parameters (beyond the base class)
     ----------
@@ -81,40 +102,50 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             self.workspace = SplitKVWorkspace.allocate(
                 self.max_num_reqs, spec.num_heads, spec.head_size, MAX_KV_SPLITS, device=self.device
             )
+        self._plan_args = dict(
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+            kv_fp8=spec.is_fp8_kv_cache, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+            use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, config=self.kernel_config,
+            device=self.device,
+        )
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if self.debug:
             validate_common_metadata(common, block_size=self.spec.block_size)
-        cfg = dict(debug=self.debug, config=self.kernel_config)
+        raise_pending_faults(self.device)
+        causal = self.spec.causal and common.causal
         if not self.spec.attn_type.uses_kv_cache:
-            return TritonMetadata(common, 0, 1, None, **cfg)  # encoder attention: no decodes, one varlen launch
+            plan = plan_attention(  # encoder attention: no cache, no decodes, one varlen launch
+                num_tokens=common.num_actual_tokens, block_size=16, num_seqs=common.num_reqs,
+                max_query_len=max(common.max_seq_len, 2), max_seq_len=common.max_seq_len, causal=causal,
+                paged=False, num_decodes=0, num_kv_splits=1, **self._plan_args)
+            return TritonMetadata(common, plan, self.debug)
         split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
         num_kv_splits = 1
         if self.workspace is not None and split.num_decodes and split.num_prefills == 0:
             num_kv_splits = choose_num_kv_splits(
-                split.num_decodes,
-                self.spec.num_kv_heads,
-                self.spec.num_heads,
-                self.num_sms,
-                common.max_seq_len,
+                split.num_decodes, self.spec.num_kv_heads, self.spec.num_heads, self.num_sms, common.max_seq_len,
                 max_query_len=common.max_query_len,
             )
-            if not self.workspace.fits(split.num_decode_tokens, self.spec.num_heads, self.spec.head_size, num_kv_splits):
-                num_kv_splits = 1
-        return TritonMetadata(
-            common, split.num_decodes, num_kv_splits, self.workspace if num_kv_splits > 1 else None, **cfg
-        )
+        plan = plan_attention(
+            num_tokens=common.num_actual_tokens, block_size=self.spec.block_size, num_seqs=common.num_reqs,
+            max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
+            num_decodes=split.num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace, **self._plan_args)
+        return TritonMetadata(common, plan, self.debug)
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
-    """Writes K/V with the shared write op, then one unified-attention launch (plus a reduction for split-KV)."""
+    """Writes K/V with the shared write op, then runs the batch's launch plan: one unified-attention launch (plus a
+    reduction for split-KV)."""
 
     def __init__(self, spec: AttentionSpec, **kwargs) -> None:
         super().__init__(spec, **kwargs)
         self._alibi_host = (
             torch.tensor(spec.alibi_slopes, dtype=torch.float32) if spec.alibi_slopes is not None else None
         )
+        self._soft_cap = float(spec.logits_soft_cap or 0.0)
         self._on_device: dict[torch.device, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
+        self._cache_views: Optional[tuple] = None  # (weakref to kv_cache, key view, value view, launch key part)
         self._validated = False
 
     def _features(self, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -124,6 +155,15 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             sinks = self.sinks.to(device).contiguous() if self.sinks is not None else None
             self._on_device[device] = (alibi, sinks)
         return self._on_device[device]
+
+    def _views_of(self, kv_cache: torch.Tensor) -> tuple:
+        """(key cache, value cache, their part of the compiled-kernel key), made once per cache tensor."""
+        views = self._cache_views
+        if views is None or views[0]() is not kv_cache:
+            k, v = kv_cache[:, 0], kv_cache[:, 1]
+            key = (k.dtype, k.stride(), v.stride(), k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
+            views = self._cache_views = (weakref.ref(kv_cache), k, v, key)
+        return views
 
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -139,34 +179,44 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         metadata: TritonMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        spec, common = self.spec, metadata.common
+        common = metadata.common
         check_forward_inputs(self, metadata, common, query, key, value, kv_cache, output,
                              backend=TritonAttentionBackend)
+        if not self._validated:
+            self._check_first_call(query, key, value, kv_cache, metadata, output)
         alibi, sinks = self._features(query.device)
-        validate = not self._validated
-        causal = spec.causal and common.causal
+        if kv_cache is None:
+            launch_attention(metadata.plan, query, key, value, output, common.query_start_loc, None, None,
+                             self.scale, self._soft_cap, alibi, sinks)
+            return output
+        if key is not None:
+            self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+        _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
+        launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
+                         common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
+                         self.k_scale, self.v_scale, cache_key=cache_key)
+        return output
+
+    def _check_first_call(self, query, key, value, kv_cache, metadata: TritonMetadata, output) -> None:
+        """The functional launcher's argument checks, once: the tensors against each other and the plan."""
+        spec, common = self.spec, metadata.common
+        alibi, sinks = self._features(query.device)
         if kv_cache is None:
             if key is None or value is None:
                 raise ValueError("key and value are required when there is no kv_cache (encoder attention)")
-            varlen_attention(
-                query, key, value, output, common.query_start_loc, common.max_seq_len, self.scale, causal,
-                sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                alibi_slopes=alibi, sinks=sinks, validate=validate, config=metadata.config,
-            )
         else:
-            if key is not None:
-                self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
-            unified_attention(
-                query, kv_cache[:, 0], kv_cache[:, 1], output,
-                common.query_start_loc, common.seq_lens, common.block_table,
-                common.max_query_len, common.max_seq_len, self.scale,
-                causal=causal, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                alibi_slopes=alibi, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
-                workspace=metadata.workspace, num_decodes=metadata.num_decodes,
-                num_kv_splits=metadata.num_kv_splits, validate=validate, config=metadata.config,
-            )
+            check_unified_attention_args(
+                query, kv_cache[:, 0], kv_cache[:, 1], output, common.query_start_loc, common.seq_lens,
+                common.block_table, common.max_query_len, common.max_seq_len, self.scale,
+                causal=spec.causal and common.causal, sliding_window=spec.sliding_window,
+                logits_soft_cap=spec.logits_soft_cap, alibi_slopes=alibi, sinks=sinks, k_scale=self.k_scale,
+                v_scale=self.v_scale, workspace=metadata.workspace)
+        planned = metadata.plan.constexprs[:2]
+        if planned != (spec.num_queries_per_kv, spec.head_size):
+            raise ValueError(f"metadata was planned for {planned[0]} query heads per KV head and head_size "
+                             f"{planned[1]}, this layer has {spec.num_queries_per_kv} and {spec.head_size}: build it "
+                             "with a builder of this layer's spec")
         self._validated = True
-        return output
 
 
 class TritonAttentionBackend(AttentionBackend):

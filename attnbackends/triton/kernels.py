@@ -263,7 +263,14 @@ def _attend(
             tl.store(partial_lse_ptr + tok_glob * stride_lt + head * stride_lh + segm, lse, mask=row_ok)
 
 
-@triton.jit
+# Values that change from batch to batch, and pointers whose alignment no load depends on, are not specialised:
+# one compiled kernel per layout then serves every batch and can be launched directly (ops.direct_launch).
+@triton.jit(
+    do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                       "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh", "stride_lse_h"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "alibi_ptr",
+                                    "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "k_scale", "v_scale"],
+)
 def _unified_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, k_scale, v_scale,
@@ -355,7 +362,11 @@ def _unified_attention_kernel(
                 INTERPRET)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_ps", "stride_lt",
+                       "stride_lh", "stride_lse_h"],
+    do_not_specialize_on_alignment=["partial_lse_ptr", "lse_out_ptr", "query_start_loc_ptr"],
+)
 def _reduce_segments_kernel(
     output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr, num_seqs,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,

@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 
+from attnbackends.ops.direct_launch import DirectLauncher
 from attnbackends.ops.launch_math import next_power_of_2
 from attnbackends.triton.kernels import _reduce_segments_kernel, _unified_attention_kernel
 
@@ -27,10 +28,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "KernelConfig",
+    "LaunchPlan",
     "SplitKVWorkspace",
     "check_unified_attention_args",
     "choose_num_kv_splits",
+    "launch_attention",
     "pick_kernel_config",
+    "plan_attention",
     "unified_attention",
     "varlen_attention",
 ]
@@ -337,25 +341,78 @@ def check_unified_attention_args(query, key_cache, value_cache, output, query_st
 # --------------------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------------------
-def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *, paged, block_size,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            max_query_len, max_seq_len, softmax_scale, causal, sliding_window, logits_soft_cap, alibi_slopes,
-            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config, return_lse=None):
-    num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = key.shape[-2]
-    qpk = num_heads // num_kv_heads
-    num_seqs = query_start_loc.shape[0] - 1
-    kv_fp8 = key.dtype in FP8_DTYPES
+#: The constexpr parameters of ``_unified_attention_kernel`` and ``_reduce_segments_kernel``, in signature order.
+UNIFIED_CONSTEXPRS = (
+    "QPK", "HEAD_SIZE", "HEAD_PAD", "BLOCK_SIZE", "DECODE_PATH", "DECODE_BLOCK_M", "DECODE_TILE_N", "GENERIC_PATH",
+    "BLOCK_Q", "BLOCK_M", "TILE_N", "PAGED", "CAUSAL", "SLIDING_WINDOW", "USE_SOFTCAP", "USE_ALIBI", "USE_SINKS",
+    "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET",
+)
+REDUCE_CONSTEXPRS = ("HEAD_SIZE", "HEAD_PAD", "NUM_SEGMENTS", "SEG_PAD", "RETURN_LSE")
 
+_attention_launcher = DirectLauncher(_unified_attention_kernel, UNIFIED_CONSTEXPRS)
+_reduce_launcher = DirectLauncher(_reduce_segments_kernel, REDUCE_CONSTEXPRS)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Every launch decision for one batch of one layer group, made once (a builder makes it in ``build``).
+
+    Attributes
+    ----------
+    grid : (programs, num_kv_heads, num_kv_splits) of the attention kernel; ``grid[0] == 0``: nothing to run.
+    num_seqs, num_decodes : requests in the batch; the first ``num_decodes`` run on the decode tiles.
+    constexprs : the values of :data:`UNIFIED_CONSTEXPRS` (tile shapes, features, paths).
+    num_warps, num_stages : launch options of the attention kernel.
+    config : the tile configuration the constexprs came from.
+    workspace : split-KV partial buffers (``num_kv_splits > 1``), else None.
+    partial_strides : (token, head, segment) strides of ``workspace.partial_out`` and (token, head) of
+        ``partial_lse``; zeros without split-KV.
+    reduce_grid, reduce_constexprs, reduce_num_warps : the split-KV reduction's launch (grid None: no reduction).
+    """
+
+    grid: tuple[int, int, int]
+    num_seqs: int
+    num_decodes: int
+    constexprs: tuple
+    num_warps: int
+    num_stages: int
+    config: KernelConfig
+    workspace: Optional[SplitKVWorkspace]
+    partial_strides: tuple[int, int, int, int, int]
+    reduce_grid: Optional[tuple[int, int, int]]
+    reduce_constexprs: tuple
+    reduce_num_warps: int
+
+    @property
+    def num_kv_splits(self) -> int:
+        return self.grid[2]
+
+
+def plan_attention(
+    *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, num_seqs: int,
+    max_query_len: int, max_seq_len: int, kv_fp8: bool, causal: bool, sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None, use_alibi: bool = False, use_sinks: bool = False,
+    scales_are_ptrs: bool = False, paged: bool = True, return_lse: bool = False, num_decodes: Optional[int] = None,
+    num_kv_splits: Optional[int] = None, num_sms: int = 1, workspace: Optional[SplitKVWorkspace] = None,
+    config: Optional[KernelConfig] = None, device: Union[torch.device, str, None] = None,
+) -> LaunchPlan:
+    """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
+
+    ``num_tokens``: query tokens of the batch (padding excluded). ``num_decodes``: default all sequences when
+    ``max_query_len <= 1``, else none. ``num_kv_splits``: default :func:`choose_num_kv_splits` with ``num_sms``
+    (pass 1 on the CPU). A split needs ``workspace`` to fit the batch; without one, one is allocated on
+    ``device`` (not CUDA-graph capturable), and a workspace too small means no split.
+    """
+    qpk = num_heads // num_kv_heads
     if num_decodes is None:
         num_decodes = num_seqs if max_query_len <= 1 else 0
     decode_path = num_decodes > 0
     generic_path = num_decodes < num_seqs
     if num_kv_splits is None:
         num_kv_splits = 1
-        if output.device.type == "cuda":
-            num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, num_heads, _device_sm_count(output.device),
-                                                 max_seq_len, max_query_len=max_query_len)
+        if num_sms > 1 and num_seqs > 0:
+            num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, num_heads, num_sms, max_seq_len,
+                                                 max_query_len=max_query_len)
     if config is None:
         config = pick_kernel_config(head_size, qpk, max_query_len, has_decode_path=decode_path,
                                     has_generic_path=generic_path, kv_fp8=kv_fp8,
@@ -364,59 +421,116 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
     block_q = max(1, block_m // qpk)
     if num_kv_splits > 1:
         if workspace is None:
-            workspace = SplitKVWorkspace.allocate(num_tokens, num_heads, head_size, num_kv_splits, output.device)
+            workspace = SplitKVWorkspace.allocate(max(num_tokens, 1), num_heads, head_size, num_kv_splits, device)
         elif not workspace.fits(num_tokens, num_heads, head_size, num_kv_splits):
             logger.debug("split-KV workspace too small for %d tokens x %d segments; not splitting",
                          num_tokens, num_kv_splits)
             num_kv_splits = 1
     if num_kv_splits > 1:
-        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
-        pstrides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-                    partial_lse.stride(0), partial_lse.stride(1))
+        po, pl = workspace.partial_out, workspace.partial_lse
+        partial_strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
     else:
-        partial_out, partial_lse = output, output
-        pstrides = (0, 0, 0, 0, 0)
+        workspace, partial_strides = None, (0, 0, 0, 0, 0)
+    programs = (num_decodes if decode_path else 0) + (
+        num_tokens // block_q + num_seqs - num_decodes if generic_path else 0)
+    head_pad = next_power_of_2(head_size)
+    constexprs = (
+        qpk, head_size, head_pad, block_size, decode_path, max(config.decode_block_m, next_power_of_2(qpk)),
+        config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
+        int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
+        num_kv_splits, return_lse, _is_interpreted(),
+    )
+    reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs else None
+    return LaunchPlan(
+        grid=(programs, num_kv_heads, num_kv_splits), num_seqs=num_seqs, num_decodes=num_decodes,
+        constexprs=constexprs, num_warps=config.num_warps, num_stages=config.num_stages, config=config,
+        workspace=workspace, partial_strides=partial_strides, reduce_grid=reduce_grid,
+        reduce_constexprs=(head_size, head_pad, num_kv_splits, next_power_of_2(num_kv_splits), return_lse),
+        reduce_num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
+    )
 
-    grid0 = 0
-    if decode_path:
-        grid0 += num_decodes
-    if generic_path:
-        grid0 += num_tokens // block_q + num_seqs - num_decodes
-    if grid0 == 0:
+
+def _alignment(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def launch_attention(
+    plan: LaunchPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    output: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], softmax_scale: float, logits_soft_cap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0, return_lse: Optional[torch.Tensor] = None, *, cache_key: Optional[tuple] = None,
+) -> torch.Tensor:
+    """Run ``plan`` on these tensors (no checks: see :func:`unified_attention` for the shapes).
+
+    ``key_cache``/``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]`` views when the plan is
+    paged; ``[num_tokens, num_kv_heads, head_size]`` keys and values otherwise (``seq_lens`` and ``block_table``
+    None). ``cache_key``: what the caller knows fixes the caches' part of the compiled-kernel key (their dtype,
+    strides and alignment); computed here when None.
+    """
+    if plan.grid[0] == 0:
         return output
-    scales_are_ptrs = isinstance(k_scale, torch.Tensor)
     dummy = output
+    paged = block_table is not None
+    if cache_key is None:
+        cache_key = (key_cache.dtype, key_cache.stride(), value_cache.stride(), _alignment(key_cache),
+                     _alignment(value_cache))
+    if paged:
+        stride_kb, stride_ks, stride_kh = key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)
+        stride_vb, stride_vs, stride_vh = value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)
+        num_blocks, stride_bt = key_cache.shape[0], block_table.stride(0)
+    else:
+        stride_kb, stride_ks, stride_kh = 0, key_cache.stride(0), key_cache.stride(1)
+        stride_vb, stride_vs, stride_vh = 0, value_cache.stride(0), value_cache.stride(1)
+        num_blocks, stride_bt = 1, 0
+        block_table = seq_lens = dummy
+    workspace = plan.workspace
+    partial_out, partial_lse = (workspace.partial_out, workspace.partial_lse) if workspace is not None else (
+        dummy, dummy)
+    scales_are_ptrs = plan.constexprs[17]
     lse_stride_h = return_lse.stride(0) if return_lse is not None else 0
-    _unified_attention_kernel[(grid0, num_kv_heads, num_kv_splits)](
-        query, key, value, output, block_table if paged else dummy, key.shape[0] if paged else 1,
-        seq_lens if paged else dummy, query_start_loc,
+    lse = return_lse if return_lse is not None else dummy
+    args = (
+        query, key_cache, value_cache, output, block_table, num_blocks, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
-        partial_out, partial_lse, return_lse if return_lse is not None else dummy,
+        partial_out, partial_lse, lse,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
-        num_seqs, num_decodes,
+        plan.num_seqs, plan.num_decodes,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        *pstrides, lse_stride_h,
-        float(softmax_scale), float(logits_soft_cap) if logits_soft_cap else 0.0,
-        QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size), BLOCK_SIZE=block_size,
-        DECODE_PATH=decode_path, DECODE_BLOCK_M=max(config.decode_block_m, next_power_of_2(qpk)),
-        DECODE_TILE_N=config.decode_tile_n,
-        GENERIC_PATH=generic_path, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.tile_n,
-        PAGED=paged, CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
-        USE_SOFTCAP=bool(logits_soft_cap), USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
-        SCALES_ARE_PTRS=scales_are_ptrs, KV_FP8=kv_fp8, NUM_SEGMENTS=num_kv_splits,
-        RETURN_LSE=return_lse is not None, INTERPRET=_is_interpreted(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        *plan.partial_strides, lse_stride_h, softmax_scale, logits_soft_cap,
     )
-    if num_kv_splits > 1:
-        head_pad = next_power_of_2(head_size)
-        _reduce_segments_kernel[(num_tokens, num_heads)](
-            output, partial_out, partial_lse, return_lse if return_lse is not None else dummy, query_start_loc,
-            num_seqs, output.stride(0), output.stride(1), *pstrides, lse_stride_h,
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=num_kv_splits,
-            SEG_PAD=next_power_of_2(num_kv_splits), RETURN_LSE=return_lse is not None, num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
-        )
+    key = (plan.constexprs, plan.num_warps, plan.num_stages, query.dtype, output.dtype, block_table.dtype,
+           _alignment(query), _alignment(output), cache_key)
+    _attention_launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
+    if plan.reduce_grid is not None:
+        args = (output, partial_out, partial_lse, lse, query_start_loc, plan.num_seqs, output.stride(0),
+                output.stride(1), *plan.partial_strides, lse_stride_h)
+        key = (plan.reduce_constexprs, plan.reduce_num_warps, output.dtype, _alignment(output))
+        _reduce_launcher(key, plan.reduce_grid, args, plan.reduce_constexprs, plan.reduce_num_warps, 2)
     return output
+
+
+def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *, paged, block_size,
+            max_query_len, max_seq_len, softmax_scale, causal, sliding_window, logits_soft_cap, alibi_slopes,
+            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config, return_lse=None):
+    """Plan and launch in one go: the functional entry points' path."""
+    num_tokens, num_heads, head_size = query.shape
+    device = output.device
+    plan = plan_attention(
+        num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=key.shape[-2], head_size=head_size,
+        block_size=block_size, num_seqs=query_start_loc.shape[0] - 1, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, kv_fp8=key.dtype in FP8_DTYPES, causal=causal, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
+        scales_are_ptrs=isinstance(k_scale, torch.Tensor), paged=paged, return_lse=return_lse is not None,
+        num_decodes=num_decodes, num_kv_splits=num_kv_splits,
+        num_sms=_device_sm_count(device) if device.type == "cuda" else 1, workspace=workspace, config=config,
+        device=device,
+    )
+    return launch_attention(
+        plan, query, key, value, output, query_start_loc, seq_lens if paged else None,
+        block_table if paged else None, float(softmax_scale), float(logits_soft_cap or 0.0), alibi_slopes, sinks,
+        k_scale, v_scale, return_lse)
 
 
 def unified_attention(
@@ -521,11 +635,7 @@ def unified_attention(
             v_scale=v_scale, workspace=workspace, num_decodes=num_decodes, num_kv_splits=num_kv_splits)
     return _launch(
         query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, paged=True,
-        block_size=key_cache.shape[1],
-        stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
-        stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
-        stride_bt=block_table.stride(0),
-        max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
+        block_size=key_cache.shape[1], max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, workspace=workspace, num_decodes=num_decodes,
         num_kv_splits=num_kv_splits, config=config, return_lse=return_lse)
@@ -588,9 +698,6 @@ def varlen_attention(
         if not isinstance(max_seq_len, int) or max_seq_len < 0:
             raise ValueError(f"max_seq_len must be a non-negative python int, got {max_seq_len!r}")
     return _launch(
-        query, key, value, output, query_start_loc, None, None, paged=False, block_size=16,
-        stride_kb=0, stride_ks=key.stride(0), stride_kh=key.stride(1),
-        stride_vb=0, stride_vs=value.stride(0), stride_vh=value.stride(1), stride_bt=0,
-        max_query_len=max(max_seq_len, 2), max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
+        query, key, value, output, query_start_loc, None, None, paged=False, block_size=16, max_query_len=max(max_seq_len, 2), max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=1.0, v_scale=1.0, workspace=None, num_decodes=0, num_kv_splits=1, config=config)
