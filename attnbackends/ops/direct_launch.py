@@ -35,6 +35,15 @@ def _raw_stream_getters():
 _current_raw_stream, _current_device = _raw_stream_getters()
 
 
+def _launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is installed (Triton 3.6 keeps them in HookChain objects, older ones use None)."""
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
 class DirectLauncher:
     """One kernel's launches, keyed by specialisation.
 
@@ -57,7 +66,7 @@ class DirectLauncher:
         """Launch on the current CUDA stream. ``args``: the runtime arguments in signature order; ``constexprs``:
         the values of ``constexpr_names``, in that order."""
         entry = self._compiled.get(key)
-        if entry is not None and knobs.runtime.launch_enter_hook is None:
+        if entry is not None and not _launch_hooks_set():
             run, function, packed = entry
             run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), function, packed, None, None,
                 None, *args, *constexprs)
@@ -73,7 +82,7 @@ class DirectLauncher:
             reason = "the kernel runs under the Triton interpreter"
         elif _current_raw_stream is None:
             reason = "torch has no CUDA stream bindings"
-        elif knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        elif _launch_hooks_set():
             reason = "Triton launch hooks are set"
         elif not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             reason = f"Triton {triton.__version__}'s compiled kernel has no run/function/packed_metadata"

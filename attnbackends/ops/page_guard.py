@@ -59,7 +59,7 @@ def safe_page(page, num_blocks):
 def record_fault(record_ptr, host_flag_ptr, kind, a, b, c):
     """Record one fault unless one is already recorded: ``record[1:5] = kind, a, b, c`` under the lock
     ``record[0]``, then raise the host-visible flag (a plain store into pinned host memory on CUDA)."""
-    if tl.atomic_cas(record_ptr, 0, 1) == 0:
+    if tl.atomic_cas(record_ptr, tl.cast(0, tl.int64), tl.cast(1, tl.int64)) == 0:
         tl.store(record_ptr + 1, tl.cast(kind, tl.int64))
         tl.store(record_ptr + 2, tl.cast(a, tl.int64))
         tl.store(record_ptr + 3, tl.cast(b, tl.int64))

@@ -1,0 +1,274 @@
+"""The Triton backend through its public API, as an engine calls it, side by side with FlashInfer and torch SDPA.
+
+    python benchmarks/triton_api.py --out results.json [--quick]
+
+``builder.build(common)`` once per batch, then ``impl.forward(q, None, None, kv_cache, metadata, out)`` timed
+(the cache already holds every key), against raw FlashInfer wrappers planned once on the same cache tensor
+(``run()`` timed) and torch SDPA for prefill. Rows use the names of PERF.md:
+
+- ``host_overhead``: host (thread CPU) time of one call with the GPU idle: B=1 decode at L=16; ours (attention
+  only, and with the KV write: ``triton_with_write``) vs FlashInfer ``run()``, and one torch op as the yardstick.
+- ``decode_eager``: B=1 L=1024, B=1 L=16384, B=16 L=4096, eager (no CUDA graph), do_bench medians and
+  back-to-back wall time per call.
+- ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA), ``mixed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from attnbackends import AttentionSpec, build_common_metadata
+from attnbackends.triton.backend import TritonAttentionBackend
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+SCALE = 1.0 / math.sqrt(D)
+DEV = "cuda"
+
+
+def do_bench_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def wall_us(fn, n: int = 200) -> float:
+    """Back-to-back wall time per call, GPU drained at both ends."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def host_us(fn, n: int = 300) -> float:
+    """Median over 5 rounds of the calling thread's CPU time per call (the GPU drained between rounds)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.thread_time_ns()
+        for _ in range(n):
+            fn()
+        rounds.append((time.thread_time_ns() - t0) / n / 1e3)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+class Batch:
+    """One batch on one random cache (pages shuffled), through the public API and as FlashInfer's page table."""
+
+    def __init__(self, shapes, kv_cache_dtype="auto", seed=0, max_num_reqs=256):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.shapes = shapes
+        q_lens = [q for q, _ in shapes]
+        c_lens = [c for _, c in shapes]
+        seq_lens = [q + c for q, c in shapes]
+        pages = [triton.cdiv(s, PAGE) for s in seq_lens]
+        total = sum(pages)
+        self.spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_size=D, dtype="bfloat16",
+                                  kv_cache_dtype=kv_cache_dtype, block_size=PAGE)
+        cache = TritonAttentionBackend.allocate_kv_cache(total, self.spec, DEV)
+        dense = torch.randn(cache.shape, device=DEV, dtype=torch.bfloat16, generator=g)
+        self.kv_scale = 1.0
+        if cache.dtype != torch.bfloat16:
+            self.kv_scale = float(dense.abs().amax()) / 240.0
+            dense = dense.float() / self.kv_scale
+        cache.copy_(dense.to(cache.dtype))
+        self.kv = cache
+        perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+        tables, at = [], 0
+        for n in pages:
+            tables.append(perm[at:at + n])
+            at += n
+        self.common = build_common_metadata(q_lens, c_lens, tables, PAGE, DEV)
+        self.kv_indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32, device=DEV)
+        self.kv_indices = torch.tensor(perm, dtype=torch.int32, device=DEV)
+        self.last_page_len = torch.tensor([(s - 1) % PAGE + 1 for s in seq_lens], dtype=torch.int32, device=DEV)
+        self.num_tokens = sum(q_lens)
+        self.query = torch.randn(self.num_tokens, HQ, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        self.new_k = torch.randn(self.num_tokens, HKV, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        self.new_v = torch.randn(self.num_tokens, HKV, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        self.kv_bytes = sum(seq_lens) * HKV * D * 2 * cache.element_size()
+        visible = sum(sum(c + i + 1 for i in range(q)) for q, c in shapes)
+        self.flops = 4.0 * HQ * D * visible
+        self.builder = TritonAttentionBackend.get_builder_cls()(self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)),
+                                                                max_num_tokens=max(self.num_tokens, 8192))
+        self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale)
+        self.metadata = self.builder.build(self.common)
+        self.out = torch.full_like(self.query, float("nan"))
+
+    def triton(self, write: bool = False):
+        k, v = (self.new_k, self.new_v) if write else (None, None)
+        return lambda: self.impl.forward(self.query, k, v, self.kv, self.metadata, self.out)
+
+    def sub(self, lo, hi):
+        """FlashInfer's page table of requests lo..hi-1 (same cache)."""
+        ptr = self.kv_indptr
+        indices = self.kv_indices[int(ptr[lo]):int(ptr[hi])]
+        indptr = ptr[lo:hi + 1] - ptr[lo]
+        qsl = self.common.query_start_loc[lo:hi + 1] - self.common.query_start_loc[lo]
+        t0, t1 = int(self.common.query_start_loc_cpu[lo]), int(self.common.query_start_loc_cpu[hi])
+        return indptr, indices, self.last_page_len[lo:hi], qsl, self.query[t0:t1]
+
+
+def flashinfer_decode(batch: Batch, lo=0, hi=None):
+    import flashinfer
+
+    hi = len(batch.shapes) if hi is None else hi
+    indptr, indices, last, _, query = batch.sub(lo, hi)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, HQ, HKV, D, PAGE, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+           kv_data_type=batch.kv.dtype, sm_scale=SCALE)
+    out = torch.empty_like(query)
+    kw = dict(k_scale=batch.kv_scale, v_scale=batch.kv_scale) if batch.kv.dtype != torch.bfloat16 else {}
+    return (lambda: w.run(query, batch.kv, out=out, **kw)), out
+
+
+def flashinfer_prefill(batch: Batch, lo=0, hi=None):
+    import flashinfer
+
+    hi = len(batch.shapes) if hi is None else hi
+    indptr, indices, last, qsl, query = batch.sub(lo, hi)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
+    w.plan(qsl, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=torch.bfloat16,
+           kv_data_type=batch.kv.dtype, sm_scale=SCALE)
+    out = torch.empty_like(query)
+    return (lambda: w.run(query, batch.kv, out=out)), out
+
+
+def sdpa_prefill(B, L):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(B, HQ, L, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HKV, L, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HKV, L, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    return fn
+
+
+def profile_forward(n: int = 3000) -> None:
+    """cProfile of ``n`` attention-only forwards of a tiny decode (host-bound), top functions by own time."""
+    import cProfile
+    import pstats
+
+    b = Batch([(1, 15)])
+    fn = b.triton()
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        fn()
+        if i % 500 == 0:
+            torch.cuda.synchronize()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="JSON rows to write (PERF.md format)")
+    ap.add_argument("--quick", action="store_true", help="host overhead and eager decode rows only")
+    ap.add_argument("--profile", action="store_true", help="print where the host time of one forward goes")
+    args = ap.parse_args(argv)
+    if args.profile:
+        profile_forward()
+    rows = []
+    gpu = torch.cuda.get_device_name()
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"),
+                                                  "command": " ".join(sys.argv), "rows": rows}, indent=1))
+
+    def row(case, B, L, us, peer_us, peer="flashinfer", backend="triton", kv_dtype="auto", **extra):
+        r = {"case": case, "backend": backend, "peer": peer, "B": B, "L": L, "dtype": "bfloat16",
+             "kv_dtype": kv_dtype, "us": round(us, 2), "peer_us": round(peer_us, 2) if peer_us else None,
+             "ratio": round(us / peer_us, 4) if peer_us else None}
+        r.update(extra)
+        emit(r)
+
+    def diff(a, b):
+        return float((a.float() - b.float()).abs().max())
+
+    # Host time per call, GPU idle (tiny decode).
+    b = Batch([(1, 15)])
+    fi, fi_out = flashinfer_decode(b)
+    x, y, z = (torch.randn(1024, device=DEV) for _ in range(3))
+    torch_op = host_us(lambda: torch.add(x, y, out=z))
+    fi_host = host_us(fi)
+    row("host_overhead", 1, 16, host_us(b.triton()), fi_host, torch_op_us=round(torch_op, 2))
+    row("host_overhead", 1, 16, host_us(b.triton(write=True)), fi_host, backend="triton_with_write",
+        torch_op_us=round(torch_op, 2))
+
+    # Eager decode, small batches (host-bound) and bandwidth-bound ones.
+    decode_shapes = [(1, 1024), (1, 16384), (16, 4096)]
+    if not args.quick:
+        decode_shapes += [(64, 4096), (128, 8192)]
+    for B, L in decode_shapes:
+        b = Batch([(1, L - 1)] * B)
+        fi, fi_out = flashinfer_decode(b)
+        fn = b.triton()
+        fn()
+        fi()
+        d = diff(b.out, fi_out)
+        us, peer = do_bench_us(fn), do_bench_us(fi)
+        case = "decode_eager" if B <= 16 else "decode"
+        row(case, B, L, us, peer, wall_us=round(wall_us(fn), 2), peer_wall_us=round(wall_us(fi), 2),
+            GBps=round(b.kv_bytes / us / 1e3, 1), max_abs_diff=d)
+        del b
+    if args.quick:
+        return 0
+    b = Batch([(1, 4095)] * 64, kv_cache_dtype="fp8_e4m3")
+    fi, fi_out = flashinfer_decode(b)
+    fn = b.triton()
+    fn()
+    fi()
+    us, peer = do_bench_us(fn), do_bench_us(fi)
+    row("decode", 64, 4096, us, peer, kv_dtype="fp8_e4m3", max_abs_diff=diff(b.out, fi_out))
+    del b
+
+    # Causal prefill, every token new.
+    for B, L in [(1, 8192), (4, 4096), (16, 1024)]:
+        b = Batch([(L, 0)] * B)
+        fi, fi_out = flashinfer_prefill(b)
+        fn = b.triton()
+        fn()
+        fi()
+        d = diff(b.out, fi_out)
+        us, peer = do_bench_us(fn), do_bench_us(fi)
+        sd = do_bench_us(sdpa_prefill(B, L))
+        tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
+        row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d)
+        row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd))
+        del b
+
+    # Mixed: 60 decodes at 4096 + 4 x 512 new on 2048 context, one batch.
+    b = Batch([(1, 4095)] * 60 + [(512, 2048)] * 4)
+    d_fn, d_out = flashinfer_decode(b, 0, 60)
+    p_fn, p_out = flashinfer_prefill(b, 60, 64)
+    both = lambda: (d_fn(), p_fn())  # noqa: E731
+    fn = b.triton()
+    fn()
+    both()
+    d = max(diff(b.out[:60], d_out), diff(b.out[60:], p_out))
+    row("mixed", 64, 4096, do_bench_us(fn), do_bench_us(both), max_abs_diff=d)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

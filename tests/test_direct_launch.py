@@ -1,0 +1,50 @@
+"""DirectLauncher: the JIT on the first launch per key, the compiled kernel's launcher afterwards (GPU), and the
+JIT on every call where that cannot be trusted (interpreter, launch hooks)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from triton import knobs  # noqa: E402
+
+from attnbackends.ops import direct_launch  # noqa: E402
+from attnbackends.testing import conformance_cases  # noqa: E402
+from attnbackends.triton import launch  # noqa: E402
+from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+
+
+def test_no_launch_hooks_by_default():
+    assert not direct_launch._launch_hooks_set()
+
+
+def test_an_installed_launch_hook_is_seen():
+    hook = knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip(f"this Triton keeps launch hooks as plain callables ({type(hook).__name__})")
+
+    def noop(*args, **kwargs):
+        pass
+
+    hook.add(noop)
+    try:
+        assert direct_launch._launch_hooks_set()
+    finally:
+        hook.remove(noop)
+
+
+@pytest.mark.gpu
+def test_triton_forward_launches_directly_after_the_first_call():
+    case = conformance_cases("bfloat16", 128, 16)[0]
+    batch = case.batch("cuda")
+    builder = TritonAttentionBackend.get_builder_cls()(case.spec, "cuda")
+    impl = TritonAttentionBackend.get_impl_cls()(case.spec)
+    metadata = builder.build(batch.common)
+    first = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, batch.new_output()).clone()
+    assert launch._attention_launcher._compiled, "the first launch did not leave a compiled kernel to reuse"
+    again = impl.forward(batch.query, None, None, batch.kv_cache, metadata, batch.new_output())
+    torch.cuda.synchronize()
+    assert torch.equal(first[: batch.num_actual_tokens], again[: batch.num_actual_tokens])
