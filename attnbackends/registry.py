@@ -43,6 +43,7 @@ _REGISTRY: dict[str, _Target] = {
     "reference_mla": "attnbackends.mla.reference:ReferenceMLABackend",
     "triton": "attnbackends.triton.backend:TritonAttentionBackend",
     "flashinfer": "attnbackends.flashinfer.backend:FlashInferBackend",
+    "flash_attn": "attnbackends.flash_attn.backend:FlashAttnBackend",
     "triton_mla": "attnbackends.mla.backends:TritonMLABackend",
     "flashinfer_mla": "attnbackends.mla.backends:FlashInferMLABackend",
 }
@@ -50,7 +51,7 @@ _REGISTRY: dict[str, _Target] = {
 # Auto-selection order per (platform, MLA?). The reference backend ends the CUDA lists: it is slow but correct,
 # and is chosen there (with a warning) only when no fast backend fits.
 _PRIORITIES: dict[tuple[str, bool], list[str]] = {
-    ("cuda", False): ["flashinfer", "triton", "reference"],
+    ("cuda", False): ["flashinfer", "flash_attn", "triton", "reference"],
     ("cuda", True): ["flashinfer_mla", "triton_mla", "reference_mla"],
     ("cpu", False): ["reference"],
     ("cpu", True): ["reference_mla"],
