@@ -114,6 +114,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{exc}[/]")
         return 1
     console.print(f"backend chosen: [bold]{report.backend}[/] on {report.device} ({report.dtype})")
+    console.print(f"warm-up (kernel compilation on first use): {report.warmup_seconds:.1f} s, not counted below")
     console.print(
         f"{report.num_prompts} prompts, {report.new_tokens} new tokens in {report.steps} steps: "
         f"{report.tokens_per_second:.1f} tokens/s"
