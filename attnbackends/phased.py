@@ -99,7 +99,8 @@ class _PhasedBuilder(AttentionMetadataBuilder[PhasedMetadata]):
     prefill_backend: type[AttentionBackend]
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", **kwargs: Any) -> None:
-        super().__init__(spec, device, **{k: v for k, v in kwargs.items() if k in ("max_num_reqs", "max_num_tokens", "debug")})
+        base = {k: v for k, v in kwargs.items() if k in ("max_num_reqs", "max_num_tokens", "debug")}
+        super().__init__(spec, device, **base)
         self.decode_builder = self.decode_backend.get_builder_cls()(spec, device, **kwargs)
         self.prefill_builder = self.prefill_backend.get_builder_cls()(spec, device, **kwargs)
 

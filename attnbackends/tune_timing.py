@@ -47,7 +47,8 @@ class TuneShape:
         if self.num_decodes:
             parts.append(f"{self.num_decodes}x1@{self.decode_context}")
         if self.num_prefills:
-            parts.append(f"{self.num_prefills}x{self.prefill_len}" + (f"@{self.prefill_context}" if self.prefill_context else ""))
+            context = f"@{self.prefill_context}" if self.prefill_context else ""
+            parts.append(f"{self.num_prefills}x{self.prefill_len}{context}")
         return f"{self.phase}:" + "+".join(parts)
 
     def as_dict(self) -> dict:
@@ -179,8 +180,9 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
         try:
             if name not in objects:
                 cls = get_backend_class(name)
+                sinks = torch.zeros(spec.num_heads) if spec.has_sinks else None
                 objects[name] = (cls.get_builder_cls()(spec, torch_device, max_num_reqs=256, max_num_tokens=16384),
-                                 cls.get_impl_cls()(spec, sinks=torch.zeros(spec.num_heads) if spec.has_sinks else None))
+                                 cls.get_impl_cls()(spec, sinks=sinks))
             builder, impl = objects[name]
             batch = batches[shape.label]
             metadata = builder.build(batch.common)

@@ -134,7 +134,9 @@ class Profile:
         return cls(**{k: data[k] for k in ("key", "shapes", "times_us", "errors", "created") if k in data})
 
 
-def load_profile(spec: AttentionSpec, device: DeviceInfo, directory: "str | os.PathLike") -> Optional[tuple[Path, Profile]]:
+def load_profile(
+    spec: AttentionSpec, device: DeviceInfo, directory: "str | os.PathLike"
+) -> Optional[tuple[Path, Profile]]:
     """The stored profile for ``spec`` on ``device`` as this machine is now, or None."""
     key = environment_key(spec, device)
     path = profile_path(key, directory)
@@ -187,7 +189,9 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def choose(profile: Profile, reasons: dict[str, list[str]], order: list[str], source: str = "profile") -> MeasuredChoice:
+def choose(
+    profile: Profile, reasons: dict[str, list[str]], order: list[str], source: str = "profile"
+) -> MeasuredChoice:
     """Rank the profile's candidates that fit (``reasons[name]`` empty) by score; ties go to ``order``'s earlier
     entry (compositions after single backends)."""
     labels = [s["label"] for s in profile.shapes]
@@ -201,7 +205,8 @@ def choose(profile: Profile, reasons: dict[str, list[str]], order: list[str], so
             status[name] = "does not fit now: " + "; ".join(why_not)
         elif any(times.get(label) is None for label in labels):
             failed = [label for label in labels if times.get(label) is None]
-            status[name] = "not measured on " + ", ".join(failed) + (f" ({profile.errors[name]})" if name in profile.errors else "")
+            error = f" ({profile.errors[name]})" if name in profile.errors else ""
+            status[name] = "not measured on " + ", ".join(failed) + error
         else:
             fitting.append(name)
     best = {label: min(profile.times_us[n][label] for n in fitting) for label in labels} if fitting else {}

@@ -19,7 +19,7 @@ import json
 import logging
 import sys
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -101,7 +101,8 @@ def measured_choice(spec: AttentionSpec, device: DeviceInfo, profile_dir: Option
     return choice.ranking, "in-process tune"
 
 
-def row(case: str, backend: str, peer: Optional[str], us: float, peer_us: Optional[float], spec: AttentionSpec, **extra) -> dict:
+def row(case: str, backend: str, peer: Optional[str], us: float, peer_us: Optional[float], spec: AttentionSpec,
+        **extra) -> dict:
     out = {"case": case, "backend": backend, "peer": peer, "dtype": spec.dtype, "kv_dtype": spec.kv_cache_dtype,
            "us": round(us, 2), "peer_us": round(peer_us, 2) if peer_us else None,
            "ratio": round(us / peer_us, 4) if peer_us else None}
@@ -112,7 +113,8 @@ def row(case: str, backend: str, peer: Optional[str], us: float, peer_us: Option
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file for the rows")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU: reference, interpreted Triton)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes (runs on the CPU: reference, interpreted Triton)")
     parser.add_argument("--profile-dir", default=None, help="where `attnbackends tune` stored its profile")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -129,9 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     prefill_backends = [n for n in ("flash_attn", "flashinfer") if n in singles] or singles
     for batch, length in cfg["prefill"]:
         sdpa_us = time_sdpa(spec, batch, length, torch_device)
-        flops = dict(B=batch, L=length, TFLOPs=None)
-        rows.append(row("prefill", "sdpa", None, sdpa_us, None, spec, **{
-            **flops, "TFLOPs": round(prefill_tflops(batch, length, hq, d, sdpa_us), 1)}))
+        rows.append(row("prefill", "sdpa", None, sdpa_us, None, spec, B=batch, L=length,
+                        TFLOPs=round(prefill_tflops(batch, length, hq, d, sdpa_us), 1)))
         timed = {}
         for name in prefill_backends:
             try:

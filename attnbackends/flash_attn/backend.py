@@ -100,7 +100,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
             validate_common_metadata(common, block_size=self.spec.block_size)
         if not common.causal:
             raise ValueError("the flash_attn backend serves causal decoder layers; common.causal is False")
-        block_table = common.block_table
+        num_reqs = common.num_reqs
+        block_table = common.block_table[:num_reqs]  # flash-attn takes exactly one row per request
         if block_table.dtype != torch.int32 or (block_table.shape[1] > 1 and block_table.stride(-1) != 1):
             raise ValueError(
                 f"block_table must be int32 and contiguous in its last dimension for flash-attn; got "
@@ -108,14 +109,15 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
             )
         cu_seqlens_k = None
         if self.generation == 2:
-            cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(common.seq_lens, 0, dtype=torch.int32), (1, 0))
+            lengths = torch.cumsum(common.seq_lens[:num_reqs], 0, dtype=torch.int32)
+            cu_seqlens_k = torch.nn.functional.pad(lengths, (1, 0))
         return FlashAttnMetadata(
             common=common,
             num_actual_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
+            query_start_loc=common.query_start_loc[: num_reqs + 1],
+            seq_lens=common.seq_lens[:num_reqs],
             block_table=block_table,
             cu_seqlens_k=cu_seqlens_k,
             debug=self.debug,
@@ -221,7 +223,8 @@ class FlashAttnBackend(AttentionBackend):
             )
         if spec.block_size % caps.block_size_multiple:
             reasons.append(
-                f"block_size {spec.block_size} is not a multiple of {caps.block_size_multiple} (flash-attn {generation})"
+                f"block_size {spec.block_size} is not a multiple of {caps.block_size_multiple} "
+                f"(flash-attn {generation})"
             )
         if spec.has_sinks and not caps.sinks:
             reasons.append(f"attention sinks need flash-attn 4 (flash-attn {generation} is installed)")
