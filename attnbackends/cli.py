@@ -1,4 +1,4 @@
-"""Command line: `attnbackends list | explain | demo | bench`."""
+"""Command line: `attnbackends list | explain | demo | bench | tune | warmup`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from .cli_tune import COMMANDS as TUNE_COMMANDS
+from .cli_tune import add_parsers as add_tune_parsers
 from .platform import DeviceInfo, package_available
 from .registry import BackendNotSupportedError, backend_names, explain
 from .registry import _resolve as resolve_backend  # noqa: PLC2701 - the CLI shows import failures as reasons
@@ -80,7 +82,9 @@ def _device_from_args(args: argparse.Namespace) -> DeviceInfo:
 def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     spec = _spec_from_args(args)
     device = _device_from_args(args)
-    config = AttentionConfig.from_env(AttentionConfig(backend=args.backend))
+    config = AttentionConfig.from_env(AttentionConfig(
+        backend=args.backend, selection=args.selection, decode_backend=args.decode_backend,
+        prefill_backend=args.prefill_backend, profile_dir=args.profile_dir))
     result = explain(spec, device, config)
     table = Table(title=f"{device.describe()}; requested: {result.requested}")
     for col in ("backend", "status", "reasons"):
@@ -89,6 +93,10 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
         style = {"chosen": "bold green", "rejected": "red"}.get(status, "yellow")
         table.add_row(name, f"[{style}]{status}[/]", reasons)
     console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    if result.measured is not None:
+        console.print(result.measured.render())
     if result.chosen is None:
         console.print("[bold red]no backend fits this spec on this device[/]")
         return 1
@@ -106,6 +114,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{exc}[/]")
         return 1
     console.print(f"backend chosen: [bold]{report.backend}[/] on {report.device} ({report.dtype})")
+    console.print(f"warm-up (kernel compilation on first use): {report.warmup_seconds:.1f} s, not counted below")
     console.print(
         f"{report.num_prompts} prompts, {report.new_tokens} new tokens in {report.steps} steps: "
         f"{report.tokens_per_second:.1f} tokens/s"
@@ -141,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--sm-count", type=int, default=132)
     ex.add_argument("--cpu", action="store_true", help="pretend to run on the CPU")
     ex.add_argument("--backend", default="auto", help="explicit choice to validate instead of auto")
+    ex.add_argument("--selection", default="static", choices=["static", "measured"])
+    ex.add_argument("--decode-backend", default=None, help="backend for decodes (a phase composition)")
+    ex.add_argument("--prefill-backend", default=None, help="backend for prefills (a phase composition)")
+    ex.add_argument("--profile-dir", default=None, help="where `attnbackends tune` profiles live")
 
     demo = sub.add_parser("demo", help="serve a tiny random-weight model through the auto-selected backend")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -151,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--suites", default=None, help="comma-separated: triton, flashinfer_adapter, mla (default: all)")
     bench.add_argument("--outdir", default="benchmarks/results")
     bench.add_argument("--tag", default="")
+    add_tune_parsers(sub)
     return parser
 
 
@@ -166,7 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
     try:
-        return {"list": _cmd_list, "explain": _cmd_explain, "demo": _cmd_demo, "bench": _cmd_bench}[args.command](args, console)
+        commands = {"list": _cmd_list, "explain": _cmd_explain, "demo": _cmd_demo, "bench": _cmd_bench, **TUNE_COMMANDS}
+        return commands[args.command](args, console)
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

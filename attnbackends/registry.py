@@ -12,9 +12,10 @@ import importlib
 import logging
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .interface import AttentionBackend
+from .phased import is_phased_name, parse_phased_name, phased_backend, phased_name
 from .platform import DeviceInfo
 from .spec import AttentionConfig, AttentionSpec
 
@@ -43,6 +44,7 @@ _REGISTRY: dict[str, _Target] = {
     "reference_mla": "attnbackends.mla.reference:ReferenceMLABackend",
     "triton": "attnbackends.triton.backend:TritonAttentionBackend",
     "flashinfer": "attnbackends.flashinfer.backend:FlashInferBackend",
+    "flash_attn": "attnbackends.flash_attn.backend:FlashAttnBackend",
     "triton_mla": "attnbackends.mla.backends:TritonMLABackend",
     "flashinfer_mla": "attnbackends.mla.backends:FlashInferMLABackend",
 }
@@ -50,7 +52,7 @@ _REGISTRY: dict[str, _Target] = {
 # Auto-selection order per (platform, MLA?). The reference backend ends the CUDA lists: it is slow but correct,
 # and is chosen there (with a warning) only when no fast backend fits.
 _PRIORITIES: dict[tuple[str, bool], list[str]] = {
-    ("cuda", False): ["flashinfer", "triton", "reference"],
+    ("cuda", False): ["flashinfer", "flash_attn", "triton", "reference"],
     ("cuda", True): ["flashinfer_mla", "triton_mla", "reference_mla"],
     ("cpu", False): ["reference"],
     ("cpu", True): ["reference_mla"],
@@ -84,6 +86,8 @@ class Explanation:
     rows: list[ExplanationRow] = field(default_factory=list)
     chosen: Optional[str] = None
     requested: str = "auto"
+    notes: list[str] = field(default_factory=list)  # how the choice was made, when not by the static list alone
+    measured: Optional[Any] = None  # the measured table (attnbackends.tuning.MeasuredChoice) behind the choice
 
     def as_table(self) -> list[tuple[str, str, str]]:
         """Rows of (backend, status, reasons) in priority order, then the backends outside the list."""
@@ -104,6 +108,9 @@ class Explanation:
         head = f"device: {self.device.describe()}; backend requested: {self.requested}; chosen: {self.chosen or 'none'}"
         width = max((len(r[0]) for r in self.as_table()), default=8)
         lines = [head] + [f"  {n:<{width}}  {s:<9}  {why}" for n, s, why in self.as_table()]
+        lines += [f"note: {note}" for note in self.notes]
+        if self.measured is not None:
+            lines.append(self.measured.render())
         return "\n".join(lines)
 
 
@@ -198,6 +205,8 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
     """The backend class registered as ``name``; ValueError if unknown or not importable."""
     _load_entry_points()
     key = name.lower()
+    if is_phased_name(key):
+        return phased_backend(*parse_phased_name(key))
     if key not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; registered: {', '.join(backend_names())}")
     cls, reasons = _resolve(key)
@@ -229,24 +238,47 @@ def explain(
     unknown = [n for n in order if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"priority names unknown backends {unknown}; registered: {', '.join(backend_names())}")
-    result = Explanation(spec=spec, device=device, requested=config.backend)
+    phased = config.backend == "auto" and (config.decode_backend or config.prefill_backend)
+    requested = phased_name(config.decode_backend or "auto", config.prefill_backend or "auto") if phased else config.backend
+    result = Explanation(spec=spec, device=device, requested=requested)
     for name in sorted(_REGISTRY):
         _, reasons = _reasons(name, spec, device)
         rank = order.index(name) if name in order else None
         result.rows.append(ExplanationRow(name=name, reasons=reasons, rank=rank))
+    by_name = {row.name: row for row in result.rows}
     if config.backend != "auto":
-        if config.backend not in _REGISTRY:
+        if config.backend not in _REGISTRY and not is_phased_name(config.backend):
             raise ValueError(f"unknown backend {config.backend!r}; registered: {', '.join(backend_names())}")
         candidates = [config.backend]
+    elif phased:
+        candidates = [_phase_choice(config, order, by_name)]
+    elif config.selection == "measured":
+        from .tuning import measured_candidates
+
+        candidates = measured_candidates(spec, device, config, order, by_name, result)
     else:
         candidates = order
-    by_name = {row.name: row for row in result.rows}
     for name in candidates:
+        if name not in by_name:  # a composition: one more row, with both parts' reasons
+            by_name[name] = ExplanationRow(name=name, reasons=get_backend_class(name).not_supported_reasons(spec, device),
+                                           rank=None)
+            result.rows.append(by_name[name])
         if not by_name[name].reasons:
             by_name[name].chosen = True
             result.chosen = name
             break
     return result
+
+
+def _phase_choice(config: AttentionConfig, order: list[str], by_name: dict[str, ExplanationRow]) -> str:
+    """The backend named by decode_backend / prefill_backend; a phase left unset takes the first fitting backend of
+    ``order``. One backend for both phases is that backend itself."""
+    fallback = next((n for n in order if not by_name[n].reasons), order[0] if order else "reference")
+    decode, prefill = config.decode_backend or fallback, config.prefill_backend or fallback
+    for name in (decode, prefill):
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown backend {name!r}; registered: {', '.join(backend_names())}")
+    return decode if decode == prefill else phased_name(decode, prefill)
 
 
 def select(

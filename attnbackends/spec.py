@@ -242,6 +242,26 @@ class AttentionConfig(BaseModel):
         default=None, description="backend names tried in this order instead of the platform's list"
     )
     debug: bool = Field(default=False, description="validate metadata on every build (slow; off the fast path)")
+    decode_backend: Optional[str] = Field(default=None, description="backend for decodes (the rest: prefill_backend)")
+    prefill_backend: Optional[str] = Field(default=None, description="backend for prefills and chunked prefills")
+    selection: Literal["static", "measured"] = Field(
+        default="static", description='"static": the priority lists; "measured": a stored `attnbackends tune` profile'
+    )
+    profile_dir: Optional[str] = Field(default=None, description="where tune profiles live (default: user cache)")
+
+    @field_validator("decode_backend", "prefill_backend")
+    @classmethod
+    def _strip_phase(cls, value: Optional[str]) -> Optional[str]:
+        return value.strip().lower() or None if value is not None else None
+
+    @model_validator(mode="after")
+    def _check_phases(self) -> "AttentionConfig":
+        if self.backend != "auto" and (self.decode_backend or self.prefill_backend):
+            raise ValueError(
+                f"backend={self.backend!r} conflicts with decode_backend/prefill_backend: set backend='auto' to "
+                "choose per phase"
+            )
+        return self
 
     @field_validator("backend")
     @classmethod

@@ -1,0 +1,226 @@
+"""`attnbackends tune`: time every fitting backend and phase composition for a spec on this GPU, store the profile.
+
+Each candidate gets one builder and one impl; for every shape of the grid its metadata is built once and its
+``forward`` (attention only: the new K/V are already in the cache) is timed with ``triton.testing.do_bench`` (median,
+on CUDA) or a wall-clock loop (on the CPU, for smoke runs). The first call of each (candidate, shape) is timed apart
+and logged: that is where kernels compile.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .metadata import CommonAttentionMetadata, build_common_metadata
+from .phased import phased_name
+from .platform import DeviceInfo
+from .registry import backend_names, get_backend_class, priority_list
+from .spec import AttentionSpec
+from .tuning import Profile, environment_key
+
+__all__ = ["GRIDS", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch", "tune_candidates"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    """``num_decodes`` decodes at ``decode_context`` cached tokens, then ``num_prefills`` requests of
+    ``prefill_len`` new tokens after ``prefill_context`` cached ones."""
+
+    phase: str
+    num_decodes: int = 0
+    decode_context: int = 0
+    num_prefills: int = 0
+    prefill_len: int = 0
+    prefill_context: int = 0
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.num_decodes:
+            parts.append(f"{self.num_decodes}x1@{self.decode_context}")
+        if self.num_prefills:
+            context = f"@{self.prefill_context}" if self.prefill_context else ""
+            parts.append(f"{self.num_prefills}x{self.prefill_len}{context}")
+        return f"{self.phase}:" + "+".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "phase": self.phase, "num_decodes": self.num_decodes,
+                "decode_context": self.decode_context, "num_prefills": self.num_prefills,
+                "prefill_len": self.prefill_len, "prefill_context": self.prefill_context}
+
+
+GRIDS: dict[str, tuple[TuneShape, ...]] = {
+    "small": (
+        TuneShape("decode", num_decodes=1, decode_context=4096),
+        TuneShape("decode", num_decodes=64, decode_context=2048),
+        TuneShape("decode", num_decodes=128, decode_context=4096),
+        TuneShape("prefill", num_prefills=1, prefill_len=4096),
+        TuneShape("prefill", num_prefills=8, prefill_len=1024),
+        TuneShape("prefill", num_prefills=4, prefill_len=512, prefill_context=2048),
+        TuneShape("mixed", num_decodes=60, decode_context=4096, num_prefills=4, prefill_len=512, prefill_context=2048),
+    ),
+    "tiny": (  # CPU smoke runs
+        TuneShape("decode", num_decodes=2, decode_context=20),
+        TuneShape("prefill", num_prefills=1, prefill_len=24),
+        TuneShape("mixed", num_decodes=2, decode_context=20, num_prefills=1, prefill_len=9, prefill_context=7),
+    ),
+}
+
+
+@dataclass
+class TimingBatch:
+    """query [T, Hq, D], kv_cache in the standard layout filled with random values, output [T, Hq, Dv]."""
+
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    output: torch.Tensor
+    common: CommonAttentionMetadata
+
+
+def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: Sequence[int],
+                 device: "torch.device | str", seed: int = 0) -> TimingBatch:
+    """A random decode-first batch over random pages (built fast: no per-token Python on the cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = spec.block_size
+    pages = [-(-(q + c) // bs) for q, c in zip(query_lens, context_lens)]
+    num_blocks = sum(pages) + 16
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(perm[at: at + n])
+        at += n
+    common = build_common_metadata(query_lens, context_lens, tables, bs, device)
+    shape = (num_blocks, 2, bs, spec.num_kv_heads, spec.head_size)
+    kv_cache = torch.randn(shape, generator=gen).to(device=device, dtype=spec.torch_dtype)
+    if spec.kv_cache_torch_dtype != spec.torch_dtype:
+        kv_cache = kv_cache.to(spec.kv_cache_torch_dtype)
+    tokens = sum(query_lens)
+    query = torch.randn(tokens, spec.num_heads, spec.head_size, generator=gen).to(device=device, dtype=spec.torch_dtype)
+    output = torch.empty(tokens, spec.num_heads, spec.value_head_size, device=device, dtype=spec.torch_dtype)
+    return TimingBatch(query, kv_cache, output, common)
+
+
+def batch_for(spec: AttentionSpec, shape: TuneShape, device: "torch.device | str", seed: int = 0) -> TimingBatch:
+    q = [1] * shape.num_decodes + [shape.prefill_len] * shape.num_prefills
+    c = [shape.decode_context] * shape.num_decodes + [shape.prefill_context] * shape.num_prefills
+    return timing_batch(spec, q, c, device, seed)
+
+
+def time_us(fn: Callable[[], object], device: torch.device) -> float:
+    """Median µs of ``fn``: ``triton.testing.do_bench`` on CUDA, a wall-clock loop on the CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1000.0 * float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e6 * sorted(times)[1]
+
+
+def tune_candidates(spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+    """Every registered backend that fits (the reference backend only where it is the only one), then every
+    composition of two of them (decode on one, the rest on the other) that fits."""
+    singles = []
+    for name in backend_names():
+        try:
+            cls = get_backend_class(name)
+        except ValueError:
+            continue
+        if not cls.not_supported_reasons(spec, device):
+            singles.append(name)
+    if device.is_cuda and len(singles) > 1:
+        singles = [n for n in singles if n not in ("reference", "reference_mla")]
+    order = {n: i for i, n in enumerate(priority_list(device, spec))}
+    singles.sort(key=lambda n: (order.get(n, len(order)), n))
+    pairs = []
+    for decode, prefill in itertools.permutations(singles, 2):
+        name = phased_name(decode, prefill)
+        if not get_backend_class(name).not_supported_reasons(spec, device):
+            pairs.append(name)
+    return singles + pairs
+
+
+def _progress(items: list, desc: str) -> Iterable:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="run")
+
+
+def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: str = "small",
+             candidates: Optional[Sequence[str]] = None, seed: int = 0) -> Profile:
+    """Time ``candidates`` (default: :func:`tune_candidates`) on the grid's shapes; returns the profile (unsaved)."""
+    device = device or DeviceInfo.current()
+    if grid not in GRIDS:
+        raise ValueError(f"grid {grid!r} is unknown; allowed: {', '.join(GRIDS)}")
+    shapes = GRIDS[grid]
+    names = list(candidates) if candidates is not None else tune_candidates(spec, device)
+    if not names:
+        raise ValueError(f"no backend fits this spec on {device.describe()}: nothing to tune")
+    torch_device = device.torch_device
+    batches = {shape.label: batch_for(spec, shape, torch_device, seed) for shape in shapes}
+    times: dict[str, dict[str, Optional[float]]] = {name: {} for name in names}
+    errors: dict[str, str] = {}
+    runs = [(name, shape) for name in names for shape in shapes]
+    logger.info("tuning %d candidates on %d shapes: %s", len(names), len(shapes), ", ".join(names))
+    objects: dict[str, tuple] = {}
+    for i, (name, shape) in enumerate(_progress(runs, "attnbackends tune")):
+        try:
+            if name not in objects:
+                cls = get_backend_class(name)
+                sinks = torch.zeros(spec.num_heads) if spec.has_sinks else None
+                objects[name] = (cls.get_builder_cls()(spec, torch_device, max_num_reqs=256, max_num_tokens=16384),
+                                 cls.get_impl_cls()(spec, sinks=sinks))
+            builder, impl = objects[name]
+            batch = batches[shape.label]
+            metadata = builder.build(batch.common)
+
+            def step() -> None:
+                impl.forward(batch.query, None, None, batch.kv_cache, metadata, batch.output)
+
+            start = time.perf_counter()
+            step()
+            if torch_device.type == "cuda":
+                torch.cuda.synchronize(torch_device)
+            first = time.perf_counter() - start
+            if first > 1.0:
+                logger.info("%s on %s: first call %.1f s (kernel compilation)", name, shape.label, first)
+            times[name][shape.label] = time_us(step, torch_device)
+        except Exception as exc:  # one failing candidate must not end the run; the profile records why
+            times[name][shape.label] = None
+            errors.setdefault(name, f"{type(exc).__name__}: {exc}")
+            logger.warning("%s on %s failed: %s: %s", name, shape.label, type(exc).__name__, exc)
+        if not _has_tqdm():
+            logger.info("tune %d/%d: %s on %s: %s µs", i + 1, len(runs), name, shape.label,
+                        _fmt(times[name].get(shape.label)))
+    return Profile(
+        key=environment_key(spec, device),
+        shapes=[s.as_dict() for s in shapes],
+        times_us=times,
+        errors=errors,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _has_tqdm() -> bool:
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "failed" if value is None else f"{value:.1f}"

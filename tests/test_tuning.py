@@ -1,0 +1,114 @@
+"""Measured selection from stored profiles (fabricated: the timing itself needs the GPU): the key, the ranking and
+its reasons, select()/explain() under selection="measured", and the fall-back to the static list, never silent."""
+
+import json
+
+import pytest
+
+from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, explain, select
+from attnbackends.cli import main
+from attnbackends.phased import phased_backend, phased_name
+from attnbackends.registry import get_backend_class
+from attnbackends.tune_timing import GRIDS, run_tune
+from attnbackends.tuning import Profile, choose, default_profile_dir, environment_key, load_profile, profile_path
+
+SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+H100 = DeviceInfo.cuda(9, 0, name="NVIDIA H100 80GB HBM3")
+SHAPES = [s.as_dict() for s in GRIDS["small"]]
+PHASED = phased_name("triton", "reference")
+
+
+def times(decode, prefill, mixed):
+    by_phase = {"decode": decode, "prefill": prefill, "mixed": mixed}
+    return {s["label"]: by_phase[s["phase"]] for s in SHAPES}
+
+
+def store(tmp_path, times_us, spec=SPEC, device=H100, errors=None):
+    profile = Profile(key=environment_key(spec, device), shapes=SHAPES, times_us=times_us, errors=errors or {})
+    return profile.save(tmp_path)
+
+
+def config(tmp_path, **kw):
+    return AttentionConfig(selection="measured", profile_dir=str(tmp_path), **kw)
+
+
+def test_profile_round_trip_and_key(tmp_path):
+    path = store(tmp_path, {"triton": times(10, 20, 30)})
+    assert path == profile_path(environment_key(SPEC, H100), tmp_path) and path.name.startswith("nvidia-h100-80gb-hbm3-")
+    found_path, profile = load_profile(SPEC, H100, tmp_path)
+    assert found_path == path and profile.times_us["triton"][SHAPES[0]["label"]] == 10
+    key = json.loads(path.read_text())["key"]
+    assert {"gpu", "driver", "torch", "triton", "flashinfer", "flash_attn", "spec"} <= set(key)
+    assert load_profile(SPEC.model_copy(update={"head_size": 64}), H100, tmp_path) is None
+    assert load_profile(SPEC, DeviceInfo.cuda(9, 0, name="NVIDIA H200"), tmp_path) is None
+
+
+def test_default_profile_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_profile_dir() == tmp_path / "attnbackends" / "profiles"
+    assert default_profile_dir(AttentionConfig(profile_dir="/x/y")) == __import__("pathlib").Path("/x/y")
+
+
+def test_measured_winner_is_chosen_and_explained(tmp_path):
+    store(tmp_path, {"triton": times(10, 40, 60), "reference": times(500, 30, 900), PHASED: times(10.2, 31, 45)})
+    result = explain(SPEC, H100, config(tmp_path))
+    assert result.chosen == PHASED
+    assert result.measured.winner == PHASED and result.measured.ranking == [PHASED, "triton", "reference"]
+    assert any("won: score" in note and "next triton" in note for note in result.notes)
+    text = str(result)
+    assert "measured (" in text and PHASED in text and "chosen" in text
+    assert select(SPEC, H100, config(tmp_path)) is phased_backend("triton", "reference")
+
+
+def test_candidates_that_do_not_fit_now_are_not_ranked(tmp_path):
+    store(tmp_path, {"flashinfer": times(1, 1, 1), "triton": times(10, 40, 60)})
+    result = explain(SPEC, H100, config(tmp_path))
+    assert result.chosen == "triton"
+    row = next(r for r in result.measured.rows if r.name == "flashinfer")
+    assert row.score is None and row.status.startswith("does not fit now: flashinfer is not installed")
+
+
+def test_failed_measurements_are_not_ranked(tmp_path):
+    broken = times(1, 1, 1)
+    broken[SHAPES[-1]["label"]] = None
+    store(tmp_path, {"reference": broken, "triton": times(10, 40, 60)}, errors={"reference": "RuntimeError: boom"})
+    result = explain(SPEC, H100, config(tmp_path))
+    assert result.chosen == "triton"
+    row = next(r for r in result.measured.rows if r.name == "reference")
+    assert "not measured on" in row.status and "boom" in row.status
+
+
+def test_no_profile_falls_back_to_the_static_list_and_says_so(tmp_path, caplog):
+    result = explain(SPEC, H100, config(tmp_path))
+    assert result.chosen == explain(SPEC, H100).chosen and result.measured is None
+    assert any("no stored profile" in note and "attnbackends tune" in note for note in result.notes)
+    assert "no stored profile" in caplog.text
+
+
+def test_score_is_relative_per_shape_and_ties_follow_the_static_order():
+    profile = Profile(key={}, shapes=SHAPES, times_us={"a": times(10, 20, 30), "b": times(20, 10, 30),
+                                                       "c": times(10, 20, 30)})
+    choice = choose(profile, {"a": [], "b": [], "c": []}, ["c", "b", "a"])
+    scores = {r.name: r.score for r in choice.rows}
+    assert scores["a"] == pytest.approx(scores["c"]) and choice.ranking[0] == "c"
+    three_decode, three_prefill = 3, 3
+    assert scores["a"] == pytest.approx((2 ** three_prefill) ** (1 / 7))
+    assert scores["b"] == pytest.approx((2 ** three_decode) ** (1 / 7))
+
+
+def test_explain_cli_shows_the_measured_table(tmp_path, capsys):
+    store(tmp_path, {"triton": times(10, 40, 60), PHASED: times(10, 30, 45)}, device=DeviceInfo.cuda(9, 0))
+    code = main(["explain", "--compute-capability", "9.0", "--selection", "measured", "--profile-dir", str(tmp_path)])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal width
+    assert code == 0
+    assert f"chosen: {PHASED}" in out and "measured (" in out and f"{PHASED} won: score 1.000" in out
+
+
+def test_tune_runs_on_the_cpu_with_the_tiny_grid():
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16")
+    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference", phased_name("reference", "triton")])
+    labels = [s["label"] for s in profile.shapes]
+    assert set(profile.times_us) == {"reference", phased_name("reference", "triton")}
+    assert all(profile.times_us[name][label] > 0 for name in profile.times_us for label in labels)
+    assert profile.errors == {}
+    assert get_backend_class(phased_name("reference", "triton")).name == phased_name("reference", "triton")
