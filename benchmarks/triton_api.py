@@ -67,7 +67,8 @@ def host_us(fn, n: int = 300) -> float:
 class Batch:
     """One batch on one random cache (pages shuffled), through the public API and as FlashInfer's page table."""
 
-    def __init__(self, shapes, kv_cache_dtype="auto", seed=0, max_num_reqs=256):
+    def __init__(self, shapes, kv_cache_dtype="auto", seed=0, max_num_reqs=256, head_size=D, num_heads=HQ,
+                 num_kv_heads=HKV):
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.shapes = shapes
         q_lens = [q for q, _ in shapes]
@@ -75,7 +76,7 @@ class Batch:
         seq_lens = [q + c for q, c in shapes]
         pages = [triton.cdiv(s, PAGE) for s in seq_lens]
         total = sum(pages)
-        self.spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_size=D, dtype="bfloat16",
+        self.spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype="bfloat16",
                                   kv_cache_dtype=kv_cache_dtype, block_size=PAGE)
         cache = TritonAttentionBackend.allocate_kv_cache(total, self.spec, DEV)
         dense = torch.randn(cache.shape, device=DEV, dtype=torch.bfloat16, generator=g)
@@ -95,14 +96,15 @@ class Batch:
         self.kv_indices = torch.tensor(perm, dtype=torch.int32, device=DEV)
         self.last_page_len = torch.tensor([(s - 1) % PAGE + 1 for s in seq_lens], dtype=torch.int32, device=DEV)
         self.num_tokens = sum(q_lens)
-        self.query = torch.randn(self.num_tokens, HQ, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        self.new_k = torch.randn(self.num_tokens, HKV, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        self.new_v = torch.randn(self.num_tokens, HKV, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        self.kv_bytes = sum(seq_lens) * HKV * D * 2 * cache.element_size()
+        self.query = torch.randn(self.num_tokens, num_heads, head_size, device=DEV, dtype=torch.bfloat16, generator=g)
+        self.new_k = torch.randn(self.num_tokens, num_kv_heads, head_size, device=DEV, dtype=torch.bfloat16,
+                                 generator=g)
+        self.new_v = torch.randn_like(self.new_k)
+        self.kv_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * cache.element_size()
         visible = sum(sum(c + i + 1 for i in range(q)) for q, c in shapes)
         self.flops = 4.0 * HQ * D * visible
-        self.builder = TritonAttentionBackend.get_builder_cls()(self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)),
-                                                                max_num_tokens=max(self.num_tokens, 8192))
+        self.builder = TritonAttentionBackend.get_builder_cls()(
+            self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192))
         self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale)
         self.metadata = self.builder.build(self.common)
         self.out = torch.full_like(self.query, float("nan"))
@@ -240,6 +242,15 @@ def main(argv=None) -> int:
     fi()
     us, peer = do_bench_us(fn), do_bench_us(fi)
     row("decode", 64, 4096, us, peer, kv_dtype="fp8_e4m3", max_abs_diff=diff(b.out, fi_out))
+    del b
+
+    # Head size 512 decode (no FlashInfer peer): against the device-copy roof of PERF.md.
+    b = Batch([(1, 4095)] * 64, head_size=512, num_heads=16, num_kv_heads=2)
+    fn = b.triton()
+    us = do_bench_us(fn)
+    gbps = b.kv_bytes / us / 1e3
+    row("decode_h512", 64, 4096, us, None, peer="copy_roof_3024GBps", GBps=round(gbps, 1),
+        fraction_of_copy_roof=round(gbps / 3024, 3), heads="16q/2kv")
     del b
 
     # Causal prefill, every token new.

@@ -10,6 +10,7 @@ elsewhere an equivalent torch implementation is used.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Union
 
 import torch
@@ -184,29 +185,35 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         return
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    head_pad = next_power_of_2(head_size)
-    heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
-    fp8 = kv_cache.dtype in _FP8_DTYPES
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
+    constexprs, heads_per_program, num_warps = _write_config(head_size, num_kv_heads, block_size, kv_cache.dtype,
+                                                             scales_are_ptrs)
     grid = (num_tokens, cdiv(num_kv_heads, heads_per_program), 1)
     faults = fault_record(kv_cache.device)
-    constexprs = (
-        head_size, head_pad, heads_per_program, block_size, fp8,
-        float(torch.finfo(kv_cache.dtype).max) if fp8 else 0.0, scales_are_ptrs,
-        3 if kv_cache.dtype == torch.float8_e4m3fn else 2, -6 if kv_cache.dtype == torch.float8_e4m3fn else -14,
-        _is_interpreted(),
-    )
+    strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1), *kv_cache.stride()[:4])
     args = (
         key, value, kv_cache, slot_mapping,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        num_kv_heads, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
+        *strides, num_kv_heads, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
     )
-    num_warps = 4 if heads_per_program * head_pad >= 1024 else 2
-    launch_key = (constexprs, key.dtype, kv_cache.dtype, args[6:14], num_kv_heads, key.data_ptr() % 16,
+    launch_key = (constexprs, key.dtype, kv_cache.dtype, strides, num_kv_heads, key.data_ptr() % 16,
                   value.data_ptr() % 16, kv_cache.data_ptr() % 16)
     _write_launcher(launch_key, grid, args, constexprs, num_warps, 3)
+
+
+@lru_cache(maxsize=None)
+def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtype: torch.dtype,
+                  scales_are_ptrs: bool) -> tuple[tuple, int, int]:
+    """(constexprs, heads per program, num_warps) of the write kernel for one cache layout."""
+    head_pad = next_power_of_2(head_size)
+    heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
+    fp8 = cache_dtype in _FP8_DTYPES
+    e4m3 = cache_dtype == torch.float8_e4m3fn
+    constexprs = (
+        head_size, head_pad, heads_per_program, block_size, fp8, float(torch.finfo(cache_dtype).max) if fp8 else 0.0,
+        scales_are_ptrs, 3 if e4m3 else 2, -6 if e4m3 else -14, _is_interpreted(),
+    )
+    return constexprs, heads_per_program, 4 if heads_per_program * head_pad >= 1024 else 2
 
 
 _write_launcher = DirectLauncher(_reshape_and_cache_kernel, (

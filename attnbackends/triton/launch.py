@@ -44,7 +44,7 @@ Scale = Union[float, torch.Tensor]
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 MIN_HEAD_SIZE = 32
-MAX_HEAD_SIZE = 256
+MAX_HEAD_SIZE = 512
 MAX_KV_SPLITS = 32
 
 
@@ -189,7 +189,7 @@ def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, 
     rows = max_query_len * queries_per_kv
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
     if big_head:
-        block_m = min(block_m, 64)
+        block_m = min(block_m, 64 if head_pad <= 256 else 32)
     block_m = max(block_m, qpk_pad)
     long_seqs = max_seq_len is None or max_seq_len >= 2048
     if big_head:
@@ -204,6 +204,9 @@ def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, 
         tile_n, num_warps, num_stages = 32, 4, 3
     elif has_generic_path and block_m >= 128 and long_seqs:
         num_warps, num_stages = 8, 3
+    elif head_pad > 256:
+        # A 512-wide accumulator: spread it over 8 warps once a tile has more than 16 rows.
+        num_warps, num_stages = (8 if block_m > 16 else 4), 2
     else:
         num_warps, num_stages = 4, (2 if big_head else 3)
     return KernelConfig(decode_block_m, decode_tile_n, block_m, tile_n, num_warps, num_stages)
