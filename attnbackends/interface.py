@@ -261,7 +261,14 @@ class AttentionImpl(ABC, Generic[M]):
     debug : check the inputs and the batch's block table on every ``forward`` (see :mod:`attnbackends.validation`);
         without it, inputs are checked on the first call only (and on every call whose metadata a builder made
         with ``debug=True``).
+
+    Capabilities (class attributes, data like the backend's):
+
+    can_return_lse : the impl implements :meth:`forward_with_lse`, the partial attention with its log-sum-exp that
+        context-parallel decode (:mod:`attnbackends.parallel.decode_cp`) merges across ranks.
     """
+
+    can_return_lse: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -322,3 +329,33 @@ class AttentionImpl(ABC, Generic[M]):
         output : [num_tokens, num_heads, value_head_size]; rows past num_actual_tokens are left untouched.
         Returns ``output``.
         """
+
+    def forward_with_lse(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        common: CommonAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode queries over every key the cache holds for them, with the log-sum-exp (impls with
+        ``can_return_lse``).
+
+        Every cached key of a request precedes its queries (a context-parallel rank's shard), so all are visible:
+        no causal mask, no sinks (they join the merged softmax once), nothing is written to the cache.
+
+        Parameters
+        ----------
+        query : [num_tokens, num_heads, head_size]
+        kv_cache : this layer's cache in the backend's layout.
+        common : the batch over this cache's keys; a request's seq_len may be 0 (no key here).
+        output : [num_tokens, num_heads, value_head_size] float32 or the query dtype; normalised over the keys.
+        lse : [num_heads, num_tokens] float32; natural-log log-sum-exp of the scaled (soft-capped) logits.
+
+        Returns
+        -------
+        (output, lse); a request without keys gets output 0 and lse -inf.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot return its log-sum-exp (can_return_lse is False)"
+        )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..platform import _triton_interpret_env
+from ..platform import is_triton_interpreted
 from ..ops.launch_math import cdiv, next_power_of_2
 
 __all__ = ["DECODE_TABLE_MAX_REQS", "decode_page_table", "gather_page_ids"]
@@ -82,7 +82,7 @@ def gather_page_ids(
         raise ValueError(f"block_table has {block_table.shape[0]} rows, kv_indptr describes {num_reqs} requests")
     if num_reqs <= 0 or out.shape[0] == 0:
         return out
-    if block_table.is_cuda or _triton_interpret_env():
+    if block_table.is_cuda or is_triton_interpreted():
         grid = (num_reqs, cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
         args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
         if block_table.is_cuda:
@@ -166,7 +166,7 @@ def decode_page_table(
     if block_table.is_cuda:
         key = ("decode", block_table.device.index, block_table.dtype, constexprs["REQS"])
         _launch(_decode_page_table_kernel, key, block_table.device, grid, args, constexprs)
-    elif _triton_interpret_env():
+    elif is_triton_interpreted():
         _decode_page_table_kernel[grid](*args, **constexprs)
     else:
         pages = (seq_lens[:num_reqs] + page_size - 1) // page_size
