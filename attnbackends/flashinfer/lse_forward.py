@@ -19,14 +19,8 @@ from .workspace import shared_workspace
 __all__ = ["forward_with_lse"]
 
 
-def forward_with_lse(
-    self,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    common: CommonAttentionMetadata,
-    output: torch.Tensor,
-    lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                     output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`attnbackends.interface.AttentionImpl.forward_with_lse` for :class:`~.backend.FlashInferImpl` (shapes
     there)."""
     from .backend import import_flashinfer

@@ -58,14 +58,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     ) -> None:
         reshape_and_cache_torch(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale)
 
-    def forward_with_lse(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        common: CommonAttentionMetadata,
-        output: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                         output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """See :meth:`AttentionImpl.forward_with_lse` (a per-request torch loop)."""
         qsl = common.query_start_loc_cpu.tolist()
         for i, seq_len in enumerate(common.seq_lens_cpu.tolist()):

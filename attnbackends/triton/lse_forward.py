@@ -11,14 +11,8 @@ from .launch import unified_attention
 __all__ = ["forward_with_lse"]
 
 
-def forward_with_lse(
-    self,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    common: CommonAttentionMetadata,
-    output: torch.Tensor,
-    lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                     output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`attnbackends.interface.AttentionImpl.forward_with_lse` for :class:`~.backend.TritonImpl` (shapes
     there): every cached key is visible (non-causal), no sinks, no cache write."""
     unified_attention(
