@@ -17,6 +17,7 @@ from .spec import AttentionSpec, AttentionType
 __all__ = [
     "AttentionBackend",
     "AttentionImpl",
+    "AttentionImplBase",
     "AttentionMetadataBuilder",
     "CudaGraphSupport",
     "STANDARD_KV_CACHE_LAYOUT",
@@ -209,7 +210,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def get_impl_cls(cls) -> type["AttentionImpl"]:
+    def get_impl_cls(cls) -> type["AttentionImplBase"]:
         """The per-layer impl class."""
 
 
@@ -250,8 +251,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         return self.build(common)
 
 
-class AttentionImpl(ABC, Generic[M]):
-    """One per layer: writes the layer's new K/V into its cache and computes attention.
+class AttentionImplBase(ABC, Generic[M]):
+    """What every impl shares (one per layer): the spec, the scales, the sinks, the validation state. Each kind of
+    layer has its own contract on top: :class:`AttentionImpl` (query, key, value) and
+    :class:`attnbackends.mla.common.MLAAttentionImpl` (latent MLA).
 
     Parameters
     ----------
@@ -298,6 +301,11 @@ class AttentionImpl(ABC, Generic[M]):
         self.debug = bool(debug)
         self._inputs_checked = False  # set after the first forward's validation
 
+
+class AttentionImpl(AttentionImplBase[M]):
+    """One standard attention layer: writes its new K/V into its cache and computes attention (parameters as in
+    :class:`AttentionImplBase`)."""
+
     @abstractmethod
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -306,8 +314,6 @@ class AttentionImpl(ABC, Generic[M]):
 
         key : [num_tokens, num_kv_heads, head_size]; value : [num_tokens, num_kv_heads, value_head_size];
         slot_mapping : [num_tokens] int64, -1 = padding (skipped).
-        MLA impls take the latent parts instead: key = kv_c_normed [num_tokens, kv_lora_rank],
-        value = k_pe [num_tokens, qk_rope_head_dim] (see attnbackends.mla.common.MLAImpl).
         """
 
     @abstractmethod

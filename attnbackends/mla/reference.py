@@ -17,14 +17,15 @@ from ..reference.backend import ReferenceMetadata, ReferenceMetadataBuilder
 from ..reference.functional import sequence_attention
 from ..spec import KV_CACHE_DTYPES, AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, concat_and_cache_mla, mla_kv_cache_shape
-from .common import MLAImpl
+from .common import MLAAttentionImpl
 
 __all__ = ["ReferenceMLABackend", "ReferenceMLAImpl"]
 
 
-class ReferenceMLAImpl(MLAImpl):
-    """Naive MLA: up-project the whole latent cache, run MHA per request. Same constructor and forward as
-    :class:`~attnbackends.mla.common.MLAImpl`; metadata is :class:`~attnbackends.reference.backend.ReferenceMetadata`."""
+class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
+    """Naive MLA: up-project the whole latent cache, run MHA per request. Constructor and forward as
+    :class:`~attnbackends.mla.common.MLAAttentionImpl`; metadata from
+    :class:`~attnbackends.reference.backend.ReferenceMetadataBuilder`."""
 
     def forward(
         self,
