@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..compat import fallback_reason
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from .. import platform as _platform
@@ -305,8 +306,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         reason = "disabled (fast_plan=False)" if not self.fast_plan else replan_unsupported_reason(
             getattr(self._fi(), "__version__", "unknown"), wrapper)
         if reason is not None:
-            logger.info("FlashInfer decode plans go through plan(): %s", reason)
-            self._replanners[id(wrapper)] = reason
+            self._replanners[id(wrapper)] = fallback_reason("flashinfer_decode_replan", reason)
             return
         spec = self.spec
         self._replanners[id(wrapper)] = DecodeReplanner(

@@ -185,6 +185,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         """Hook for backend-specific decode state (stored in ``decode.extra``)."""
 
     def _build_prefill(self, common: CommonAttentionMetadata, nd: int, num_tokens: int) -> MLAPrefillMetadata:
+        self.prefill_kernel.begin_batch()
         qsl_cpu = common.query_start_loc_cpu[nd:]
         cu_q = (qsl_cpu - qsl_cpu[0]).to(torch.int32)
         new_tokens = self._plan(cu_q, cu_q, causal=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -19,7 +19,8 @@ from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.lse_merge import merge_by_lse
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache
 
-__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits"]
+__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
+           "tma_descriptors"]
 
 _LOG2E = 1.4426950408889634
 
@@ -342,15 +343,22 @@ def tma_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     return q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
 
 
-def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_o_s, num_splits, qk_scale_log2,
-                config: MLADecodeConfig, grid) -> None:
+def tma_descriptors(kv_cache: torch.Tensor, kv_lora: int, config: MLADecodeConfig) -> tuple[Any, Any]:
+    """The TMA kernel's descriptors over ``kv_cache`` [num_blocks, block_size, Lkv + R]: (latent halves, rope part).
+    They depend on the cache and the config only: build them once per cache (an impl keeps its layer's)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_blocks, page, width = kv_cache.shape
-    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
     rows = kv_cache.view(num_blocks * page, width)
-    kv_desc = TensorDescriptor.from_tensor(rows, [config.block_n, kv_lora // 2])
-    pe_desc = TensorDescriptor.from_tensor(rows, [config.block_n, rope])
+    return (TensorDescriptor.from_tensor(rows, [config.block_n, kv_lora // 2]),
+            TensorDescriptor.from_tensor(rows, [config.block_n, width - kv_lora]))
+
+
+def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_o_s, num_splits, qk_scale_log2,
+                config: MLADecodeConfig, grid, descriptors) -> None:
+    page = kv_cache.shape[1]
+    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
+    kv_desc, pe_desc = descriptors if descriptors is not None else tma_descriptors(kv_cache, kv_lora, config)
     _mla_decode_tma_kernel[grid](
         q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, out, lse if lse is not None else seq_lens,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -378,6 +386,7 @@ def mla_decode(
     config: Optional[MLADecodeConfig] = None,
     lse: Optional[torch.Tensor] = None,
     partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    descriptors: Optional[tuple[Any, Any]] = None,
 ) -> torch.Tensor:
     """Decode attention over the latent cache (one query token per request).
 
@@ -391,6 +400,8 @@ def mla_decode(
     num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
     lse : [B, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
     partials : preallocated ([B, H, S, Lkv] float32, [B, H, S] float32) buffers for num_splits > 1.
+    descriptors : :func:`tma_descriptors` of ``kv_cache`` and ``config`` (built here when the TMA kernel applies
+        and none are given).
 
     Returns
     -------
@@ -426,7 +437,8 @@ def mla_decode(
     use_tma = tma_decode_applies(q_nope, q_pe, kv_cache, config)
     if num_splits == 1:
         if use_tma:
-            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse, 0, 1, qk_scale_log2, config, grid)
+            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse, 0, 1, qk_scale_log2, config, grid,
+                        descriptors)
             return output
         lse_t = lse if lse is not None else seq_lens
         _mla_decode_kernel[grid](
@@ -447,7 +459,7 @@ def mla_decode(
         o_part, lse_part = partials
     if use_tma:
         _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part, o_part.stride(2), num_splits,
-                    qk_scale_log2, config, grid)
+                    qk_scale_log2, config, grid, descriptors)
     else:
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,
