@@ -6,7 +6,7 @@
   skip a shared prefix). For request ``r`` the page ids are ``block_table[r, skip_pages : skip_pages + n_r]`` with
   ``n_r = kv_indptr[r + 1] - kv_indptr[r]``, written to ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``.
 
-A build of 256 decodes at context 4096 (65k pages) thus costs the host one launch instead of a 65k-element gather.
+The host's cost is one launch whatever the number of pages (benchmarks/NOTES-host-and-tiles.md).
 On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; other CPU tensors use torch.
 """
 

@@ -7,9 +7,8 @@ run, so first use then finds it up to date). It leans on flashinfer's module gen
 :func:`attnbackends.compat.flashinfer_jit_generators`), which are not a stable API: on any mismatch it logs and
 returns, and the kernels compile lazily as before. Each build's parallelism is ninja's (``MAX_JOBS`` if the user
 sets it).
-
-(A single combined ``flashinfer.jit.build_jit_specs`` build is not used: its ninja log lives in another directory,
-so each module's own ninja run, at first use, finds no record of the outputs and compiles them again.)
+Each module is built by its own ninja run, not by one combined ``flashinfer.jit.build_jit_specs`` build, whose
+ninja log lives elsewhere: first use would find no record of the outputs and compile them again.
 """
 
 from __future__ import annotations
