@@ -312,15 +312,8 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
         """Build W_UK_T [N, P, Lkv] and W_UV [N, Lkv, V] (once, after the weights are final)."""
         self.W_UK_T, self.W_UV = split_kv_b_proj(self.kv_b_proj, self.spec)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        kv_c_normed: Optional[torch.Tensor],
-        k_pe: Optional[torch.Tensor],
-        kv_cache: torch.Tensor,
-        metadata: MLAMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, metadata: MLAMetadata, output: torch.Tensor) -> torch.Tensor:
         """See :meth:`MLAAttentionImpl.forward`."""
         self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         if self.W_UK_T is None:

@@ -27,15 +27,8 @@ class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
     :class:`~attnbackends.mla.common.MLAAttentionImpl`; metadata from
     :class:`~attnbackends.reference.backend.ReferenceMetadataBuilder`."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        kv_c_normed: Optional[torch.Tensor],
-        k_pe: Optional[torch.Tensor],
-        kv_cache: torch.Tensor,
-        metadata: ReferenceMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, metadata: ReferenceMetadata, output: torch.Tensor) -> torch.Tensor:
         self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         spec = self.spec
         common = metadata.common
