@@ -17,7 +17,9 @@ from .registry import BackendNotSupportedError, backend_names, explain
 from .registry import _resolve as resolve_backend  # noqa: PLC2701 - the CLI shows import failures as reasons
 from .spec import KV_CACHE_DTYPES, AttentionConfig, AttentionSpec, AttentionType
 
-__all__ = ["main"]
+__all__ = ["BENCH_COMMAND", "main"]
+
+BENCH_COMMAND = "python -m benchmarks.run [--suites triton,flashinfer_adapter,mla] [--outdir DIR]"
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:
@@ -160,23 +162,22 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=int, default=6)
     demo.add_argument("--new-tokens", type=int, default=16)
     demo.add_argument("--backend", default="auto")
-    bench = sub.add_parser("bench", help="time every backend against its peers on this GPU (JSON, table, PNG)")
-    bench.add_argument("--suites", default=None, help="comma-separated: triton, flashinfer_adapter, mla (default: all)")
-    bench.add_argument("--outdir", default="benchmarks/results")
-    bench.add_argument("--tag", default="")
+    sub.add_parser("bench", help="benchmarks are tooling in the checkout: says how to run them")
     add_tune_parsers(sub)
     return parser
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from .bench.run import main as bench_main
-
-    argv = ["--outdir", args.outdir] + (["--suites", args.suites] if args.suites else []) + (["--tag", args.tag] if args.tag else [])
-    return bench_main(argv)
+    console.print(f"benchmarks are not installed with the library: from a checkout's root run {BENCH_COMMAND}",
+                  markup=False, soft_wrap=True)
+    return 2
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":  # bench takes the benchmarks' own arguments and points at them
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
     try:

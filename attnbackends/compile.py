@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .interface import AttentionImpl
+from .interface import AttentionImplBase
 
 __all__ = ["AttentionLayer", "forward_context", "current_metadata"]
 
@@ -60,7 +60,7 @@ class AttentionLayer(torch.nn.Module):
     forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv]) -> [T, Hq, Dv]
     """
 
-    def __init__(self, name: str, impl: AttentionImpl, kv_cache: Optional[torch.Tensor]) -> None:
+    def __init__(self, name: str, impl: AttentionImplBase, kv_cache: Optional[torch.Tensor]) -> None:
         super().__init__()
         if name in _LAYERS:
             raise ValueError(f"an AttentionLayer named {name!r} already exists; layer names must be unique")

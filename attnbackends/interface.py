@@ -17,6 +17,7 @@ from .spec import AttentionSpec, AttentionType
 __all__ = [
     "AttentionBackend",
     "AttentionImpl",
+    "AttentionImplBase",
     "AttentionMetadataBuilder",
     "CudaGraphSupport",
     "STANDARD_KV_CACHE_LAYOUT",
@@ -209,7 +210,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def get_impl_cls(cls) -> type["AttentionImpl"]:
+    def get_impl_cls(cls) -> type["AttentionImplBase"]:
         """The per-layer impl class."""
 
 
@@ -250,8 +251,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         return self.build(common)
 
 
-class AttentionImpl(ABC, Generic[M]):
-    """One per layer: writes the layer's new K/V into its cache and computes attention.
+class AttentionImplBase(ABC, Generic[M]):
+    """What every impl shares (one per layer): the spec, the scales, the sinks, the validation state. Each kind of
+    layer has its own contract on top: :class:`AttentionImpl` (query, key, value) and
+    :class:`attnbackends.mla.common.MLAAttentionImpl` (latent MLA).
 
     Parameters
     ----------
@@ -261,7 +264,14 @@ class AttentionImpl(ABC, Generic[M]):
     debug : check the inputs and the batch's block table on every ``forward`` (see :mod:`attnbackends.validation`);
         without it, inputs are checked on the first call only (and on every call whose metadata a builder made
         with ``debug=True``).
+
+    Capabilities (class attributes, data like the backend's):
+
+    can_return_lse : the impl implements :meth:`forward_with_lse`, the partial attention with its log-sum-exp that
+        context-parallel decode (:mod:`attnbackends.parallel.decode_cp`) merges across ranks.
     """
+
+    can_return_lse: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -291,6 +301,11 @@ class AttentionImpl(ABC, Generic[M]):
         self.debug = bool(debug)
         self._inputs_checked = False  # set after the first forward's validation
 
+
+class AttentionImpl(AttentionImplBase[M]):
+    """One standard attention layer: writes its new K/V into its cache and computes attention (parameters as in
+    :class:`AttentionImplBase`)."""
+
     @abstractmethod
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -299,8 +314,6 @@ class AttentionImpl(ABC, Generic[M]):
 
         key : [num_tokens, num_kv_heads, head_size]; value : [num_tokens, num_kv_heads, value_head_size];
         slot_mapping : [num_tokens] int64, -1 = padding (skipped).
-        MLA impls take the latent parts instead: key = kv_c_normed [num_tokens, kv_lora_rank],
-        value = k_pe [num_tokens, qk_rope_head_dim] (see attnbackends.mla.common.MLAImpl).
         """
 
     @abstractmethod
@@ -322,3 +335,33 @@ class AttentionImpl(ABC, Generic[M]):
         output : [num_tokens, num_heads, value_head_size]; rows past num_actual_tokens are left untouched.
         Returns ``output``.
         """
+
+    def forward_with_lse(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        common: CommonAttentionMetadata,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode queries over every key the cache holds for them, with the log-sum-exp (impls with
+        ``can_return_lse``).
+
+        Every cached key of a request precedes its queries (a context-parallel rank's shard), so all are visible:
+        no causal mask, no sinks (they join the merged softmax once), nothing is written to the cache.
+
+        Parameters
+        ----------
+        query : [num_tokens, num_heads, head_size]
+        kv_cache : this layer's cache in the backend's layout.
+        common : the batch over this cache's keys; a request's seq_len may be 0 (no key here).
+        output : [num_tokens, num_heads, value_head_size] float32 or the query dtype; normalised over the keys.
+        lse : [num_heads, num_tokens] float32; natural-log log-sum-exp of the scaled (soft-capped) logits.
+
+        Returns
+        -------
+        (output, lse); a request without keys gets output 0 and lse -inf.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot return its log-sum-exp (can_return_lse is False)"
+        )

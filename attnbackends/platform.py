@@ -10,7 +10,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["DeviceInfo", "package_available"]
+__all__ = ["DeviceInfo", "is_triton_interpreted", "package_available"]
 
 
 def package_available(name: str) -> bool:
@@ -54,9 +54,8 @@ class DeviceInfo(BaseModel):
 
     @classmethod
     def cpu(cls, triton_interpreted: Optional[bool] = None) -> "DeviceInfo":
-        if triton_interpreted is None:
-            triton_interpreted = _triton_interpret_env()
-        return cls(kind="cpu", triton_interpreted=triton_interpreted, name="cpu")
+        interpreted = is_triton_interpreted() if triton_interpreted is None else triton_interpreted
+        return cls(kind="cpu", triton_interpreted=interpreted, name="cpu")
 
     @classmethod
     def cuda(cls, major: int, minor: int = 0, sm_count: int = 132, name: str = "") -> "DeviceInfo":
@@ -95,8 +94,14 @@ class DeviceInfo(BaseModel):
         return "cpu" + (" (Triton interpreted)" if self.triton_interpreted else "")
 
 
-def _triton_interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+@lru_cache(maxsize=None)
+def is_triton_interpreted() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET`` set to a true value).
+
+    Triton reads the variable when ``triton.jit`` decorates a kernel, that is when a kernel module is imported;
+    set it before that. Read once and cached, so that hot paths can ask for free.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
 
 
 @lru_cache(maxsize=None)

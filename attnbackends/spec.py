@@ -194,9 +194,10 @@ class AttentionSpec(BaseModel):
 
     @property
     def value_head_size(self) -> int:
-        """Head size of V (and of the output): head_size_v, kv_lora_rank for MLA, else head_size."""
+        """Head size of the output (and of V): v_head_dim for MLA, else head_size_v or head_size. (MLA's cached
+        value is the latent, kv_lora_rank wide; the output is up-projected to v_head_dim.)"""
         if self.is_mla:
-            return self.kv_lora_rank
+            return self.v_head_dim
         return self.head_size_v if self.head_size_v is not None else self.head_size
 
     @property

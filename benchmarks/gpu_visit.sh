@@ -14,5 +14,5 @@ if [ "$what" != bench ]; then
   timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" $TESTS 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
 fi
 if [ "$what" != tests ]; then
-  timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run.py --outdir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout "${BENCH_TIMEOUT:-560}" python3 -m benchmarks.run --outdir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi

@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from attnbackends.bench.report import target_for, write_json, write_markdown, write_plot
-from attnbackends.bench.run import fp8_speedup_rows
-from attnbackends.cli import main
+from benchmarks.report import target_for, write_json, write_markdown, write_plot
+from benchmarks.run import fp8_speedup_rows
+from benchmarks.run import main as bench_main
+
+from attnbackends.cli import BENCH_COMMAND, main
 
 
 def _row(case, backend, B, L, us, peer_us, kv="auto", peer="flashinfer"):
@@ -62,5 +64,10 @@ def test_bench_without_gpu_says_so(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this checks the message on machines without a GPU")
-    assert main(["bench"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert bench_main([]) == 2
+    assert "need a CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_bench_points_at_the_benchmarks(capsys):
+    assert main(["bench", "--suites", "triton"]) == 2
+    assert BENCH_COMMAND in capsys.readouterr().out.replace("\n", "")

@@ -26,15 +26,14 @@ import torch
 pytest.importorskip("transformers")
 
 from attnbackends import AttentionConfig, DeviceInfo, explain  # noqa: E402
-from attnbackends.engine import (  # noqa: E402
-    EngineConfig,
-    PagedEngine,
+from attnbackends.engine import EngineConfig, PagedEngine  # noqa: E402
+from examples.engine.hf_models import (  # noqa: E402
     build_hf_model,
     compare_with_transformers,
     transformers_greedy,
     wrap_hf_model,
 )
-from attnbackends.engine.hf import MARGIN_SUCCESSOR_LOGIT  # noqa: E402
+from examples.engine.hf_models.hf import MARGIN_SUCCESSOR_LOGIT  # noqa: E402
 
 # Prompt lengths: a single token, shorter than a page, longer than the step budget (chunked), a page boundary.
 PROMPT_LENGTHS = (1, 5, 23, 16)

@@ -81,7 +81,7 @@ def test_spec_defaults_and_derived_values():
 def test_mla_spec():
     spec = AttentionSpec.mla(num_heads=128)
     assert spec.is_mla and spec.head_size == 576 and spec.num_kv_heads == 1
-    assert spec.value_head_size == 512
+    assert spec.value_head_size == spec.v_head_dim == 128  # the output's head size (the latent is 512)
     assert spec.softmax_scale == pytest.approx(1 / math.sqrt(192))
 
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..compat import fallback_reason
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from .. import platform as _platform
@@ -37,8 +38,11 @@ from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
+from .lse_forward import forward_with_lse
+from ..ops.kv_cache_write import reshape_and_cache
 from .page_ids import DECODE_TABLE_MAX_REQS
 from .plan_inputs import DEFAULT_HOST_GATHER_MAX_PAGES, DevicePlanBuffer, PagedKVPlanInputs, paged_kv_plan_inputs
+from .workspace import DEFAULT_WORKSPACE_BYTES
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
@@ -51,8 +55,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: FlashInfer's recommended float workspace (split-KV partial results), shared by a builder's wrappers.
-DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 _KV_LAYOUT = "NHD"  # kv_cache[:, 0] / [:, 1] are [num_blocks, block_size, num_kv_heads, head_size]
 
 
@@ -304,8 +306,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         reason = "disabled (fast_plan=False)" if not self.fast_plan else replan_unsupported_reason(
             getattr(self._fi(), "__version__", "unknown"), wrapper)
         if reason is not None:
-            logger.info("FlashInfer decode plans go through plan(): %s", reason)
-            self._replanners[id(wrapper)] = reason
+            self._replanners[id(wrapper)] = fallback_reason("flashinfer_decode_replan", reason)
             return
         spec = self.spec
         self._replanners[id(wrapper)] = DecodeReplanner(
@@ -492,32 +493,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         meta.cascade_shared_blocks = shared_blocks
 
 
-def _torch_reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float, v_scale: float
-) -> None:
-    from ..ops.quant import quantize_for_cache
-
-    block_size = kv_cache.shape[2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = quantize_for_cache(key[: slot_mapping.shape[0]][valid], kv_cache.dtype, k_scale)
-    kv_cache[blocks, 1, offsets] = quantize_for_cache(value[: slot_mapping.shape[0]][valid], kv_cache.dtype, v_scale)
-
-
-def _shared_cache_writer() -> Any:
-    """attnbackends.ops.kv_cache_write.reshape_and_cache (Triton, no sync), or a torch stand-in without it."""
-    try:
-        from ..ops.kv_cache_write import reshape_and_cache
-    except ImportError:
-        logger.warning("attnbackends.ops.kv_cache_write is unavailable; writing the KV cache with torch (syncs)")
-        return None
-    return reshape_and_cache
-
-
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     """One layer: writes its new K/V with the shared cache-write op, then runs the batch's planned wrappers into
     slices of the caller's output (decodes ``[:num_decode_tokens]``, prefills after them)."""
+
+    can_return_lse = True
+    forward_with_lse = forward_with_lse
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -525,7 +506,6 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         self.plan_key = PlanKey.of(spec)
         # FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale.
         self._run_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if spec.is_fp8_kv_cache else {}
-        self._write = _shared_cache_writer()
         self._write_checked = False
 
     def update_kv_cache(
@@ -533,11 +513,8 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     ) -> None:
         if slot_mapping.shape[0] > key.shape[0]:
             slot_mapping = slot_mapping[: key.shape[0]]
-        if self._write is None:
-            _torch_reshape_and_cache(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale)
-            return
         # The argument checks cost host time: once per layer is enough (shapes, dtypes, devices do not change).
-        self._write(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale, validate=not self._write_checked)
+        reshape_and_cache(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale, validate=not self._write_checked)
         self._write_checked = True
 
     def forward(

@@ -26,12 +26,13 @@ from typing import Any, Optional
 
 import torch
 
+from ..compat import PRIVATE_SURFACES, surface_unsupported_reason
 from .plan_inputs import PagedKVPlanInputs
 
 __all__ = ["TESTED_FLASHINFER_VERSIONS", "DecodeReplanner", "replan_unsupported_reason"]
 
-#: FlashInfer versions whose decode wrapper internals DecodeReplanner was checked against.
-TESTED_FLASHINFER_VERSIONS = frozenset({"0.6.13"})
+#: FlashInfer versions whose decode wrapper internals DecodeReplanner was checked against (the compat table's).
+TESTED_FLASHINFER_VERSIONS = PRIVATE_SURFACES["flashinfer_decode_replan"].tested_versions
 
 _WRAPPER_FIELDS = (
     "_cached_module", "_plan_info", "_float_workspace_buffer", "_int_workspace_buffer",
@@ -42,8 +43,9 @@ _WRAPPER_FIELDS = (
 
 def replan_unsupported_reason(flashinfer_version: str, wrapper: Any) -> Optional[str]:
     """Why :class:`DecodeReplanner` cannot re-plan ``wrapper`` (a planned decode wrapper), or None when it can."""
-    if flashinfer_version not in TESTED_FLASHINFER_VERSIONS:
-        return f"flashinfer {flashinfer_version} is not one of the tested versions {sorted(TESTED_FLASHINFER_VERSIONS)}"
+    version_reason = surface_unsupported_reason("flashinfer_decode_replan", flashinfer_version)
+    if version_reason is not None:
+        return version_reason
     missing = [name for name in _WRAPPER_FIELDS if not hasattr(wrapper, name)]
     if missing:
         return f"the wrapper lacks {', '.join(missing)} (not planned yet, or another wrapper class)"

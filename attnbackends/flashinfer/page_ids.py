@@ -6,7 +6,7 @@
   skip a shared prefix). For request ``r`` the page ids are ``block_table[r, skip_pages : skip_pages + n_r]`` with
   ``n_r = kv_indptr[r + 1] - kv_indptr[r]``, written to ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``.
 
-A build of 256 decodes at context 4096 (65k pages) thus costs the host one launch instead of a 65k-element gather.
+The host's cost is one launch whatever the number of pages (benchmarks/NOTES-host-and-tiles.md).
 On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; other CPU tensors use torch.
 """
 
@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..platform import _triton_interpret_env
+from ..compat import launch_compiled_triton_kernel
+from ..platform import is_triton_interpreted
 from ..ops.launch_math import cdiv, next_power_of_2
 
 __all__ = ["DECODE_TABLE_MAX_REQS", "decode_page_table", "gather_page_ids"]
@@ -30,7 +31,7 @@ DECODE_TABLE_MAX_REQS = 4096
 
 
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
-# and later calls can launch it directly (see _launch).
+# and later calls can launch it directly (see compat.launch_compiled_triton_kernel).
 @triton.jit
 def _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, BLOCK: tl.constexpr):
     """Block ``tl.program_id(1)`` of request ``req``'s page ids: ``table[req, skip_pages + c]`` to
@@ -82,12 +83,12 @@ def gather_page_ids(
         raise ValueError(f"block_table has {block_table.shape[0]} rows, kv_indptr describes {num_reqs} requests")
     if num_reqs <= 0 or out.shape[0] == 0:
         return out
-    if block_table.is_cuda or _triton_interpret_env():
+    if block_table.is_cuda or is_triton_interpreted():
         grid = (num_reqs, cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
         args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
         if block_table.is_cuda:
             key = ("gather", block_table.device.index, block_table.dtype)
-            _launch(_gather_page_ids_kernel, key, block_table.device, grid, args, {"BLOCK": _BLOCK})
+            launch_compiled_triton_kernel(_gather_page_ids_kernel, key, grid, args, {"BLOCK": _BLOCK}, block_table.device)
         else:
             _gather_page_ids_kernel[grid](*args, BLOCK=_BLOCK)
         return out
@@ -165,8 +166,8 @@ def decode_page_table(
     constexprs = {"BLOCK": _BLOCK, "REQS": next_power_of_2(num_reqs)}
     if block_table.is_cuda:
         key = ("decode", block_table.device.index, block_table.dtype, constexprs["REQS"])
-        _launch(_decode_page_table_kernel, key, block_table.device, grid, args, constexprs)
-    elif _triton_interpret_env():
+        launch_compiled_triton_kernel(_decode_page_table_kernel, key, grid, args, constexprs, block_table.device)
+    elif is_triton_interpreted():
         _decode_page_table_kernel[grid](*args, **constexprs)
     else:
         pages = (seq_lens[:num_reqs] + page_size - 1) // page_size
@@ -175,25 +176,3 @@ def decode_page_table(
         kv_last_page_len.copy_(seq_lens[:num_reqs] - (pages - 1) * page_size)
         total = int(kv_indptr[-1])
         gather_page_ids(block_table, kv_indptr, kv_indices[:total])
-
-
-
-#: Compiled kernels by (kernel name, device index, table dtype, ...), after their first launch through the JIT.
-_compiled: dict[tuple, Any] = {}
-
-
-def _launch(kernel: Any, key: tuple, device: torch.device, grid: tuple[int, int, int], args: tuple,
-            constexprs: dict[str, int]) -> None:
-    """Launch ``kernel`` on the current stream of ``device``. The first launch per ``key`` goes through the JIT, which
-    compiles and returns the kernel; later ones launch that kernel directly (``compiled[grid](*args)``, Triton's
-    launcher for a compiled kernel), skipping the JIT's per-call argument binding and cache lookup: a few
-    microseconds of host time instead of ~15 on a step that is host-bound. Valid because the kernels specialise on
-    nothing but their dtypes and constexprs, which ``key`` must name; ``constexprs`` in signature order."""
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device.index):  # Triton launches on the current device's stream
-            return _launch(kernel, key, device, grid, args, constexprs)
-    compiled = _compiled.get(key)
-    if compiled is None:
-        _compiled[key] = kernel[grid](*args, **constexprs)
-    else:
-        compiled[grid](*args, *constexprs.values())

@@ -32,8 +32,8 @@ __all__ = [
     "shared_prefix_blocks",
 ]
 
-#: Up to this many pages in a batch, page ids are gathered on the host (numpy, ~1-2 ns a page, copied with the rest
-#: of the page table); above it, on the device (one kernel launch, a fixed host cost of a few microseconds).
+#: Up to this many pages in a batch, page ids are gathered on the host (numpy, copied with the rest of the page
+#: table); above it, on the device (one kernel launch, a fixed host cost); see benchmarks/NOTES-host-and-tiles.md.
 DEFAULT_HOST_GATHER_MAX_PAGES = 4096
 
 

@@ -3,23 +3,23 @@
 FlashInfer compiles a kernel module per (dtypes, head size, window on/off, soft-cap on/off, fa2/fa3) on first use,
 tens of seconds each when done one at a time as layers first run. :func:`precompile` builds every module the given
 specs will need side by side: one thread per module runs that module's own ninja build (the one a first use would
-run, so first use then finds it up to date), the CPU cores split between them. It leans on flashinfer's module
-generators (``flashinfer.jit``), which are not a stable API: on any mismatch it logs and returns, and the kernels
-compile lazily as before.
-
-(A single combined ``flashinfer.jit.build_jit_specs`` build is not used: its ninja log lives in another directory,
-so each module's own ninja run, at first use, finds no record of the outputs and compiles them again.)
+run, so first use then finds it up to date). It leans on flashinfer's module generators (``flashinfer.jit``, through
+:func:`attnbackends.compat.flashinfer_jit_generators`), which are not a stable API: on any mismatch it logs and
+returns, and the kernels compile lazily as before. Each build's parallelism is ninja's (``MAX_JOBS`` if the user
+sets it).
+Each module is built by its own ninja run, not by one combined ``flashinfer.jit.build_jit_specs`` build, whose
+ninja log lives elsewhere: first use would find no record of the outputs and compile them again.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import torch
 
+from ..compat import fallback_reason, flashinfer_jit_generators
 from ..spec import AttentionSpec
 from .backend import FlashInferMetadataBuilder, import_flashinfer
 
@@ -44,11 +44,12 @@ def precompile(
     """
     fi = import_flashinfer()
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    generators = flashinfer_jit_generators()
+    if generators is None:
+        return []
+    gen_batch_decode_module = generators["gen_batch_decode_module"]
+    gen_batch_prefill_module = generators["gen_batch_prefill_module"]
     try:
-        from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
-        from flashinfer.jit.cascade import gen_cascade_module
-        from flashinfer.utils import determine_attention_backend
-
         jit_specs = {}
         for spec in specs:
             q, kv = spec.torch_dtype, spec.kv_cache_torch_dtype
@@ -65,32 +66,25 @@ def precompile(
                 else:
                     chosen.append(gen_batch_decode_module(*args))
             if prefill:
-                backend = determine_attention_backend(device, _POS_ENCODING_NONE, False, False, q, kv)
+                backend = generators["determine_attention_backend"](device, _POS_ENCODING_NONE, False, False, q, kv)
                 chosen.append(gen_batch_prefill_module(backend, *args, False))
             for jit_spec in chosen:
                 jit_specs[jit_spec.name] = jit_spec
         if cascade:
-            jit_spec = gen_cascade_module()
+            jit_spec = generators["gen_cascade_module"]()
             jit_specs[jit_spec.name] = jit_spec
         _build_side_by_side(list(jit_specs.values()))
-    except (ImportError, AttributeError, TypeError) as exc:
-        logger.warning("flashinfer %s: ahead-of-time kernel build skipped (%s); kernels compile on first use",
-                       getattr(fi, "__version__", "?"), exc)
+    except (AttributeError, TypeError) as exc:
+        fallback_reason("flashinfer_jit", f"flashinfer {getattr(fi, '__version__', '?')}: ahead-of-time kernel "
+                        f"build skipped ({exc}); kernels compile on first use")
         return []
     return sorted(jit_specs)
 
 
 def _build_side_by_side(jit_specs: list) -> None:
-    """Run each module's own ninja build in its own thread, ``MAX_JOBS`` splitting the cores between them."""
+    """Run each module's own ninja build in its own thread."""
     if not jit_specs:
         return
-    previous = os.environ.get("MAX_JOBS")
-    if previous is None:
-        os.environ["MAX_JOBS"] = str(max(2, (os.cpu_count() or 8) // len(jit_specs) + 1))
-    try:
-        with ThreadPoolExecutor(max_workers=len(jit_specs)) as pool:
-            for future in [pool.submit(spec.build, False) for spec in jit_specs]:
-                future.result()
-    finally:
-        if previous is None:
-            os.environ.pop("MAX_JOBS", None)
+    with ThreadPoolExecutor(max_workers=len(jit_specs)) as pool:
+        for future in [pool.submit(spec.build, False) for spec in jit_specs]:
+            future.result()

@@ -7,12 +7,15 @@ from typing import Any, Optional
 
 import torch
 
+from ..flashinfer.workspace import shared_workspace
 from ..interface import AttentionBackend, CudaGraphSupport
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
-from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config, mla_decode
+from .decode_kernel import (
+    MLADecodeConfig, choose_num_splits, default_decode_config, mla_decode, tma_decode_applies, tma_descriptors,
+)
 
 __all__ = [
     "TritonMLABackend",
@@ -38,31 +41,57 @@ class _MLABackendBase(AttentionBackend):
 
 
 class TritonMLAMetadataBuilder(MLAMetadataBuilder):
-    """Adds the decode kernel's launch config and KV split count (from host data only)."""
+    """Adds the decode kernel's launch config and KV split count (from host data only), and views of the builder's
+    persistent decode buffers: the latent output and the split-KV partials, shared by every layer of a batch."""
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
                  decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(spec, device, **kwargs)
         self.decode_config = decode_config or default_decode_config(spec.num_heads, interpreted=not self.device_info.is_cuda)
         self.num_splits = num_splits
+        self._decode_buffer = torch.empty(0, dtype=torch.float32, device=self.device)
 
     def build_decode(self, decode: MLADecodeMetadata, common) -> None:
+        spec = self.spec
         splits = self.num_splits or choose_num_splits(
-            decode.num_decodes, self.spec.num_heads, decode.max_seq_len, self.device_info.sm_count, self.decode_config
+            decode.num_decodes, spec.num_heads, decode.max_seq_len, self.device_info.sm_count, self.decode_config
         )
         decode.extra["num_splits"] = splits
         decode.extra["config"] = self.decode_config
+        b, n, lkv = decode.num_decodes, spec.num_heads, spec.kv_lora_rank
+        # float32 elements: [B, N, Lkv] latent output (in the model dtype), then [B, N, S, Lkv] and [B, N, S] partials
+        out_elems = -(-b * n * lkv * spec.torch_dtype.itemsize // 256) * 64  # the partials start 256-byte aligned
+        part_elems = b * n * splits * (lkv + 1) if splits > 1 else 0
+        if self._decode_buffer.numel() < out_elems + part_elems:
+            self._decode_buffer = torch.empty(out_elems + part_elems, dtype=torch.float32, device=self.device)
+        buf = self._decode_buffer
+        decode.extra["latent_out"] = buf[:out_elems].view(spec.torch_dtype)[: b * n * lkv].view(b, n, lkv)
+        if splits > 1:
+            o_part = buf[out_elems: out_elems + b * n * splits * lkv].view(b, n, splits, lkv)
+            lse_part = buf[out_elems + b * n * splits * lkv: out_elems + part_elems].view(b, n, splits)
+            decode.extra["partials"] = (o_part, lse_part)
 
 
 class TritonMLAImpl(MLAImpl):
     """MLA with the Triton split-KV decode kernel (:func:`~attnbackends.mla.decode_kernel.mla_decode`)."""
 
+    def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self._descriptors: dict[tuple, Any] = {}  # this layer's TMA descriptors, by cache and config
+
+    def _tma_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig) -> Optional[tuple[Any, Any]]:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config)
+        if key not in self._descriptors:
+            applies = tma_decode_applies(ql, q_pe, kv_cache, config)
+            self._descriptors[key] = tma_descriptors(kv_cache, ql.shape[-1], config) if applies else None
+        return self._descriptors[key]
+
     def _decode_latent(self, ql, q_pe, kv_cache, decode):
-        out = torch.empty_like(ql)
+        config = decode.extra["config"]
         return mla_decode(
-            ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, out,
-            scale=self.scale, k_scale=self.k_scale,
-            num_splits=decode.extra["num_splits"], config=decode.extra["config"],
+            ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.extra["latent_out"],
+            scale=self.scale, k_scale=self.k_scale, num_splits=decode.extra["num_splits"], config=config,
+            partials=decode.extra.get("partials"), descriptors=self._tma_descriptors(ql, q_pe, kv_cache, config),
         )
 
 
@@ -92,8 +121,6 @@ class TritonMLABackend(_MLABackendBase):
 class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
     """Plans FlashInfer's MLA wrapper for the decode requests (once per batch, on the host)."""
 
-    workspace_bytes = 128 * 1024 * 1024
-
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, backend: str = "auto", **kwargs: Any) -> None:
         super().__init__(spec, device, **kwargs)
         self.flashinfer_backend = backend
@@ -104,8 +131,7 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
         if self._wrapper is None:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-            buf = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-            self._wrapper = BatchMLAPagedAttentionWrapper(buf, backend=self.flashinfer_backend)
+            self._wrapper = BatchMLAPagedAttentionWrapper(shared_workspace(self.device), backend=self.flashinfer_backend)
         return self._wrapper
 
     def build_decode(self, decode: MLADecodeMetadata, common) -> None:

@@ -15,11 +15,12 @@ with its lse) merged with :func:`~attnbackends.ops.merge_attn_states.merge_attn_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from abc import abstractmethod
+from typing import Any, Optional, TypeVar
 
 import torch
 
-from ..interface import AttentionImpl, AttentionMetadataBuilder
+from ..interface import AttentionImplBase, AttentionMetadataBuilder
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.merge_attn_states import merge_attn_states
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
@@ -36,9 +37,12 @@ __all__ = [
     "MLAPrefillMetadata",
     "MLAMetadata",
     "MLAMetadataBuilder",
+    "MLAAttentionImpl",
     "MLAImpl",
     "split_kv_b_proj",
 ]
+
+M = TypeVar("M")
 
 #: Default context workspace, in tokens (64k tokens x 576 x 2 bytes = 72 MiB in bf16).
 DEFAULT_WORKSPACE_TOKENS = 64 * 1024
@@ -181,6 +185,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         """Hook for backend-specific decode state (stored in ``decode.extra``)."""
 
     def _build_prefill(self, common: CommonAttentionMetadata, nd: int, num_tokens: int) -> MLAPrefillMetadata:
+        self.prefill_kernel.begin_batch()
         qsl_cpu = common.query_start_loc_cpu[nd:]
         cu_q = (qsl_cpu - qsl_cpu[0]).to(torch.int32)
         new_tokens = self._plan(cu_q, cu_q, causal=True)
@@ -223,20 +228,27 @@ def split_kv_b_proj(kv_b_proj: torch.Tensor, spec: AttentionSpec) -> tuple[torch
     return w[:, :p, :].contiguous(), w[:, p:, :].transpose(1, 2).contiguous()
 
 
-class MLAImpl(AttentionImpl[MLAMetadata]):
-    """One MLA layer. Subclasses supply the decode kernel (:meth:`_decode_latent`).
+class MLAAttentionImpl(AttentionImplBase[M]):
+    """The contract of every MLA impl (one per layer): the latent cache write and the MLA forward below.
 
     Parameters
     ----------
     spec : an MLA spec (:meth:`AttentionSpec.mla`).
     kv_b_proj : [N * (P + V), Lkv] up-projection weight (nn.Linear layout), in the model dtype.
     k_scale : fp8 scale of the latent cache (stored = saturate(c / k_scale)); ignored for other cache dtypes.
+    v_scale : the cache holds one latent per token, read with k_scale alone: None, 1.0 or equal to k_scale;
+        anything else is a ValueError.
     """
 
-    def __init__(self, spec: AttentionSpec, *, kv_b_proj: torch.Tensor, k_scale: float = 1.0, **kwargs: Any) -> None:
+    def __init__(self, spec: AttentionSpec, *, kv_b_proj: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: Optional[float] = None, **kwargs: Any) -> None:
         if not spec.is_mla:
             raise ValueError("MLA impls need an MLA spec (AttentionSpec.mla(...))")
-        kwargs.pop("v_scale", None)
+        if v_scale is not None and float(v_scale) not in (1.0, float(k_scale)):
+            raise ValueError(
+                f"v_scale={v_scale} is not supported by MLA: the latent cache has one scale, k_scale={k_scale} "
+                "(values are read from the same latent); pass v_scale=None, 1.0 or k_scale"
+            )
         super().__init__(spec, k_scale=k_scale, v_scale=k_scale, **kwargs)
         n, p, v, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         if kv_b_proj.shape != (n * (p + v), lkv):
@@ -244,25 +256,24 @@ class MLAImpl(AttentionImpl[MLAMetadata]):
                 f"kv_b_proj must have shape ({n * (p + v)}, {lkv}) = (N * (P + V), Lkv), got {tuple(kv_b_proj.shape)}"
             )
         self.kv_b_proj = kv_b_proj
-        self.W_UK_T: Optional[torch.Tensor] = None
-        self.W_UV: Optional[torch.Tensor] = None
 
     def process_weights_after_loading(self) -> None:
-        """Build W_UK_T [N, P, Lkv] and W_UV [N, Lkv, V] (once, after the weights are final)."""
-        self.W_UK_T, self.W_UV = split_kv_b_proj(self.kv_b_proj, self.spec)
+        """Called once after the weights are final (``kv_b_proj`` included); impls derive their weights here."""
 
-    # The standard (key, value) write does not apply: MLA caches one latent vector per token.
-    def update_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
-        """Write latent tokens: ``key`` = kv_c [T, Lkv], ``value`` = k_pe [T, R] (see :func:`concat_and_cache_mla`)."""
-        concat_and_cache_mla(key, value, kv_cache, slot_mapping, self.k_scale)
+    def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        """Write latent tokens: kv_c_normed [T, Lkv], k_pe [T, R] -> kv_cache [num_blocks, block_size, Lkv + R];
+        slot_mapping [T] int64, -1 = padding (see :func:`concat_and_cache_mla`)."""
+        concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, self.k_scale)
 
+    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
         kv_c_normed: Optional[torch.Tensor],
         k_pe: Optional[torch.Tensor],
         kv_cache: torch.Tensor,
-        metadata: MLAMetadata,
+        metadata: M,
         output: torch.Tensor,
     ) -> torch.Tensor:
         """MLA attention for one batch, written into ``output``.
@@ -281,6 +292,29 @@ class MLAImpl(AttentionImpl[MLAMetadata]):
         -------
         output
         """
+
+    def check_inputs(self, q, kv_c_normed, k_pe, kv_cache, metadata, output) -> None:
+        """The validation hook (:func:`attnbackends.validation.check_forward_inputs`): tensors on the first call,
+        tensors and the block table on every call in debug mode. Every ``forward`` calls it first."""
+        check_forward_inputs(self, metadata, metadata.common, q, kv_c_normed, k_pe, kv_cache, output, mla=True)
+
+
+class MLAImpl(MLAAttentionImpl[MLAMetadata]):
+    """The absorbed MLA impl the fast backends share: weight absorption, the decode requests through a subclass's
+    kernel (:meth:`_decode_latent`), chunked-context prefill. Constructor as :class:`MLAAttentionImpl`."""
+
+    def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self.W_UK_T: Optional[torch.Tensor] = None
+        self.W_UV: Optional[torch.Tensor] = None
+
+    def process_weights_after_loading(self) -> None:
+        """Build W_UK_T [N, P, Lkv] and W_UV [N, Lkv, V] (once, after the weights are final)."""
+        self.W_UK_T, self.W_UV = split_kv_b_proj(self.kv_b_proj, self.spec)
+
+    def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, metadata: MLAMetadata, output: torch.Tensor) -> torch.Tensor:
+        """See :meth:`MLAAttentionImpl.forward`."""
         self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         if self.W_UK_T is None:
             self.process_weights_after_loading()
@@ -304,12 +338,6 @@ class MLAImpl(AttentionImpl[MLAMetadata]):
             end = nd + pre.num_prefill_tokens
             self._forward_prefill(q[nd:end], kv_c_normed[nd:end], k_pe[nd:end], kv_cache, pre, output[nd:end])
         return output
-
-    def check_inputs(self, q, kv_c_normed, k_pe, kv_cache, metadata, output) -> None:
-        """The validation hook (:func:`attnbackends.validation.check_forward_inputs`): tensors on the first call,
-        tensors and the block table on every call in debug mode. Subclasses that override :meth:`forward` call it
-        first."""
-        check_forward_inputs(self, metadata, metadata.common, q, kv_c_normed, k_pe, kv_cache, output, mla=True)
 
     def _decode_latent(
         self, ql: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops.quant import FP8_DTYPES, dequantize_from_cache
 from ..ops.launch_math import cdiv, next_power_of_2
+from ..ops.lse_merge import merge_by_lse
+from ..ops.quant import FP8_DTYPES, dequantize_from_cache
 
-__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits"]
+__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
+           "tma_descriptors"]
 
 _LOG2E = 1.4426950408889634
 
@@ -38,8 +40,7 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
     """The launch config for ``num_heads`` heads (tiny tiles under the interpreter)."""
     if interpreted:
         return MLADecodeConfig(block_h=max(16, min(next_power_of_2(num_heads), 16)), block_n=16, num_warps=4, num_stages=1)
-    # H100 sweep (python -m attnbackends.bench.mla --sweep, 128 heads, page 64), 2026-11-21: 64 heads x 64 keys with
-    # 8 warps, 2 stages, whole tiles by TMA was fastest (274 us at B=64 L=4096; 354 us with pointer loads).
+    # The fastest config of the sweep in benchmarks/NOTES-host-and-tiles.md (python -m benchmarks.mla --sweep).
     block_h = 64 if num_heads >= 64 else max(16, next_power_of_2(num_heads))
     return MLADecodeConfig(block_h=block_h, block_n=64 if block_h >= 64 else 32, num_warps=8 if block_h >= 64 else 4,
                            num_stages=2, use_tma=True)
@@ -84,6 +85,46 @@ def _decode_tile(
 
 
 @triton.jit
+def _split_prologue(
+    SEQ_LENS, Q_PE, stride_qp_b, stride_qp_h, num_heads, num_splits,
+    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The program's request ``b``, its KV split and key range [start, end), its heads [BLOCK_H] with their mask,
+    and their rotary queries q_pe [BLOCK_H, BLOCK_R] (float32 under the interpreter)."""
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_r = tl.arange(0, BLOCK_R)
+    q_pe = tl.load(
+        Q_PE + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_r[None, :],
+        mask=h_mask[:, None] & (offs_r < ROPE)[None, :],
+        other=0.0,
+    )
+    if INTERPRET:
+        q_pe = q_pe.to(tl.float32)
+    return b, split, start, end, heads, h_mask, q_pe
+
+
+@triton.jit
+def _split_epilogue(l_i, m_i, out_scale, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h,
+                    STORE_LSE: tl.constexpr):
+    """Stores the split's natural-log LSE (-inf without keys) when STORE_LSE; returns the factor [BLOCK_H] that
+    turns the accumulator into the output: out_scale / l_i, 0 for heads without keys."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    if STORE_LSE:
+        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        tl.store(LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=h_mask)
+    return tl.where(has_keys, out_scale / l_safe, 0.0)
+
+
+@triton.jit
 def _mla_decode_kernel(
     Q_NOPE,  # [B, H, KV_LORA] absorbed queries
     Q_PE,  # [B, H, ROPE]
@@ -92,20 +133,10 @@ def _mla_decode_kernel(
     SEQ_LENS,  # [B] int32
     O,  # one split: [B, H, KV_LORA] output; else [B, H, num_splits, KV_LORA] float32 partials
     LSE,  # one split: [B, H] float32 (optional); else [B, H, num_splits] float32
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_c_blk,
-    stride_c_tok,
-    stride_bt_b,
-    stride_o_b,
-    stride_o_h,
-    stride_o_s,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    num_splits,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,  # Q_NOPE, Q_PE
+    stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
+    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,  # O, LSE
+    num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e) * k_scale
     v_scale,  # k_scale for fp8 caches, else 1
     KV_LORA: tl.constexpr,
@@ -119,16 +150,8 @@ def _mla_decode_kernel(
     STORE_LSE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
+    b, split, start, end, heads, h_mask, q_pe = _split_prologue(
+        SEQ_LENS, Q_PE, stride_qp_b, stride_qp_h, num_heads, num_splits, ROPE, BLOCK_R, BLOCK_H, BLOCK_N, INTERPRET)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     c_mask = offs_c < KV_LORA
@@ -138,14 +161,8 @@ def _mla_decode_kernel(
         mask=h_mask[:, None] & c_mask[None, :],
         other=0.0,
     )
-    q_pe = tl.load(
-        Q_PE + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_r[None, :],
-        mask=h_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
     if INTERPRET:
         q = q.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -165,14 +182,9 @@ def _mla_decode_kernel(
                 acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
                 offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    acc = acc * tl.where(has_keys, v_scale / l_safe, 0.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    norm = _split_epilogue(l_i, m_i, v_scale, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h, STORE_LSE)
     o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_c[None, :]
-    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
-    if STORE_LSE:
-        tl.store(LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=h_mask)
+    tl.store(o_ptr, (acc * norm[:, None]).to(O.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
 
 
 @triton.jit
@@ -201,12 +213,6 @@ def _mla_decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < NUM_SPLITS
     lse = tl.load(LSE_PART + b * stride_lp_b + h * stride_lp_h + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe))
-    total = tl.sum(w, 0)
-    safe_total = tl.where(total > 0.0, total, 1.0)
-    w = w * tl.where(total > 0.0, 1.0 / safe_total, 0.0)
     offs_c = tl.arange(0, BLOCK_C)
     c_mask = offs_c < KV_LORA
     parts = tl.load(
@@ -214,10 +220,10 @@ def _mla_decode_reduce_kernel(
         mask=s_mask[:, None] & c_mask[None, :],
         other=0.0,
     )
-    o = tl.sum(tl.where(w[:, None] > 0.0, parts * w[:, None], 0.0), 0)
+    o, merged_lse = merge_by_lse(parts, lse, False)
     tl.store(O + b * stride_o_b + h * stride_o_h + offs_c, o.to(O.dtype.element_ty), mask=c_mask)
     if STORE_LSE:
-        tl.store(LSE + b * stride_lse_b + h * stride_lse_h, tl.where(total > 0.0, m_safe + tl.log(safe_total), float("-inf")))
+        tl.store(LSE + b * stride_lse_b + h * stride_lse_h, merged_lse)
 
 
 @triton.jit
@@ -247,29 +253,15 @@ def _online_softmax_step(
 
 @triton.jit
 def _mla_decode_tma_kernel(
-    Q_NOPE,  # [B, H, KV_LORA] absorbed queries
-    Q_PE,  # [B, H, ROPE]
+    Q_NOPE, Q_PE,  # as in _mla_decode_kernel
     KV_DESC,  # TMA descriptor over the cache as [num_blocks * PAGE_SIZE, KV_LORA + ROPE], block [BLOCK_N, HALF]
     PE_DESC,  # the same rows, block [BLOCK_N, ROPE]
-    CACHE,  # [num_blocks, PAGE_SIZE, KV_LORA + ROPE] (the last, partial tile is read through pointers)
-    BLOCK_TABLE,  # [B, W] int32
-    SEQ_LENS,  # [B] int32
-    O,  # one split: [B, H, KV_LORA] output; else [B, H, num_splits, KV_LORA] float32 partials
-    LSE,  # one split: [B, H] float32 (optional); else [B, H, num_splits] float32
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_c_blk,
-    stride_c_tok,
-    stride_bt_b,
-    stride_o_b,
-    stride_o_h,
-    stride_o_s,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    num_splits,
+    CACHE,  # the last, partial tile is read through pointers
+    BLOCK_TABLE, SEQ_LENS, O, LSE,  # as in _mla_decode_kernel
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,  # Q_NOPE, Q_PE
+    stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
+    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,  # O, LSE
+    num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e)
     KV_LORA: tl.constexpr,
     HALF: tl.constexpr,  # KV_LORA // 2, a power of two <= 256 (a TMA box side)
@@ -282,28 +274,17 @@ def _mla_decode_tma_kernel(
 ):
     """:func:`_mla_decode_kernel` for 16-bit caches with whole tiles loaded by TMA (Hopper's bulk tensor copies,
     pipelined by the compiler); the accumulator is kept as two halves because a TMA box side is at most 256."""
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    b, split, start, end, heads, h_mask, q_pe = _split_prologue(
+        SEQ_LENS, Q_PE, stride_qp_b, stride_qp_h, num_heads, num_splits, ROPE, ROPE, BLOCK_H, BLOCK_N, INTERPRET)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
     offs_h = tl.arange(0, HALF)
     offs_r = tl.arange(0, ROPE)
     q_rows = Q_NOPE + b * stride_qn_b + heads[:, None] * stride_qn_h
     q0 = tl.load(q_rows + offs_h[None, :], mask=h_mask[:, None], other=0.0)
     q1 = tl.load(q_rows + HALF + offs_h[None, :], mask=h_mask[:, None], other=0.0)
-    q_pe = tl.load(Q_PE + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_r[None, :], mask=h_mask[:, None],
-                   other=0.0)
     if INTERPRET:
         q0 = q0.to(tl.float32)
         q1 = q1.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -337,15 +318,10 @@ def _mla_decode_tma_kernel(
         acc0, acc1, l_i, m_i = _online_softmax_step(
             acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, n_mask, qk_scale_log2, True, INTERPRET)
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    inv = tl.where(has_keys, 1.0 / l_safe, 0.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    inv = _split_epilogue(l_i, m_i, 1.0, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h, STORE_LSE)[:, None]
     o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_h[None, :]
     tl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=h_mask[:, None])
     tl.store(o_ptr + HALF, (acc1 * inv).to(O.dtype.element_ty), mask=h_mask[:, None])
-    if STORE_LSE:
-        tl.store(LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=h_mask)
 
 
 def tma_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, config: MLADecodeConfig) -> bool:
@@ -366,15 +342,22 @@ def tma_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     return q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
 
 
-def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_o_s, num_splits, qk_scale_log2,
-                config: MLADecodeConfig, grid) -> None:
+def tma_descriptors(kv_cache: torch.Tensor, kv_lora: int, config: MLADecodeConfig) -> tuple[Any, Any]:
+    """The TMA kernel's descriptors over ``kv_cache`` [num_blocks, block_size, Lkv + R]: (latent halves, rope part).
+    They depend on the cache and the config only: build them once per cache (an impl keeps its layer's)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_blocks, page, width = kv_cache.shape
-    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
     rows = kv_cache.view(num_blocks * page, width)
-    kv_desc = TensorDescriptor.from_tensor(rows, [config.block_n, kv_lora // 2])
-    pe_desc = TensorDescriptor.from_tensor(rows, [config.block_n, rope])
+    return (TensorDescriptor.from_tensor(rows, [config.block_n, kv_lora // 2]),
+            TensorDescriptor.from_tensor(rows, [config.block_n, width - kv_lora]))
+
+
+def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_o_s, num_splits, qk_scale_log2,
+                config: MLADecodeConfig, grid, descriptors) -> None:
+    page = kv_cache.shape[1]
+    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
+    kv_desc, pe_desc = descriptors if descriptors is not None else tma_descriptors(kv_cache, kv_lora, config)
     _mla_decode_tma_kernel[grid](
         q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, out, lse if lse is not None else seq_lens,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -402,6 +385,7 @@ def mla_decode(
     config: Optional[MLADecodeConfig] = None,
     lse: Optional[torch.Tensor] = None,
     partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    descriptors: Optional[tuple[Any, Any]] = None,
 ) -> torch.Tensor:
     """Decode attention over the latent cache (one query token per request).
 
@@ -415,6 +399,8 @@ def mla_decode(
     num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
     lse : [B, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
     partials : preallocated ([B, H, S, Lkv] float32, [B, H, S] float32) buffers for num_splits > 1.
+    descriptors : :func:`tma_descriptors` of ``kv_cache`` and ``config`` (built here when the TMA kernel applies
+        and none are given).
 
     Returns
     -------
@@ -450,7 +436,8 @@ def mla_decode(
     use_tma = tma_decode_applies(q_nope, q_pe, kv_cache, config)
     if num_splits == 1:
         if use_tma:
-            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse, 0, 1, qk_scale_log2, config, grid)
+            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse, 0, 1, qk_scale_log2, config, grid,
+                        descriptors)
             return output
         lse_t = lse if lse is not None else seq_lens
         _mla_decode_kernel[grid](
@@ -471,7 +458,7 @@ def mla_decode(
         o_part, lse_part = partials
     if use_tma:
         _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part, o_part.stride(2), num_splits,
-                    qk_scale_log2, config, grid)
+                    qk_scale_log2, config, grid, descriptors)
     else:
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,

@@ -9,7 +9,6 @@ then ``out, lse = kernel.run(handle, q, k, v)`` per layer; lse is [H, T] float32
 
 from __future__ import annotations
 
-import importlib.util
 
 import logging
 import math
@@ -20,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compat import efficient_attention_with_lse, flash_attn_cute_available
+from ..flashinfer.workspace import shared_workspace
 from ..platform import DeviceInfo, package_available
 from ..ops.launch_math import cdiv, next_power_of_2
 
@@ -58,12 +59,17 @@ class RaggedPlan:
 
 
 class PrefillKernel:
-    """A ragged attention kernel: :meth:`plan` on the host once per batch, :meth:`run` per layer."""
+    """A ragged attention kernel: :meth:`begin_batch`, then :meth:`plan` per ragged problem on the host once per
+    batch, :meth:`run` per layer. One instance per metadata builder: a batch's plans stay valid until the next
+    :meth:`begin_batch`."""
 
     name = "base"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def begin_batch(self) -> None:
+        """A new batch's plans follow (the previous batch's may be reused)."""
 
     def plan(
         self,
@@ -115,10 +121,8 @@ class SdpaPrefill(PrefillKernel):
                 continue
             qi = q[q0:q1].transpose(0, 1)  # [H, Q, D]
             ki, vi = k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)
-            if q.is_cuda:
-                o, l_i = _efficient_attention(qi, ki, vi, plan.causal, plan.scale)
-            else:
-                o, l_i = _math_attention(qi, ki, vi, plan.causal, plan.scale)
+            result = efficient_attention_with_lse(qi, ki, vi, plan.causal, plan.scale) if q.is_cuda else None
+            o, l_i = result if result is not None else _math_attention(qi, ki, vi, plan.causal, plan.scale)
             out[q0:q1] = o.transpose(0, 1).to(q.dtype)
             lse[:, q0:q1] = l_i
         return out, lse
@@ -132,13 +136,6 @@ def _math_attention(q, k, v, causal, scale):
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.softmax(s, dim=-1) @ v.float(), lse
-
-
-def _efficient_attention(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q[None], k[None], v[None], None, True, 0.0, causal, scale=scale
-    )[:2]
-    return out[0], lse[0, :, : q.shape[1]]
 
 
 class TritonPrefill(PrefillKernel):
@@ -180,11 +177,14 @@ class FlashInferPrefill(PrefillKernel):
     """FlashInfer's ``BatchPrefillWithRaggedKVCacheWrapper`` (one planned wrapper per ragged problem)."""
 
     name = "flashinfer"
-    workspace_bytes = 128 * 1024 * 1024
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._workspace: Optional[torch.Tensor] = None
+        self._wrappers: list[Any] = []  # planned in order within a batch, reused by the next batch
+        self._next = 0
+
+    def begin_batch(self) -> None:
+        self._next = 0
 
     def plan(self, cu_seqlens_q_cpu, cu_seqlens_k_cpu, *, causal, scale, num_heads, head_dim_qk, head_dim_v, dtype):
         import flashinfer
@@ -193,9 +193,11 @@ class FlashInferPrefill(PrefillKernel):
             cu_seqlens_q_cpu, cu_seqlens_k_cpu, causal=causal, scale=scale, num_heads=num_heads,
             head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype,
         )
-        if self._workspace is None:
-            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-        wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD")
+        if self._next == len(self._wrappers):
+            self._wrappers.append(
+                flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(shared_workspace(self.device), "NHD"))
+        wrapper = self._wrappers[self._next]
+        self._next += 1
         wrapper.plan(
             cu_seqlens_q_cpu.to(torch.int32),
             cu_seqlens_k_cpu.to(torch.int32),
@@ -227,16 +229,6 @@ def _empty_result(q, v):
 _CLASSES = {"flash_attn": FlashAttnPrefill, "flashinfer": FlashInferPrefill, "triton": TritonPrefill, "sdpa": SdpaPrefill}
 
 
-def _flash_attn_cute_available() -> bool:
-    """Whether flash-attn 4's ``flash_attn.cute`` is installed. Its wheel ships ``flash_attn`` as a namespace package
-    (no ``flash_attn/__init__.py``), so the test is on the ``cute`` subpackage, which must be a real module."""
-    try:
-        spec = importlib.util.find_spec("flash_attn.cute")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and spec.origin not in (None, "namespace")
-
-
 # (qk head, v head) pairs the library kernels are built for; other MLA sizes (small test models) use Triton/SDPA.
 _FLASH_ATTN_HEAD_DIMS = frozenset({(64, 64), (128, 128), (192, 128)})
 _FLASHINFER_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
@@ -249,7 +241,7 @@ def available_prefill_kernels(
     names = []
     half = dtype in (torch.float16, torch.bfloat16)
     if (
-        device.is_cuda and half and device.compute_capability >= (9, 0) and _flash_attn_cute_available()
+        device.is_cuda and half and device.compute_capability >= (9, 0) and flash_attn_cute_available()
         and (head_dims is None or head_dims in _FLASH_ATTN_HEAD_DIMS)
     ):
         names.append("flash_attn")

@@ -17,24 +17,18 @@ from ..reference.backend import ReferenceMetadata, ReferenceMetadataBuilder
 from ..reference.functional import sequence_attention
 from ..spec import KV_CACHE_DTYPES, AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, concat_and_cache_mla, mla_kv_cache_shape
-from .common import MLAImpl
+from .common import MLAAttentionImpl
 
 __all__ = ["ReferenceMLABackend", "ReferenceMLAImpl"]
 
 
-class ReferenceMLAImpl(MLAImpl):
-    """Naive MLA: up-project the whole latent cache, run MHA per request. Same constructor and forward as
-    :class:`~attnbackends.mla.common.MLAImpl`; metadata is :class:`~attnbackends.reference.backend.ReferenceMetadata`."""
+class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
+    """Naive MLA: up-project the whole latent cache, run MHA per request. Constructor and forward as
+    :class:`~attnbackends.mla.common.MLAAttentionImpl`; metadata from
+    :class:`~attnbackends.reference.backend.ReferenceMetadataBuilder`."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        kv_c_normed: Optional[torch.Tensor],
-        k_pe: Optional[torch.Tensor],
-        kv_cache: torch.Tensor,
-        metadata: ReferenceMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, metadata: ReferenceMetadata, output: torch.Tensor) -> torch.Tensor:
         self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         spec = self.spec
         common = metadata.common

@@ -5,7 +5,8 @@ Cache layout: ``kv_cache`` ``[num_blocks, 2, block_size, num_kv_heads, head_size
 fp8: stored = saturate(x / scale) in the cache's fp8 dtype.
 
 On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) a Triton kernel does the write with no host-device sync;
-elsewhere an equivalent torch implementation is used.
+elsewhere an equivalent torch implementation is used. :func:`gather_kv_torch` reads one request's keys and values
+back (dequantised), the torch read every pure-torch path shares.
 """
 
 from __future__ import annotations
@@ -16,14 +17,22 @@ from typing import Union
 import torch
 import triton
 import triton.language as tl
+
+from ..platform import is_triton_interpreted
 from .direct_launch import DirectLauncher
 from .launch_math import cdiv, next_power_of_2
 from .page_guard import FAULT_SLOT, PageTableError, fault_record, record_fault
+from .quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_torch", "check_reshape_and_cache_args", "round_to_fp8_grid"]
+__all__ = [
+    "check_reshape_and_cache_args",
+    "gather_kv_torch",
+    "reshape_and_cache",
+    "reshape_and_cache_torch",
+    "round_to_fp8_grid",
+]
 
 Scale = Union[float, torch.Tensor]
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -83,16 +92,8 @@ def _reshape_and_cache_kernel(
         tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _is_interpreted() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_reshape_and_cache_kernel, InterpretedFunction)
-
-
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or _is_interpreted()
+    return device.type == "cuda" or is_triton_interpreted()
 
 
 def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -116,7 +117,7 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if value.dtype != key.dtype:
         raise ValueError(f"value dtype {value.dtype} must equal key dtype {key.dtype}")
-    if kv_cache.dtype not in _FP8_DTYPES and key.dtype != kv_cache.dtype:
+    if kv_cache.dtype not in FP8_DTYPES and key.dtype != kv_cache.dtype:
         raise ValueError(f"key dtype {key.dtype} must equal kv_cache dtype {kv_cache.dtype} (or the cache is fp8)")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"key ({key.shape[0]}) and value ({value.shape[0]}) token counts differ")
@@ -137,8 +138,10 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
 
 def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                             slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
-    """Pure-torch :func:`reshape_and_cache` (syncs the host: for CPUs and tests)."""
+    """Pure-torch :func:`reshape_and_cache` (syncs the host: for CPUs and tests). Shapes as there; slots past
+    ``key.shape[0]`` are ignored."""
     block_size = kv_cache.shape[2]
+    slot_mapping = slot_mapping[: key.shape[0]]
     n = slot_mapping.shape[0]
     num_slots = kv_cache.shape[0] * block_size
     bad = torch.nonzero((slot_mapping < -1) | (slot_mapping >= num_slots))
@@ -150,11 +153,29 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: to
     slots = slot_mapping[valid]
     blk, off = slots // block_size, slots % block_size
     for i, (x, scale) in enumerate(((key[:n][valid], k_scale), (value[:n][valid], v_scale))):
-        if kv_cache.dtype in _FP8_DTYPES:
-            limit = float(torch.finfo(kv_cache.dtype).max)
-            scale = scale.to(x.device) if isinstance(scale, torch.Tensor) else float(scale)
-            x = (x.float() / scale).clamp(-limit, limit)
-        kv_cache[blk, i, off] = x.to(kv_cache.dtype)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(x.device)
+        kv_cache[blk, i, off] = quantize_for_cache(x, kv_cache.dtype, scale)
+
+
+def gather_kv_torch(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, k_scale: Scale = 1.0,
+                    v_scale: Scale = 1.0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one request, dequantised to ``dtype``.
+
+    Parameters
+    ----------
+    kv_cache : [num_blocks, 2, block_size, num_kv_heads, head_size]
+    block_row : [>= ceil(seq_len / block_size)] the request's block-table row (page ids).
+
+    Returns
+    -------
+    key, value : [seq_len, num_kv_heads, head_size] each, in ``dtype``.
+    """
+    block_size = kv_cache.shape[2]
+    pages = kv_cache[block_row[: -(-seq_len // block_size)].long()]  # [P, 2, bs, Hkv, D]
+    key = pages[:, 0].reshape(-1, *pages.shape[3:])[:seq_len]
+    value = pages[:, 1].reshape(-1, *pages.shape[3:])[:seq_len]
+    return dequantize_from_cache(key, dtype, k_scale), dequantize_from_cache(value, dtype, v_scale)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -207,11 +228,11 @@ def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtyp
     """(constexprs, heads per program, num_warps) of the write kernel for one cache layout."""
     head_pad = next_power_of_2(head_size)
     heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
-    fp8 = cache_dtype in _FP8_DTYPES
+    fp8 = cache_dtype in FP8_DTYPES
     e4m3 = cache_dtype == torch.float8_e4m3fn
     constexprs = (
         head_size, head_pad, heads_per_program, block_size, fp8, float(torch.finfo(cache_dtype).max) if fp8 else 0.0,
-        scales_are_ptrs, 3 if e4m3 else 2, -6 if e4m3 else -14, _is_interpreted(),
+        scales_are_ptrs, 3 if e4m3 else 2, -6 if e4m3 else -14, is_triton_interpreted(),
     )
     return constexprs, heads_per_program, 4 if heads_per_program * head_pad >= 1024 else 2
 

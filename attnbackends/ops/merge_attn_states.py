@@ -12,7 +12,9 @@ from typing import Literal, Optional
 import torch
 import triton
 import triton.language as tl
+
 from .launch_math import next_power_of_2
+from .lse_merge import merge_by_lse
 
 __all__ = ["merge_attn_states", "merge_attn_states_torch"]
 
@@ -38,25 +40,16 @@ def _merge_attn_states_kernel(
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    lse_a = tl.load(A_LSE + h * stride_lse_h + t).to(tl.float32)
-    lse_b = tl.load(B_LSE + h * stride_lse_h + t).to(tl.float32)
-    m = tl.maximum(lse_a, lse_b)
-    # -inf on both sides: keep the exponent arguments finite so no NaN appears, and zero both weights.
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w_a = tl.where(lse_a == float("-inf"), 0.0, tl.exp(lse_a - m_safe))
-    w_b = tl.where(lse_b == float("-inf"), 0.0, tl.exp(lse_b - m_safe))
-    total = w_a + w_b
-    safe_total = tl.where(total > 0.0, total, 1.0)
-    inv = tl.where(total > 0.0, 1.0 / safe_total, 0.0)
+    side = tl.arange(0, 2)  # 0: A (prefix), 1: B (suffix)
+    is_a = side == 0
+    lse_in = tl.load(tl.where(is_a, A_LSE, B_LSE) + h * stride_lse_h + t).to(tl.float32)  # [2]
     offs = tl.arange(0, BLOCK_D)
     mask = offs < head_size
-    o_a = tl.load(A + t * stride_a_t + h * stride_a_h + offs, mask=mask, other=0.0).to(tl.float32)
-    o_b = tl.load(B + t * stride_b_t + h * stride_b_h + offs, mask=mask, other=0.0).to(tl.float32)
-    # where(), not a multiply, so a NaN in an ignored side cannot leak through 0 * NaN.
-    o = tl.where(w_a > 0.0, o_a * (w_a * inv), 0.0) + tl.where(w_b > 0.0, o_b * (w_b * inv), 0.0)
+    rows = tl.where(is_a, A + t * stride_a_t + h * stride_a_h, B + t * stride_b_t + h * stride_b_h)  # [2]
+    parts = tl.load(rows[:, None] + offs[None, :], mask=mask[None, :], other=0.0).to(tl.float32)  # [2, BLOCK_D]
+    o, lse = merge_by_lse(parts, lse_in, False)
     tl.store(OUT + t * stride_out_t + h * stride_out_h + offs, o.to(OUT.dtype.element_ty), mask=mask)
     if HAS_OUT_LSE:
-        lse = tl.where(total > 0.0, m_safe + tl.log(safe_total), float("-inf"))
         tl.store(OUT_LSE + h * stride_lse_h + t, lse)
 
 

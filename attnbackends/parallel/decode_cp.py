@@ -20,15 +20,15 @@ not see: :func:`check_context_parallel_spec` raises NotImplementedError for them
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from ..interface import AttentionImpl
 from ..metadata import CommonAttentionMetadata
 from ..ops.merge_attn_states import merge_attn_states
-from ..ops.quant import dequantize_from_cache
-from ..reference.functional import sequence_attention
+from ..registry import get_backend_class
 from ..spec import AttentionSpec
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 Method = Literal["all_gather", "all_reduce"]
+Scale = Union[float, torch.Tensor]
 
 
 def check_context_parallel_spec(spec: AttentionSpec) -> None:
@@ -66,25 +67,22 @@ def check_context_parallel_spec(spec: AttentionSpec) -> None:
         raise ValueError(f"context parallelism shards the KV cache; attn_type {spec.attn_type.value} has none")
 
 
-def _local_reference(query, kv_cache, common, scale, soft_cap, k_scale, v_scale, out, lse):
-    block_size = kv_cache.shape[2]
-    qsl = common.query_start_loc_cpu.tolist()
-    for i, seq_len in enumerate(common.seq_lens_cpu.tolist()):
-        start, end = qsl[i], qsl[i + 1]
-        if seq_len == 0:
-            # This rank holds none of the sequence: a partial that the merge ignores.
-            out[start:end] = 0.0
-            lse[:, start:end] = float("-inf")
-            continue
-        pages = kv_cache[common.block_table[i, : -(-seq_len // block_size)].long()]  # [P, 2, bs, Hkv, D]
-        key = dequantize_from_cache(pages[:, 0].reshape(-1, *pages.shape[3:])[:seq_len], torch.float32, k_scale)
-        value = dequantize_from_cache(pages[:, 1].reshape(-1, *pages.shape[3:])[:seq_len], torch.float32, v_scale)
-        # Every local key precedes the query, so the query (at its global position) sees all of them.
-        o, l = sequence_attention(query[start:end], key, value,
-                                  torch.full((end - start,), seq_len, device=query.device),
-                                  scale=scale, causal=False, logits_soft_cap=soft_cap)
-        out[start:end] = o.to(out.dtype)
-        lse[:, start:end] = l.float()
+def _lse_impl(impl: "str | AttentionImpl", spec: AttentionSpec, k_scale: Scale, v_scale: Scale) -> AttentionImpl:
+    """The impl that computes the local partial: ``impl`` itself, or a new one of the named backend's impl class."""
+    if isinstance(impl, AttentionImpl):
+        candidate = impl
+    else:
+        impl_cls = get_backend_class(impl).get_impl_cls()
+        if not impl_cls.can_return_lse:
+            raise ValueError(f"backend {impl!r} cannot serve context-parallel decode: its impl "
+                             f"{impl_cls.__name__} does not return its log-sum-exp (can_return_lse is False)")
+        # Sinks join the merged softmax once, after the exchange: the local partial never reads them.
+        sinks = torch.zeros(spec.num_heads) if spec.has_sinks else None
+        candidate = impl_cls(spec, sinks=sinks, k_scale=float(k_scale), v_scale=float(v_scale))
+    if not candidate.can_return_lse:
+        raise ValueError(f"{type(candidate).__name__} does not return its log-sum-exp (can_return_lse is False); "
+                         "context-parallel decode needs an impl that does")
+    return candidate
 
 
 def local_decode_attention(
@@ -93,9 +91,9 @@ def local_decode_attention(
     local_common: CommonAttentionMetadata,
     spec: AttentionSpec,
     *,
-    impl: Literal["reference", "triton", "flashinfer"] = "reference",
-    k_scale: "float | torch.Tensor" = 1.0,
-    v_scale: "float | torch.Tensor" = 1.0,
+    impl: "str | AttentionImpl" = "reference",
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +106,10 @@ def local_decode_attention(
     query : [T, H, D] the decode queries (the same on every rank).
     kv_cache : [num_blocks, 2, block_size, Hkv, D] this rank's cache.
     local_common : from :func:`build_local_metadata` (local seq_lens, may be 0).
-    impl : "reference" (torch loop, any device), "triton" (``unified_attention(return_lse=...)``) or "flashinfer"
-        (``BatchDecodeWithPagedKVCacheWrapper.run(return_lse=True)`` over the requests this rank holds keys of).
+    impl : the layer's impl (an engine passes the one it keeps per layer), or a registered backend's name, whose
+        impl class is then built from ``spec`` and the scales; either must have ``can_return_lse``
+        (:meth:`AttentionImpl.forward_with_lse`), e.g. "reference", "triton", "flashinfer".
+    k_scale, v_scale : fp8 scales, used when ``impl`` is a name.
     out : [T, H, D] float32 or the query dtype, optional; lse : [H, T] float32, optional.
 
     Returns
@@ -121,65 +121,7 @@ def local_decode_attention(
         out = torch.empty(num_tokens, num_heads, head_size, dtype=torch.float32, device=query.device)
     if lse is None:
         lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=query.device)
-    if impl == "reference":
-        _local_reference(query, kv_cache, local_common, spec.softmax_scale, spec.logits_soft_cap,
-                         k_scale, v_scale, out, lse)
-    elif impl == "triton":
-        from ..triton.launch import unified_attention
-
-        unified_attention(
-            query, kv_cache[:, 0], kv_cache[:, 1], out, local_common.query_start_loc, local_common.seq_lens,
-            local_common.block_table, local_common.max_query_len, local_common.max_seq_len, spec.softmax_scale,
-            causal=False, logits_soft_cap=spec.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-            num_decodes=local_common.num_reqs, return_lse=lse,
-        )
-    elif impl == "flashinfer":
-        _local_flashinfer(query, kv_cache, local_common, spec, k_scale, v_scale, out, lse)
-    else:
-        raise ValueError(f"impl must be 'reference', 'triton' or 'flashinfer', got {impl!r}")
-    return out, lse
-
-
-_FLASHINFER_WORKSPACES: dict[torch.device, torch.Tensor] = {}
-_LN2 = 0.6931471805599453
-
-
-def _local_flashinfer(query, kv_cache, common, spec, k_scale, v_scale, out, lse) -> None:
-    """FlashInfer's decode wrapper over the requests with local keys (it cannot plan empty ones); the others get
-    output 0 and lse -inf. FlashInfer's LSE is base 2 (its kernels work in exp2): converted to natural log.
-    Planned per call (a sketch of the integration, not the hot path of an engine, which plans once per step)."""
-    from ..flashinfer.backend import import_flashinfer
-    from ..flashinfer.plan_inputs import paged_kv_plan_inputs
-
-    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
-        raise ValueError("the flashinfer local path takes float k_scale / v_scale")
-    flashinfer = import_flashinfer()
-    out.zero_()
-    lse.fill_(float("-inf"))
-    held_cpu = torch.nonzero(common.seq_lens_cpu > 0).flatten()
-    if held_cpu.numel() == 0:
-        return
-    held = held_cpu.to(query.device, non_blocking=True)
-    n = held_cpu.numel()
-    inputs = paged_kv_plan_inputs(
-        torch.arange(n + 1, dtype=torch.int32), common.seq_lens_cpu[held_cpu].to(torch.int32),
-        common.block_table.index_select(0, held), spec.block_size,
-    )
-    workspace = _FLASHINFER_WORKSPACES.get(query.device)
-    if workspace is None:
-        workspace = _FLASHINFER_WORKSPACES[query.device] = torch.zeros(
-            128 * 1024 * 1024, dtype=torch.uint8, device=query.device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_tensor_cores=spec.num_queries_per_kv > 1)
-    wrapper.plan(
-        inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, spec.num_heads, spec.num_kv_heads,
-        spec.head_size, spec.block_size, pos_encoding_mode="NONE", logits_soft_cap=spec.logits_soft_cap,
-        sm_scale=spec.softmax_scale, q_data_type=query.dtype, kv_data_type=kv_cache.dtype, o_data_type=query.dtype,
-    )
-    scales = dict(k_scale=float(k_scale), v_scale=float(v_scale)) if kv_cache.dtype.itemsize == 1 else {}
-    part, part_lse = wrapper.run(query.index_select(0, held), kv_cache, return_lse=True, **scales)
-    out.index_copy_(0, held, part.to(out.dtype))
-    lse.index_copy_(1, held, (part_lse.float() * _LN2).transpose(0, 1))
+    return _lse_impl(impl, spec, k_scale, v_scale).forward_with_lse(query, kv_cache, local_common, out, lse)
 
 
 def merge_attn_states_n(
@@ -291,7 +233,7 @@ def cp_decode_attention(
     spec: AttentionSpec,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    impl: Literal["reference", "triton", "flashinfer"] = "reference",
+    impl: "str | AttentionImpl" = "reference",
     method: Method = "all_gather",
     output: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
@@ -309,7 +251,7 @@ def cp_decode_attention(
     kv_cache : [num_blocks, 2, block_size, Hkv, D] this rank's cache.
     local_common : :func:`attnbackends.parallel.blocks.build_local_metadata` for this rank.
     spec : the layer (checked with :func:`check_context_parallel_spec`).
-    impl : local kernel, "reference" or "triton"; method : see :func:`exchange_and_merge`.
+    impl : the local kernel, as in :func:`local_decode_attention`; method : see :func:`exchange_and_merge`.
     output : [T, H, D] destination (default float32); sinks : [H] float32 or None (the layer's sink logits).
 
     Returns

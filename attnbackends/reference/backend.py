@@ -13,7 +13,7 @@ import torch
 
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
-from ..ops.quant import dequantize_from_cache, quantize_for_cache
+from ..ops.kv_cache_write import gather_kv_torch, reshape_and_cache_torch
 from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .functional import sequence_attention
@@ -45,6 +45,8 @@ class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
 
 
 class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
+    can_return_lse = True
+
     def __init__(self, spec: AttentionSpec, **kwargs) -> None:
         super().__init__(spec, **kwargs)
         self.alibi_slopes = (
@@ -54,25 +56,26 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        block_size = kv_cache.shape[2]
-        slots = slot_mapping[: key.shape[0]]
-        keep = slots >= 0
-        slots = slots[keep]
-        blocks, offsets = slots // block_size, slots % block_size
-        kv_cache[blocks, 0, offsets] = quantize_for_cache(key[keep], kv_cache.dtype, self.k_scale)
-        kv_cache[blocks, 1, offsets] = quantize_for_cache(value[keep], kv_cache.dtype, self.v_scale)
+        reshape_and_cache_torch(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale)
 
-    def _gather(self, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``seq_len`` cached keys and values of one request, dequantized: [L, Hkv, D] each."""
-        block_size = kv_cache.shape[2]
-        pages = kv_cache[block_row[: -(-seq_len // block_size)].long()]  # [P, 2, bs, Hkv, D]
-        key = pages[:, 0].reshape(-1, *pages.shape[3:])[:seq_len]
-        value = pages[:, 1].reshape(-1, *pages.shape[3:])[:seq_len]
-        compute = torch.float32
-        return (
-            dequantize_from_cache(key, compute, self.k_scale),
-            dequantize_from_cache(value, compute, self.v_scale),
-        )
+    def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                         output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`AttentionImpl.forward_with_lse` (a per-request torch loop)."""
+        qsl = common.query_start_loc_cpu.tolist()
+        for i, seq_len in enumerate(common.seq_lens_cpu.tolist()):
+            start, end = qsl[i], qsl[i + 1]
+            if seq_len == 0:
+                output[start:end] = 0.0
+                lse[:, start:end] = float("-inf")
+                continue
+            key, value = gather_kv_torch(kv_cache, common.block_table[i], seq_len, self.k_scale, self.v_scale)
+            out, part_lse = sequence_attention(
+                query[start:end], key, value, torch.full((end - start,), seq_len, device=query.device),
+                scale=self.scale, causal=False, logits_soft_cap=self.spec.logits_soft_cap,
+            )
+            output[start:end] = out.to(output.dtype)
+            lse[:, start:end] = part_lse.float()
+        return output, lse
 
     def forward(
         self,
@@ -100,7 +103,7 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
             start, end = qsl[i], qsl[i + 1]
             seq_len = metadata.seq_lens[i]
             if kv_cache is not None:
-                k, v = self._gather(kv_cache, common.block_table[i], seq_len)
+                k, v = gather_kv_torch(kv_cache, common.block_table[i], seq_len, self.k_scale, self.v_scale)
             else:
                 k, v = key[start:end], value[start:end]
             context = seq_len - (end - start)

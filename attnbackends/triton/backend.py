@@ -31,6 +31,7 @@ from .launch import (
     launch_attention,
     pick_kernel_config,
     plan_attention,
+    unified_attention,
 )
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
@@ -138,6 +139,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
     """Writes K/V with the shared write op, then runs the batch's launch plan: one unified-attention launch (plus a
     reduction for split-KV)."""
 
+    can_return_lse = True
+
     def __init__(self, spec: AttentionSpec, **kwargs) -> None:
         super().__init__(spec, **kwargs)
         self._alibi_host = (
@@ -196,6 +199,18 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
                          self.k_scale, self.v_scale, cache_key=cache_key)
         return output
+
+    def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
+                         output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attnbackends.interface.AttentionImpl.forward_with_lse` (shapes there): every cached key is visible
+        (non-causal), no sinks, no cache write; one launch with the log-sum-exp output."""
+        unified_attention(
+            query, kv_cache[:, 0], kv_cache[:, 1], output, common.query_start_loc, common.seq_lens,
+            common.block_table, common.max_query_len, common.max_seq_len, self.scale, causal=False,
+            logits_soft_cap=self.spec.logits_soft_cap, k_scale=self.k_scale, v_scale=self.v_scale,
+            num_decodes=common.num_reqs, return_lse=lse,
+        )
+        return output, lse
 
     def _check_first_call(self, query, key, value, kv_cache, metadata: TritonMetadata, output) -> None:
         """The functional launcher's argument checks, once: the tensors against each other and the plan."""

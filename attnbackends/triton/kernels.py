@@ -17,7 +17,8 @@ them. The grid depends only on shapes and host ints, never on ``seq_lens`` value
 import triton
 import triton.language as tl
 
-from attnbackends.ops.page_guard import safe_page
+from ..ops.lse_merge import merge_by_lse
+from ..ops.page_guard import safe_page
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -383,18 +384,11 @@ def _reduce_segments_kernel(
         d_ok = offs_d < HEAD_SIZE
         lse = tl.load(partial_lse_ptr + tok * stride_lt + head * stride_lh + offs_s, mask=s_ok,
                       other=float("-inf"))  # [SEG_PAD]
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)
-        total = tl.sum(w, 0)
-        denom = tl.where(total == 0.0, 1.0, total)
         p_ptrs = (partial_out_ptr + tok * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps
                   + offs_d[None, :])
         parts = tl.load(p_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [SEG_PAD, HEAD_PAD]
-        parts = tl.where(w[:, None] > 0.0, parts, 0.0)
-        out = tl.sum(parts * w[:, None], 0) / denom
+        out, lse2 = merge_by_lse(parts, lse, True)
         tl.store(output_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(output_ptr.dtype.element_ty),
                  mask=d_ok)
         if RETURN_LSE:
-            lse_ln = tl.where(total == 0.0, float("-inf"), (m + tl.log2(denom)) * LN2)
-            tl.store(lse_out_ptr + head * stride_lse_h + tok, lse_ln)
+            tl.store(lse_out_ptr + head * stride_lse_h + tok, lse2 * LN2)

@@ -20,9 +20,11 @@ from typing import Optional, Union
 
 import torch
 
-from attnbackends.ops.direct_launch import DirectLauncher
-from attnbackends.ops.launch_math import next_power_of_2
-from attnbackends.triton.kernels import _reduce_segments_kernel, _unified_attention_kernel
+from ..ops.direct_launch import DirectLauncher
+from ..ops.launch_math import next_power_of_2
+from ..ops.quant import FP8_DTYPES
+from ..platform import is_triton_interpreted
+from .kernels import _reduce_segments_kernel, _unified_attention_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +43,10 @@ __all__ = [
 
 Scale = Union[float, torch.Tensor]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 MIN_HEAD_SIZE = 32
 MAX_HEAD_SIZE = 512
 MAX_KV_SPLITS = 32
-
-
-@lru_cache(maxsize=None)
-def _is_interpreted() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - older triton
-        return False
-    return isinstance(_unified_attention_kernel, InterpretedFunction)
 
 
 @lru_cache(maxsize=None)
@@ -441,7 +433,7 @@ def plan_attention(
         qpk, head_size, head_pad, block_size, decode_path, max(config.decode_block_m, next_power_of_2(qpk)),
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
-        num_kv_splits, return_lse, _is_interpreted(),
+        num_kv_splits, return_lse, is_triton_interpreted(),
     )
     reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs else None
     return LaunchPlan(

@@ -25,7 +25,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnbackends import AttentionConfig, BackendNotSupportedError  # noqa: E402
-from attnbackends.engine import EngineConfig, build_hf_model, compare_with_transformers  # noqa: E402
+from attnbackends.engine import EngineConfig  # noqa: E402
+from hf_models import build_hf_model, compare_with_transformers  # noqa: E402  (next to this script)
 
 _TRITON = ("triton", "triton_mla")
 GPU_SIZES = {

@@ -449,8 +449,8 @@ def test_cuda_graph_decode_replans_persistent_buffers(fake_flashinfer):
 
 
 def test_precompile_builds_each_module_in_its_own_thread(fake_flashinfer, monkeypatch):
-    """precompile() runs every needed module's own build (so first use finds it current), in parallel, with
-    MAX_JOBS splitting the cores and restored afterwards."""
+    """precompile() runs every needed module's own build (so first use finds it current), in parallel, leaving
+    MAX_JOBS to the user."""
     import os
     import threading
 
@@ -479,7 +479,7 @@ def test_precompile_builds_each_module_in_its_own_thread(fake_flashinfer, monkey
     specs = [AttentionSpec(**BASE), AttentionSpec(**{**BASE, "num_kv_heads": 4}), AttentionSpec(**BASE)]
     names = precompile(specs, "cpu", cascade=True)
     assert names == sorted(name for name, _ in built) and len(names) == 4  # fa2 (GQA decode), decode (MHA), fa3, cascade
-    assert all(jobs is not None and int(jobs) >= 2 for _, jobs in built)
+    assert all(jobs is None for _, jobs in built)
     assert "MAX_JOBS" not in os.environ
 
 

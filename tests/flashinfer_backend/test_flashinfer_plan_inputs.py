@@ -213,10 +213,10 @@ def test_gather_page_ids_matches_brute_force(seed, impl, monkeypatch):
     column ``skip`` on, in request order; int64 tables are narrowed to int32."""
     from attnbackends.flashinfer import page_ids
 
-    if impl == "triton" and not (torch.cuda.is_available() or page_ids._triton_interpret_env()):
+    if impl == "triton" and not (torch.cuda.is_available() or page_ids.is_triton_interpreted()):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     if impl == "torch":
-        monkeypatch.setattr(page_ids, "_triton_interpret_env", lambda: False)
+        monkeypatch.setattr(page_ids, "is_triton_interpreted", lambda: False)
     table, counts, skip = random_tables(seed, torch.int64 if seed % 2 else torch.int32)
     indptr = torch.zeros(counts.shape[0] + 1, dtype=torch.int32)
     indptr[1:] = counts.cumsum(0)
@@ -319,10 +319,10 @@ def test_decode_page_table_matches_brute_force(seed, impl, monkeypatch):
     torch stand-in) equals the brute-force one; outputs poisoned first."""
     from attnbackends.flashinfer import page_ids
 
-    if impl == "triton" and not page_ids._triton_interpret_env():
+    if impl == "triton" and not page_ids.is_triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (the GPU test covers CUDA)")
     if impl == "torch":
-        monkeypatch.setattr(page_ids, "_triton_interpret_env", lambda: False)
+        monkeypatch.setattr(page_ids, "is_triton_interpreted", lambda: False)
     common, bs, (_, kv, indices, last) = decode_batch(seed, torch.int64 if seed % 2 else torch.int32)
     n = common.num_reqs
     kv_indptr, last_out = torch.full((n + 1,), -3, dtype=torch.int32), torch.full((n,), -3, dtype=torch.int32)

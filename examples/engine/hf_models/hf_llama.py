@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..spec import AttentionSpec
+from attnbackends.spec import AttentionSpec
 from .hf_common import apply_rope, linear, rms_norm, rope_cos_sin, swiglu_mlp
 
 __all__ = ["HFLlamaModel"]

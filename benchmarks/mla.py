@@ -5,7 +5,7 @@ against FlashInfer's BatchMLAPagedAttentionWrapper (backend "fa3", else "auto");
 TFLOP/s = 2 * B * H * L * (576 + 512) / time. Prefill: the MLA prefill (up-projection, chunked context, merge) with
 each installed prefill kernel at 4 x 4096 new tokens on 8192 cached tokens.
 
-    python -m attnbackends.bench.mla --out benchmarks/results/<gpu>-<date>-mla.json [--sweep]
+    python -m benchmarks.mla --out benchmarks/results/<gpu>-<date>-mla.json [--sweep]
 """
 
 from __future__ import annotations

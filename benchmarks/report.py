@@ -30,7 +30,7 @@ def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
         return ">= 0.6x flashinfer MLA TFLOP/s", 1.0 / ratio >= 0.6
     if case == "adapter_overhead" and ratio is not None:
         if B == 1:
-            # Host-bound: judged by back-to-back wall time per step (see attnbackends.bench.flashinfer_adapter);
+            # Host-bound: judged by back-to-back wall time per step (see benchmarks.flashinfer_adapter);
             # rows without wall times fall back to the do_bench times.
             extra = row.get("wall_overhead_us", row["us"] - row["peer_us"])
             return "<= 20 us over raw wrappers (wall, back to back)", extra <= 20.0

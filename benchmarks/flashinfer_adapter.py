@@ -18,9 +18,9 @@ cost: it is the GPU-event span from the end of the flush to the step's last kern
 step's host work comes before its first GPU operation (hidden behind the flush for the raw wrapper, whose plan()
 starts with its copies; not for the adapter, which translates the page table first). The B=1 per-step overhead is
 therefore judged by the wall times (``wall_overhead_us``), the B=64 one (GPU-bound) by the do_bench ratio; both
-are recorded. ``python -m attnbackends.bench.flashinfer_adapter --trace DIR`` writes the timelines that show this.
+are recorded. ``python -m benchmarks.flashinfer_adapter --trace DIR`` writes the timelines that show this.
 
-    python -m attnbackends.bench.flashinfer_adapter --out benchmarks/results/<gpu>-<date>-flashinfer-adapter.json
+    python -m benchmarks.flashinfer_adapter --out benchmarks/results/<gpu>-<date>-flashinfer-adapter.json
 """
 
 from __future__ import annotations

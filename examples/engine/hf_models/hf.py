@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..spec import AttentionConfig
-from .engine import EngineConfig, GenerationResult, PagedEngine
+from attnbackends.spec import AttentionConfig
+from attnbackends.engine import EngineConfig, GenerationResult, PagedEngine
 from .hf_common import seed_weights, tiny_deepseek_v3_config, tiny_llama_config
 from .hf_deepseek import HFDeepseekV3Model
 from .hf_llama import HFLlamaModel
@@ -46,7 +46,7 @@ def build_hf_model(
     successor_logit: float = 0.0,
     **config_overrides,
 ) -> nn.Module:
-    """A small transformers model with seeded random weights (see :func:`~attnbackends.engine.hf_common.seed_weights`).
+    """A small transformers model with seeded random weights (see :func:`~hf_models.hf_common.seed_weights`).
 
     kind : "llama" (``LlamaForCausalLM``) or "deepseek" (``DeepseekV3ForCausalLM``, MLA + MoE).
     successor_logit : 0 for the plain random model, whose greedy choices are often near-ties that bf16 rounding

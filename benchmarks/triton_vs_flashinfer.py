@@ -1,6 +1,6 @@
 """Triton unified attention vs FlashInfer, side by side in one process, on the PERF.md shapes.
 
-    python -m attnbackends.bench.triton_vs_flashinfer [--out results.json] [--sweep] [--no-peer] [--cases decode,prefill,...]
+    python -m benchmarks.triton_vs_flashinfer [--out results.json] [--sweep] [--no-peer] [--cases decode,prefill,...]
 
 Times are ``triton.testing.do_bench`` medians (µs) on random bf16 data with pages in random order. Each row also
 checks the Triton output against FlashInfer's (max abs difference). ``--sweep`` times several tile configs per
