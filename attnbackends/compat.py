@@ -6,7 +6,7 @@ guarded by a feature test instead). Where a surface cannot be used, the caller t
 
 Surfaces: FlashInfer's decode-wrapper fields (fast re-planning, :mod:`attnbackends.flashinfer.fast_plan`),
 FlashInfer's JIT module generators (ahead-of-time builds, :mod:`attnbackends.flashinfer.warmup`), Triton's
-compiled-kernel launcher (:func:`launch_compiled_triton_kernel`), aten's memory-efficient attention with its
+compiled-kernel launcher (:class:`DirectLauncher`), aten's memory-efficient attention with its
 log-sum-exp (:func:`efficient_attention_with_lse`) and flash-attn 4's ``flash_attn.cute``
 (:func:`flash_attn_cute_available`).
 """
@@ -18,18 +18,20 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
+import triton
+from triton import knobs
 
 __all__ = [
+    "DirectLauncher",
     "PRIVATE_SURFACES",
     "PrivateSurface",
     "efficient_attention_with_lse",
     "fallback_reason",
     "flash_attn_cute_available",
     "flashinfer_jit_generators",
-    "launch_compiled_triton_kernel",
     "package_version",
     "surface_unsupported_reason",
 ]
@@ -56,7 +58,8 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
         "gen_cascade_module) and flashinfer.utils.determine_attention_backend (their signatures are checked by "
         "calling them: a mismatch is a logged fallback)"),
     "triton_compiled_launch": PrivateSurface(
-        "triton", "launching the CompiledKernel that a JIT launch returns: compiled[grid](*args, *constexprs)",
+        "triton", "launching the CompiledKernel that a JIT launch returns through its own launcher "
+        "(compiled.run(grid, stream, compiled.function, compiled.packed_metadata, hooks, *args))",
         frozenset({"3.6.0"})),
     "aten_efficient_attention": PrivateSurface(
         "torch", "torch.ops.aten._scaled_dot_product_efficient_attention (SDPA's kernel, returning the LSE)"),
@@ -101,49 +104,91 @@ def fallback_reason(surface: str, reason: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- Triton's launcher
-_COMPILED: dict[tuple, Any] = {}
+@lru_cache(maxsize=None)
+def _direct_launch_unsupported() -> Optional[str]:
+    return surface_unsupported_reason("triton_compiled_launch")
 
 
-def launch_compiled_triton_kernel(kernel: Any, key: tuple, grid: tuple, args: tuple, constexprs: dict[str, Any],
-                                  device: Optional[torch.device] = None) -> None:
-    """Launch a ``@triton.jit`` kernel; after its first launch per ``key``, launch the compiled kernel directly.
+def _raw_stream_getters():
+    try:
+        from torch._C import _cuda_getCurrentRawStream, _cuda_getDevice
+    except ImportError:  # pragma: no cover - torch without CUDA bindings
+        return None, None
+    return _cuda_getCurrentRawStream, _cuda_getDevice
 
-    The first launch goes through the JIT (``kernel[grid](*args, **constexprs)``), which compiles and returns the
-    compiled kernel; later launches call Triton's launcher for it (``compiled[grid](*args, *constexprs)``),
-    skipping the JIT's per-call argument binding and cache lookup. Valid only when the kernel specialises on
-    nothing but what ``key`` names: give every argument a fixed dtype and alignment per key, and disable integer
-    specialisation (``do_not_specialize``) or name it in ``key``.
+
+_current_raw_stream, _current_device = _raw_stream_getters()
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is installed (Triton 3.6 keeps them in HookChain objects, older ones use None)."""
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class DirectLauncher:
+    """One kernel's launches, keyed by specialisation.
 
     Parameters
     ----------
     kernel : the ``@triton.jit`` function.
-    key : hashable; what the compiled kernel depends on (e.g. kernel name, device index, dtypes, constexprs).
-    grid : the launch grid (a tuple of ints).
-    args : the runtime arguments, in signature order.
-    constexprs : the constexpr arguments, in signature order (after ``args``).
-    device : the CUDA device to launch on (its current stream); default: the current device.
-
-    Off a checked Triton version (see :data:`PRIVATE_SURFACES`) every launch goes through the JIT.
+    constexpr_names : the kernel's constexpr parameters, in signature order, all after its runtime parameters.
     """
-    if device is not None and device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device.index):  # Triton launches on the current device's stream
-            return launch_compiled_triton_kernel(kernel, key, grid, args, constexprs)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        compiled[grid](*args, *constexprs.values())
-        return None
-    launched = kernel[grid](*args, **constexprs)
-    if _direct_launch_ok():
-        _COMPILED[key] = launched
-    return None
 
+    __slots__ = ("kernel", "constexpr_names", "_compiled", "_fallback_reason")
 
-@lru_cache(maxsize=None)
-def _direct_launch_ok() -> bool:
-    reason = surface_unsupported_reason("triton_compiled_launch")
-    if reason is not None:
-        fallback_reason("triton_compiled_launch", reason)
-    return reason is None
+    def __init__(self, kernel: Any, constexpr_names: Sequence[str]) -> None:
+        self.kernel = kernel
+        self.constexpr_names = tuple(constexpr_names)
+        self._compiled: dict[Hashable, tuple] = {}
+        self._fallback_reason: str | None = None
+
+    def launch_on(self, device: torch.device, key: Hashable, grid: tuple[int, int, int], args: tuple,
+                  constexprs: tuple, num_warps: int = 4, num_stages: int = 3) -> None:
+        """:meth:`__call__` on ``device``'s current stream, switching the current device when it differs."""
+        if device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device.index):
+                return self(key, grid, args, constexprs, num_warps, num_stages)
+        return self(key, grid, args, constexprs, num_warps, num_stages)
+
+    def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, constexprs: tuple,
+                 num_warps: int, num_stages: int) -> None:
+        """Launch on the current CUDA stream. ``args``: the runtime arguments in signature order; ``constexprs``:
+        the values of ``constexpr_names``, in that order."""
+        entry = self._compiled.get(key)
+        if entry is not None and not _launch_hooks_set():
+            run, function, packed = entry
+            run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), function, packed, None, None,
+                None, *args, *constexprs)
+            return
+        compiled = self.kernel[grid](*args, **dict(zip(self.constexpr_names, constexprs)), num_warps=num_warps,
+                                     num_stages=num_stages)
+        if entry is None:
+            self._remember(key, compiled)
+
+    def _remember(self, key: Hashable, compiled: Any) -> None:
+        reason = None
+        if compiled is None:
+            reason = "the kernel runs under the Triton interpreter"
+        elif _direct_launch_unsupported() is not None:
+            reason = _direct_launch_unsupported()
+        elif _current_raw_stream is None:
+            reason = "torch has no CUDA stream bindings"
+        elif _launch_hooks_set():
+            reason = "Triton launch hooks are set"
+        elif not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            reason = f"Triton {triton.__version__}'s compiled kernel has no run/function/packed_metadata"
+        if reason is not None:
+            if reason != self._fallback_reason:
+                fallback_reason("triton_compiled_launch",
+                                f"{getattr(self.kernel, '__name__', 'kernel')}: launched through the JIT on every "
+                                f"call ({reason})")
+                self._fallback_reason = reason
+            return
+        self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
 # ------------------------------------------------------------------------------------------------- FlashInfer JIT

@@ -11,14 +11,14 @@ if not torch.cuda.is_available():
 
 from triton import knobs  # noqa: E402
 
-from attnbackends.ops import direct_launch  # noqa: E402
+from attnbackends import compat  # noqa: E402
 from attnbackends.testing import conformance_cases  # noqa: E402
 from attnbackends.triton import launch  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
 
 
 def test_no_launch_hooks_by_default():
-    assert not direct_launch._launch_hooks_set()
+    assert not compat._launch_hooks_set()
 
 
 def test_an_installed_launch_hook_is_seen():
@@ -31,7 +31,7 @@ def test_an_installed_launch_hook_is_seen():
 
     hook.add(noop)
     try:
-        assert direct_launch._launch_hooks_set()
+        assert compat._launch_hooks_set()
     finally:
         hook.remove(noop)
 

@@ -12,13 +12,11 @@ On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; othe
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
-from ..compat import launch_compiled_triton_kernel
+from ..compat import DirectLauncher
 from ..platform import is_triton_interpreted
 from ..ops.launch_math import cdiv, next_power_of_2
 
@@ -31,7 +29,7 @@ DECODE_TABLE_MAX_REQS = 4096
 
 
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
-# and later calls can launch it directly (see compat.launch_compiled_triton_kernel).
+# and later calls can launch it directly (compat.DirectLauncher).
 @triton.jit
 def _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, BLOCK: tl.constexpr):
     """Block ``tl.program_id(1)`` of request ``req``'s page ids: ``table[req, skip_pages + c]`` to
@@ -86,11 +84,8 @@ def gather_page_ids(
     if block_table.is_cuda or is_triton_interpreted():
         grid = (num_reqs, cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
         args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
-        if block_table.is_cuda:
-            key = ("gather", block_table.device.index, block_table.dtype)
-            launch_compiled_triton_kernel(_gather_page_ids_kernel, key, grid, args, {"BLOCK": _BLOCK}, block_table.device)
-        else:
-            _gather_page_ids_kernel[grid](*args, BLOCK=_BLOCK)
+        _gather_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype), grid, args,
+                                   (_BLOCK,))
         return out
     counts = (kv_indptr[1:] - kv_indptr[:-1]).long()
     rows = torch.repeat_interleave(torch.arange(num_reqs), counts)
@@ -163,12 +158,10 @@ def decode_page_table(
     grid = (num_reqs, cdiv(block_table.shape[1], _BLOCK), 1)
     args = (seq_lens, block_table, block_table.stride(0), kv_indptr, kv_last_page_len, kv_indices, num_reqs,
             page_size)
-    constexprs = {"BLOCK": _BLOCK, "REQS": next_power_of_2(num_reqs)}
-    if block_table.is_cuda:
-        key = ("decode", block_table.device.index, block_table.dtype, constexprs["REQS"])
-        launch_compiled_triton_kernel(_decode_page_table_kernel, key, grid, args, constexprs, block_table.device)
-    elif is_triton_interpreted():
-        _decode_page_table_kernel[grid](*args, **constexprs)
+    constexprs = (_BLOCK, next_power_of_2(num_reqs))
+    if block_table.is_cuda or is_triton_interpreted():
+        _decode_table_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype, constexprs),
+                                         grid, args, constexprs)
     else:
         pages = (seq_lens[:num_reqs] + page_size - 1) // page_size
         kv_indptr[0] = 0
@@ -176,3 +169,7 @@ def decode_page_table(
         kv_last_page_len.copy_(seq_lens[:num_reqs] - (pages - 1) * page_size)
         total = int(kv_indptr[-1])
         gather_page_ids(block_table, kv_indptr, kv_indices[:total])
+
+
+_gather_launcher = DirectLauncher(_gather_page_ids_kernel, ("BLOCK",))
+_decode_table_launcher = DirectLauncher(_decode_page_table_kernel, ("BLOCK", "REQS"))

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compat import DirectLauncher
 from ..platform import is_triton_interpreted
-from .direct_launch import DirectLauncher
 from .launch_math import cdiv, next_power_of_2
 from .page_guard import FAULT_SLOT, PageTableError, fault_record, record_fault
 from .quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache

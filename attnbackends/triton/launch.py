@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..ops.direct_launch import DirectLauncher
+from ..compat import DirectLauncher
 from ..ops.launch_math import next_power_of_2
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted
