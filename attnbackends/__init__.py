@@ -4,7 +4,7 @@ An engine describes a layer once (:class:`AttentionSpec`), asks :func:`select` f
 backend's metadata builder (once per batch) and impl (once per layer).
 """
 
-from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from .metadata import (
     CommonAttentionMetadata,
     DecodePrefillSplit,
@@ -34,6 +34,7 @@ __all__ = [
     "AttentionImpl",
     "AttentionMetadataBuilder",
     "CudaGraphSupport",
+    "QueryLenSupport",
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
     "build_common_metadata",

@@ -20,6 +20,7 @@ __all__ = [
     "AttentionImplBase",
     "AttentionMetadataBuilder",
     "CudaGraphSupport",
+    "QueryLenSupport",
     "STANDARD_KV_CACHE_LAYOUT",
 ]
 
@@ -35,6 +36,15 @@ class CudaGraphSupport(enum.IntEnum):
     UNIFORM_SINGLE_TOKEN_DECODE = 1  # batches where every request decodes exactly one token
     UNIFORM_BATCH = 2  # batches where every request has the same query length
     ALWAYS = 3  # any batch, mixed prefills and decodes included
+
+
+class QueryLenSupport(enum.IntEnum):
+    """Which decode query lengths a metadata builder serves on its decode path (speculative decoding verifies
+    1 + k tokens per request as a decode)."""
+
+    SINGLE = 0  # every decode has query_len 1
+    UNIFORM = 1  # every decode of a batch has the same query_len, up to max_decode_query_len
+    VARLEN = 2  # decodes of one batch may differ in query_len, each up to max_decode_query_len
 
 
 class AttentionBackend(ABC):
@@ -161,6 +171,8 @@ class AttentionBackend(ABC):
         if spec.attn_type not in cls.supported_attn_types:
             allowed = ", ".join(sorted(t.value for t in cls.supported_attn_types))
             reasons.append(f"attn_type {spec.attn_type.value} not supported (supported: {allowed})")
+        if spec.num_speculative_tokens or spec.speculative_tree:
+            reasons += cls.get_builder_cls().speculative_reasons(spec)
         for feature, wanted, supported in (
             ("sliding window", spec.sliding_window is not None, cls.supports_sliding_window),
             ("ALiBi", spec.alibi_slopes is not None, cls.supports_alibi),
@@ -222,10 +234,34 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     spec : the spec of the layers this builder serves (all layers sharing it must agree on it).
     device : where the batch tensors live.
     max_num_reqs, max_num_tokens : sizes of persistent buffers (CUDA graphs replay on fixed addresses).
+
+    Speculative decoding: a spec with ``num_speculative_tokens = k`` raises this builder's
+    ``reorder_batch_threshold`` to ``1 + k`` (an instance attribute set here), so verify requests of up to 1 + k
+    tokens count as decodes; the class declares what it can serve (``query_len_support``,
+    ``max_decode_query_len``, ``supports_tree_mask``) and :meth:`speculative_reasons` checks a spec against it.
     """
 
     #: Requests with query_len <= this count as decodes; the engine puts them first in the batch.
     reorder_batch_threshold: ClassVar[int] = 1
+    #: Decode query lengths the decode path serves, and the longest (1 + the deepest speculation).
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE
+    max_decode_query_len: ClassVar[int] = 1
+    #: Whether ``build`` honours ``CommonAttentionMetadata.spec_tree_mask`` (tree verification).
+    supports_tree_mask: ClassVar[bool] = False
+
+    @classmethod
+    def speculative_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Why this builder cannot serve ``spec``'s speculative decoding (empty when it can)."""
+        reasons = []
+        want = 1 + spec.num_speculative_tokens
+        if want > 1 and (cls.query_len_support is QueryLenSupport.SINGLE or want > cls.max_decode_query_len):
+            reasons.append(
+                f"num_speculative_tokens {spec.num_speculative_tokens} needs decodes of {want} tokens; this backend "
+                f"decodes {cls.query_len_support.name.lower()} query lengths up to {cls.max_decode_query_len}"
+            )
+        if spec.speculative_tree and not cls.supports_tree_mask:
+            reasons.append("speculative_tree: tree verification (spec_tree_mask) not supported")
+        return reasons
 
     def __init__(
         self,
@@ -241,6 +277,11 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.debug = debug
+        if spec.num_speculative_tokens:
+            reasons = self.speculative_reasons(spec)
+            if reasons:
+                raise NotImplementedError(f"{type(self).__name__}: " + "; ".join(reasons))
+            self.reorder_batch_threshold = max(self.reorder_batch_threshold, 1 + spec.num_speculative_tokens)
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M:

@@ -50,6 +50,18 @@ class CommonAttentionMetadata:
         and the page-id range check runs on it before any kernel (see :mod:`attnbackends.ops.page_guard`).
     pages_checked_for : int or None
         Set by the page-id guard: the cache size (pages) this batch's block table was range-checked against.
+    spec_tree_mask : torch.Tensor or None
+        Tree verification (speculative decoding): [sum_i n_i * n_i] bool on the device, request i's [n_i, n_i]
+        ancestor mask flattened row-major, requests one after another. A request's last n_i query tokens are its
+        draft segment (usually n_i = query_len: the root plus the draft tokens); its draft token a may see draft
+        token b iff ``mask[a, b]`` (b is a or an ancestor of a). Every key before the draft segment (the cached
+        context) stays visible as usual; n_i = 0 leaves a request causal. Sliding windows and ALiBi keep counting
+        positions in cache order (token a of the segment sits at L - n_i + a). Build it with
+        :func:`attnbackends.speculative.tree_mask_from_parents`; a backend honours it only where its builder
+        declares ``supports_tree_mask``.
+    spec_tree_mask_indptr, spec_tree_mask_indptr_cpu : torch.Tensor or None
+        [num_reqs + 1] int32 on the device and on the host: request i's mask is
+        ``spec_tree_mask[indptr[i] : indptr[i + 1]]`` (n_i * n_i entries).
     """
 
     query_start_loc: torch.Tensor
@@ -65,6 +77,9 @@ class CommonAttentionMetadata:
     causal: bool = True
     common_prefix_len: int = 0
     block_table_cpu: Optional[torch.Tensor] = None
+    spec_tree_mask: Optional[torch.Tensor] = None
+    spec_tree_mask_indptr: Optional[torch.Tensor] = None
+    spec_tree_mask_indptr_cpu: Optional[torch.Tensor] = None
     pages_checked_for: Optional[int] = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -113,6 +113,12 @@ class AttentionSpec(BaseModel):
     qk_nope_head_dim: Optional[int] = Field(default=None, gt=0)
     qk_rope_head_dim: Optional[int] = Field(default=None, gt=0)
     v_head_dim: Optional[int] = Field(default=None, gt=0)
+    num_speculative_tokens: int = Field(
+        default=0, ge=0, description="draft tokens verified per request and step: decodes of up to 1 + this many tokens"
+    )
+    speculative_tree: bool = Field(
+        default=False, description="draft tokens form a tree: verify batches carry CommonAttentionMetadata.spec_tree_mask"
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch
 
-from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
 from ..ops.kv_cache_write import gather_kv_torch, reshape_and_cache_torch
+from ..speculative import request_tree_mask
 from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .functional import sequence_attention
@@ -30,17 +31,26 @@ class ReferenceMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     debug: bool = False
+    tree_masks: Optional[list[Optional[torch.Tensor]]] = None  # per request [n, n] bool, from common.spec_tree_mask
 
 
 class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
+    query_len_support = QueryLenSupport.VARLEN
+    max_decode_query_len = 1024
+    supports_tree_mask = True
+
     def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
         if self.debug:
             validate_common_metadata(common, block_size=self.spec.block_size)
+        trees = None
+        if common.spec_tree_mask is not None:
+            trees = [request_tree_mask(common, i) for i in range(common.num_reqs)]
         return ReferenceMetadata(
             common=common,
             query_start_loc=common.query_start_loc_cpu.tolist(),
             seq_lens=common.seq_lens_cpu.tolist(),
             debug=self.debug,
+            tree_masks=trees,
         )
 
 
@@ -120,6 +130,7 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
                 alibi_slopes=alibi,
                 sinks=sinks,
                 compute_dtype=compute,
+                tree_mask=metadata.tree_masks[i] if metadata.tree_masks is not None else None,
             )
             output[start:end] = out.to(output.dtype)
         return output

@@ -22,6 +22,7 @@ def sequence_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one sequence's queries over its keys 0..L-1.
 
@@ -32,6 +33,8 @@ def sequence_attention(
     value : [L, Hkv, Dv]
     query_positions : [Q] int, the position of each query in the sequence
     alibi_slopes : [Hq] or None; sinks : [Hq] sink logits or None
+    tree_mask : [n, n] bool or None: the last n queries and the last n keys are a draft segment in which query a
+        sees key b only where ``tree_mask[a, b]`` (tree verification)
 
     Returns
     -------
@@ -56,6 +59,9 @@ def sequence_attention(
         visible &= distance <= 0
     if sliding_window is not None:
         visible &= distance > -sliding_window
+    if tree_mask is not None:
+        n = tree_mask.shape[0]
+        visible[visible.shape[0] - n :, visible.shape[1] - n :] &= tree_mask.to(visible.device)
     logits = logits.masked_fill(~visible[None], float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(compute_dtype)[:, None, None].expand(num_q_heads, logits.shape[1], 1)

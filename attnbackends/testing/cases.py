@@ -12,8 +12,17 @@ import torch
 from ..metadata import CommonAttentionMetadata, build_common_metadata
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..spec import AttentionSpec
+from ..speculative import with_tree_mask
 
-__all__ = ["SequenceShape", "RandomBatch", "make_random_batch", "random_sequence_shapes", "SEQUENCE_KINDS"]
+__all__ = [
+    "SequenceShape",
+    "RandomBatch",
+    "make_random_batch",
+    "random_sequence_shapes",
+    "random_tree_parents",
+    "EAGLE_TREE_8",
+    "SEQUENCE_KINDS",
+]
 
 SEQUENCE_KINDS = ("decode", "prefill", "chunked_prefill")
 
@@ -64,6 +73,15 @@ def random_sequence_shapes(
     return shapes
 
 
+#: A root and 7 draft tokens in three branches (EAGLE-like): root -> 1, 2, 3; 1 -> 4, 5; 2 -> 6; 4 -> 7.
+EAGLE_TREE_8 = (-1, 0, 0, 0, 1, 1, 2, 4)
+
+
+def random_tree_parents(rng: random.Random, n: int) -> list[int]:
+    """A random token tree of ``n`` tokens rooted at token 0 (parents as in :mod:`attnbackends.speculative`)."""
+    return [-1] + [rng.randrange(a) for a in range(1, n)]
+
+
 @dataclass
 class RandomBatch:
     """A random batch, ready to run through a backend, with what the oracle needs to check it.
@@ -78,6 +96,8 @@ class RandomBatch:
     sinks : [num_heads] float32 or None
     dense_keys, dense_values : per request [seq_len, num_kv_heads, D] float64, exactly as a backend reads them back
         (after the cache dtype's round trip)
+    tree_parents : per request, the parent array of its draft segment (its last len(parents) query tokens; see
+        :mod:`attnbackends.speculative`) or None; ``common`` then carries the tree mask
     """
 
     spec: AttentionSpec
@@ -92,6 +112,7 @@ class RandomBatch:
     v_scale: float
     dense_keys: list[torch.Tensor] = field(repr=False)
     dense_values: list[torch.Tensor] = field(repr=False)
+    tree_parents: Optional[list[Optional[list[int]]]] = None
 
     @property
     def num_actual_tokens(self) -> int:
@@ -113,13 +134,15 @@ def make_random_batch(
     pad_tokens: int = 0,
     fp8_scales: Optional[tuple[float, float]] = None,
     logit_magnitude: float = 1.0,
+    tree_parents: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> RandomBatch:
     """A random batch for ``spec`` with one request per entry of ``shapes`` (keep decodes first for backends that
     need that order: see :func:`attnbackends.metadata.decode_first_order`).
 
     Pages are drawn at random without replacement from ``num_blocks`` (default: what the batch needs plus 25%).
     fp8 caches get scales chosen so the data spans the fp8 range (or ``fp8_scales``); ``logit_magnitude`` scales
-    the queries, to exercise soft-capping and large logits.
+    the queries, to exercise soft-capping and large logits. ``tree_parents`` (one entry per request, None for no
+    tree) turns requests into tree-verify requests (:func:`attnbackends.speculative.with_tree_mask`).
     """
     if spec.is_mla:
         raise ValueError("make_random_batch builds standard-attention batches; MLA has its own generator")
@@ -201,6 +224,9 @@ def make_random_batch(
             return x.double()
         return dequantize_from_cache(quantize_for_cache(x, cache_dtype, scale), torch.float64, scale)
 
+    if tree_parents is not None:
+        tree_parents = [list(p) if p else None for p in tree_parents]
+        common = with_tree_mask(common, tree_parents)
     sinks = (randn(hq) * 2.0).to(device) if spec.has_sinks else None
     return RandomBatch(
         spec=spec,
@@ -215,4 +241,5 @@ def make_random_batch(
         v_scale=v_scale,
         dense_keys=[round_trip(k, k_scale) for k in dense_k],
         dense_values=[round_trip(v, v_scale) for v in dense_v],
+        tree_parents=tree_parents,
     )

@@ -22,7 +22,8 @@ from ..interface import AttentionBackend
 from ..ops.quant import dequantize_from_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
-from .cases import RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes
+from ..speculative import chain_parents
+from .cases import EAGLE_TREE_8, RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes, random_tree_parents
 from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
@@ -30,6 +31,7 @@ __all__ = [
     "CaseNotSupported",
     "ConformanceCase",
     "conformance_cases",
+    "speculative_cases",
     "run_backend_on_batch",
     "check_backend_on_batch",
     "check_backend_case",
@@ -99,8 +101,37 @@ def conformance_cases(dtype: str = "float16", head_size: int = 64, block_size: i
             (SequenceShape(5, 0), SequenceShape(block_size + 3, 0), SequenceShape(1, 0)),
         ),
     ]
+    cases += speculative_cases(base, block_size)
     suffix = f"-{dtype}-h{head_size}-b{block_size}"
     return [dataclasses.replace(case, name=case.name + suffix) for case in cases]
+
+
+def speculative_cases(base: dict[str, Any], block_size: int) -> list[ConformanceCase]:
+    """Speculative decoding: uniform multi-token decodes and tree verification (chains, EAGLE-like and random trees
+    up to 64 draft tokens, with windows, soft-cap, sinks and fp8 KV). The specs ask for the speculation
+    (``num_speculative_tokens``, ``speculative_tree``), so a backend that does not declare it skips with its reason."""
+    rng = random.Random(16)
+    multi = {**base, "num_speculative_tokens": 3}
+    tree = {**base, "num_speculative_tokens": 7, "speculative_tree": True}
+    contexts = (1, block_size - 1, block_size, 3 * block_size + 5)
+    verify = tuple(SequenceShape(8, c) for c in contexts)
+    eagle = {"tree_parents": [list(EAGLE_TREE_8)] * len(contexts)}
+    mixed_trees = {"tree_parents": [list(EAGLE_TREE_8), chain_parents(8), random_tree_parents(rng, 8), None, None, None]}
+    mixed = verify + (SequenceShape(1, 2 * block_size), SequenceShape(block_size + 3, 5))
+    deep = {**base, "num_speculative_tokens": 63, "speculative_tree": True}
+    return [
+        ConformanceCase("multi_token_decode", multi, tuple(SequenceShape(4, c) for c in contexts)),
+        ConformanceCase("multi_token_decode_varlen", multi, tuple(SequenceShape(q, c) for q, c in zip((4, 2, 1, 3), contexts))),
+        ConformanceCase("tree_verify_chain", tree, verify, extra={"tree_parents": [chain_parents(8)] * len(contexts)}),
+        ConformanceCase("tree_verify", tree, verify, extra=eagle),
+        ConformanceCase("tree_verify_mixed", tree, mixed, extra=mixed_trees),
+        ConformanceCase("tree_verify_64", deep, (SequenceShape(64, 70), SequenceShape(64, 1)),
+                        extra={"tree_parents": [random_tree_parents(rng, 64), random_tree_parents(rng, 64)]}),
+        ConformanceCase("tree_verify_window_soft_cap", {**tree, "sliding_window": 11, "logits_soft_cap": 5.0}, verify,
+                        extra={**eagle, "logit_magnitude": 4.0}),
+        ConformanceCase("tree_verify_sinks", {**tree, "has_sinks": True}, verify, extra=eagle),
+        ConformanceCase("tree_verify_fp8", {**tree, "kv_cache_dtype": "fp8_e4m3"}, verify, extra=eagle),
+    ]
 
 
 def _device_info(device: torch.device) -> DeviceInfo:

@@ -10,6 +10,21 @@ from .cases import RandomBatch
 __all__ = ["oracle_attention"]
 
 
+def _draft_visibility(parents: list[int], query_len: int, seq_len: int) -> torch.Tensor:
+    """[Q, L] bool: False where a draft token would see a draft token that is not itself or an ancestor."""
+    n = len(parents)
+    allowed = torch.ones(query_len, seq_len, dtype=torch.bool)
+    for a in range(n):
+        ancestors, node = set(), a
+        while node >= 0:
+            ancestors.add(node)
+            node = parents[node]
+        for b in range(n):
+            if b not in ancestors:
+                allowed[query_len - n + a, seq_len - n + b] = False
+    return allowed
+
+
 def oracle_attention(batch: RandomBatch) -> torch.Tensor:
     """The exact answer for ``batch``: [num_actual_tokens, num_heads, value_head_size] float64 on the CPU."""
     spec = batch.spec
@@ -21,7 +36,8 @@ def oracle_attention(batch: RandomBatch) -> torch.Tensor:
     query = batch.query.double().cpu()
     outputs = []
     start = 0
-    for shape, keys, values in zip(batch.shapes, batch.dense_keys, batch.dense_values):
+    trees = batch.tree_parents or [None] * len(batch.shapes)
+    for shape, keys, values, parents in zip(batch.shapes, batch.dense_keys, batch.dense_values, trees):
         q = query[start : start + shape.query_len]  # [Q, Hq, D]
         start += shape.query_len
         q = q.reshape(shape.query_len, hkv, group, -1).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
@@ -39,6 +55,8 @@ def oracle_attention(batch: RandomBatch) -> torch.Tensor:
             allowed &= k_pos <= p_pos
         if spec.sliding_window is not None:
             allowed &= k_pos > p_pos - spec.sliding_window
+        if parents:
+            allowed &= _draft_visibility(parents, shape.query_len, shape.seq_len)
         s = torch.where(allowed, s, torch.full_like(s, -torch.inf))
         row_max = s.amax(dim=-1, keepdim=True)
         if sinks is not None:
