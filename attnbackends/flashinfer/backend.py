@@ -6,7 +6,10 @@ into FlashInfer's page table (:mod:`.plan_inputs`), then plans
 
 - ``BatchDecodeWithPagedKVCacheWrapper`` for the leading decode requests (tensor cores for grouped heads), or a
   CUDA-graph decode wrapper on persistent buffers when the batch is a captured pure-decode size;
-- ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for the trailing prefill / chunked-prefill requests;
+- ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for the trailing prefill / chunked-prefill requests, and for
+  the whole batch when it holds multi-token decodes (speculative verify: the decode wrapper takes one query token
+  per request) or a tree mask (planned as FlashInfer's ``custom_mask``, expanded to [query, key] per request by
+  :func:`attnbackends.speculative.expand_tree_mask`);
 - or, instead of both, ``MultiLevelCascadeAttentionWrapper`` when the engine reports a shared prefix and
   :func:`.cascade.cascade_prefix_blocks` says it pays.
 
@@ -30,11 +33,12 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from ..compat import fallback_reason
-from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from .. import platform as _platform
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
+from ..speculative import expand_tree_mask
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
@@ -179,6 +183,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     """
 
     reorder_batch_threshold = 1
+    # Decodes of more than one token (speculative verify, with or without a tree mask) run on the prefill wrapper:
+    # FlashInfer's decode wrapper takes one query token per request.
+    query_len_support = QueryLenSupport.VARLEN
+    max_decode_query_len = 128
+    supports_tree_mask = True
 
     def __init__(
         self,
@@ -367,6 +376,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         else:
             split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
             num_decodes, num_decode_tokens, num_prefills = split.num_decodes, split.num_decode_tokens, split.num_prefills
+        tree = common.spec_tree_mask is not None
+        if tree or num_decode_tokens > num_decodes:  # multi-token decodes: the prefill wrapper serves every request
+            num_decodes, num_decode_tokens, num_prefills = 0, 0, num_reqs
         graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 else None
         meta = FlashInferMetadata(
             plan_key=self.plan_key,
@@ -379,7 +391,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             debug=self.debug,
             common=common,
         )
-        if common_prefix_len > 0 and graph_wrapper is None:
+        if common_prefix_len > 0 and graph_wrapper is None and not tree:
             blocks = cascade_prefix_blocks(
                 self.cascade_policy,
                 num_reqs=num_reqs,
@@ -435,6 +447,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 part.kv_last_page_len,
                 spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
                 causal=True,
+                custom_mask=expand_tree_mask(common, num_decodes, num_reqs) if tree else None,
                 pos_encoding_mode="NONE",
                 o_data_type=spec.torch_dtype,
                 non_blocking=True,

@@ -104,14 +104,16 @@ def test_unsupported_spec_rejected_by_builder_and_impl():
 
 # -- a stand-in flashinfer ----------------------------------------------------------------------------------------
 def _paged_attention(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, *, causal, window_left,
-                     soft_cap, sm_scale, k_scale, v_scale, num_kv_heads):
-    """FlashInfer's semantics in float64: returns (out [T, Hq, D] float64, lse [T, Hq] natural log)."""
+                     soft_cap, sm_scale, k_scale, v_scale, num_kv_heads, custom_mask=None):
+    """FlashInfer's semantics in float64: returns (out [T, Hq, D] float64, lse [T, Hq] natural log). A
+    ``custom_mask`` (flattened [qo_len, kv_len] per request) replaces the causal rule."""
     page = kv_cache.shape[2]
     qo_indptr, kv_indptr, last_page_len = (t.tolist() for t in (qo_indptr, kv_indptr, last_page_len))
     kv_indices = kv_indices.tolist()
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     outs, lses = [], []
+    mask_at = 0
     for i in range(len(last_page_len)):
         pages = kv_indices[kv_indptr[i] : kv_indptr[i + 1]]
         kv_len = (len(pages) - 1) * page + last_page_len[i]
@@ -127,7 +129,10 @@ def _paged_attention(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_le
         pos = torch.arange(kv_len - qo_len, kv_len)[:, None]
         key = torch.arange(kv_len)[None, :]
         allowed = torch.ones(qo_len, kv_len, dtype=torch.bool)
-        if causal:
+        if custom_mask is not None:
+            allowed &= custom_mask[mask_at : mask_at + qo_len * kv_len].view(qo_len, kv_len).cpu()
+            mask_at += qo_len * kv_len
+        elif causal:
             allowed &= key <= pos
         if window_left >= 0:
             allowed &= key >= pos - window_left
@@ -157,7 +162,8 @@ class _FakeWrapper:
 
     def _plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
               *, causal, window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type="float16",
-              kv_data_type=None, o_data_type=None, pos_encoding_mode="NONE", non_blocking=True, seq_lens=None):
+              kv_data_type=None, o_data_type=None, pos_encoding_mode="NONE", non_blocking=True, seq_lens=None,
+              custom_mask=None):
         for name, t in (("qo_indptr", qo_indptr), ("indptr", indptr), ("last_page_len", last_page_len)):
             assert t.device.type == "cpu" and t.dtype == torch.int32, name  # host arrays: no sync in plan
         assert indices.dtype == torch.int32
@@ -179,7 +185,7 @@ class _FakeWrapper:
             qo_indptr=qo_indptr.clone(), indptr=indptr, indices=indices, last_page_len=last_page_len,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
             causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-            q_data_type=q_data_type, kv_data_type=kv_data_type if kv_data_type is not None else q_data_type,
+            custom_mask=custom_mask, q_data_type=q_data_type, kv_data_type=kv_data_type if kv_data_type is not None else q_data_type,
             o_data_type=o_data_type if o_data_type is not None else q_data_type,
         )
         self.plans.append(self.plan_args)
@@ -195,7 +201,7 @@ class _FakeWrapper:
             causal=a["causal"], window_left=a["window_left"], soft_cap=a["logits_soft_cap"] or 0.0,
             sm_scale=a["sm_scale"] if a["sm_scale"] is not None else 1 / math.sqrt(q.shape[-1]),
             k_scale=1.0 if k_scale is None else k_scale, v_scale=1.0 if v_scale is None else v_scale,
-            num_kv_heads=a["num_kv_heads"],
+            num_kv_heads=a["num_kv_heads"], custom_mask=a["custom_mask"],
         )
         if out is None:
             out = torch.empty(q.shape, dtype=a["o_data_type"])
@@ -276,7 +282,7 @@ def check_against_oracle(batch, builder_kwargs=None, build_kwargs=None):
 
 SUPPORTED_CASES = [
     c for c in conformance_cases("float16", 64, 16) + conformance_cases("bfloat16", 128, 16)
-    if c.name.split("-")[0] not in ("alibi", "sinks", "encoder_only")
+    if c.name.split("-")[0] not in ("alibi", "sinks", "encoder_only", "tree_verify_sinks")
 ]
 
 
@@ -502,3 +508,20 @@ def test_decode_replan_falls_back_to_plan_and_says_why(fake_flashinfer):
     assert "disabled" in check_against_oracle(
         make_random_batch(spec, [SequenceShape(1, 12)], seed=33), builder_kwargs={"fast_plan": False}
     )[1].decode_replan_status["eager"]
+
+
+def test_multi_token_decodes_and_trees_run_on_the_prefill_wrapper(fake_flashinfer):
+    from attnbackends.testing.cases import EAGLE_TREE_8
+
+    multi = AttentionSpec(**BASE, num_speculative_tokens=3)
+    meta, builder = check_against_oracle(make_random_batch(multi, [SequenceShape(4, 20), SequenceShape(4, 3)]))
+    assert builder.reorder_batch_threshold == 4
+    assert meta.decode_wrapper is None and meta.prefill_wrapper.plan_args["causal"]
+    assert meta.prefill_wrapper.plan_args["custom_mask"] is None
+    single = check_against_oracle(make_random_batch(multi, [SequenceShape(1, 20), SequenceShape(1, 3)]))[0]
+    assert single.decode_wrapper is not None and single.prefill_wrapper is None
+    tree = AttentionSpec(**BASE, num_speculative_tokens=7, speculative_tree=True)
+    batch = make_random_batch(tree, [SequenceShape(8, 20), SequenceShape(8, 3), SequenceShape(12, 0)],
+                              tree_parents=[list(EAGLE_TREE_8), list(EAGLE_TREE_8), None])
+    meta = check_against_oracle(batch)[0]
+    assert meta.prefill_wrapper.plan_args["custom_mask"].numel() == 8 * 28 + 8 * 11 + 12 * 12
