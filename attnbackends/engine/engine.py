@@ -21,6 +21,8 @@ from ..metadata import build_common_metadata, decode_first_order
 from ..platform import DeviceInfo
 from ..registry import select
 from ..spec import AttentionConfig, AttentionSpec
+from ..speculative import with_tree_mask
+from .speculative import DraftTree, SpeculativeConfig, accept_greedy
 
 __all__ = [
     "BlockAllocator",
@@ -28,6 +30,7 @@ __all__ = [
     "EngineModel",
     "GenerationResult",
     "PagedEngine",
+    "SpeculativeStats",
     "StepAttention",
 ]
 
@@ -137,6 +140,23 @@ class _Request:
 
 
 @dataclass
+class SpeculativeStats:
+    """Verify steps (one request, one step), those whose draft tree branched, draft tokens proposed and accepted,
+    tokens emitted (accepted + bonus)."""
+
+    verify_steps: int = 0
+    branching_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify step (1.0: nothing accepted; 1 + k: every draft of a chain accepted)."""
+        return self.emitted_tokens / max(self.verify_steps, 1)
+
+
+@dataclass
 class GenerationResult:
     """Generated tokens per prompt, the logits that chose each of them ([new_tokens, vocab] float32), and timing."""
 
@@ -145,6 +165,7 @@ class GenerationResult:
     num_steps: int
     seconds: float
     backend: str
+    speculative: Optional[SpeculativeStats] = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -162,6 +183,10 @@ class PagedEngine:
     attention_config : the user's backend choice (``AttentionConfig(backend="triton")``, a config file, ...);
         ``ATTNBACKENDS_BACKEND`` applies on top of it. An explicit choice that does not fit raises
         :class:`~attnbackends.BackendNotSupportedError`.
+    speculative : speculative decoding (:class:`~attnbackends.engine.speculative.SpeculativeConfig`): each decode
+        step verifies the drafter's token tree in one forward (the spec asks the backend for decodes of
+        1 + ``num_speculative_tokens`` tokens with a tree mask) and keeps the longest path the model agrees with;
+        greedy outputs are the same as without it.
     """
 
     def __init__(
@@ -172,11 +197,22 @@ class PagedEngine:
         device: "torch.device | str" = "cpu",
         dtype: torch.dtype = torch.float32,
         attention_config: Optional[AttentionConfig] = None,
+        speculative: Optional[SpeculativeConfig] = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.config = config
-        self.spec = model.attention_spec(dtype, config.block_size)
+        spec = model.attention_spec(dtype, config.block_size)
+        self.speculative = speculative
+        self.extra_tokens = 0  # positions a request may use past its longest sequence (rejected drafts)
+        if speculative is not None:
+            spec = type(spec).model_validate({
+                **spec.model_dump(), "num_speculative_tokens": speculative.num_speculative_tokens,
+                "speculative_tree": True,
+            })
+            self.extra_tokens = speculative.num_speculative_tokens
+        self.spec = spec
+        self.spec_stats = SpeculativeStats()
         self.backend: type[AttentionBackend] = select(self.spec, DeviceInfo.current(self.device), attention_config)
         debug = bool(attention_config.debug) if attention_config is not None else False
         self.builder = self.backend.get_builder_cls()(
@@ -198,9 +234,9 @@ class PagedEngine:
     def _admit(self, waiting: deque, running: list[_Request]) -> None:
         """Move waiting requests in while there is room: a request reserves the pages of its longest sequence up
         front, so a running request never runs out of pages (no preemption needed)."""
-        reserved = sum(self._pages(r.max_len) - len(r.blocks) for r in running)
+        reserved = sum(self._pages(r.max_len + self.extra_tokens) - len(r.blocks) for r in running)
         while waiting and len(running) < self.config.max_num_reqs:
-            need = self._pages(waiting[0].max_len)
+            need = self._pages(waiting[0].max_len + self.extra_tokens)
             if need > self.config.num_blocks:
                 raise RuntimeError(
                     f"request {waiting[0].index} needs {need} KV-cache pages; the engine has {self.config.num_blocks}"
@@ -210,53 +246,122 @@ class PagedEngine:
             reserved += need
             running.append(waiting.popleft())
 
-    def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int]]:
-        """Decodes first (one token each), then prefill chunks within the step's token budget, in the order the
-        backend's builder wants (queries of at most ``reorder_batch_threshold`` tokens first)."""
+    def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int, Optional[DraftTree]]]:
+        """Decodes first (one token each, plus the drafter's tree with speculation), then prefill chunks within the
+        step's token budget, in the order the backend's builder wants (queries of at most
+        ``reorder_batch_threshold`` tokens first)."""
         budget = self.config.max_num_batched_tokens
         batch = []
         for req in sorted(running, key=lambda r: not r.is_decode):
             if budget == 0:
                 break
             n = min(len(req.tokens) - req.num_computed, budget)
-            batch.append((req, n))
+            draft = None
+            if self.speculative is not None and req.is_decode and budget > 1:
+                limit = min(self.speculative.num_speculative_tokens, budget - 1)
+                draft = self.speculative.drafter.propose(req.tokens, limit) or None
+                if draft is not None:
+                    n += len(draft)
+            batch.append((req, n, draft))
             budget -= n
-        order = decode_first_order([n for _, n in batch], self.builder.reorder_batch_threshold)
+        order = decode_first_order([n for _, n, _ in batch], self.builder.reorder_batch_threshold)
         return [batch[i] for i in order]
 
     @torch.inference_mode()
     def step(self, running: list[_Request]) -> None:
         """One forward pass over the scheduled tokens of ``running``; samples where a sequence is fully cached."""
         batch = self._schedule(running)
-        tokens, positions, block_tables = [], [], []
-        for req, n in batch:
+        tokens, positions, block_tables, trees = [], [], [], []
+        for req, n, draft in batch:
             need = self._pages(req.num_computed + n) - len(req.blocks)
             if need > 0:
                 req.blocks += self.allocator.allocate(need)
-            tokens += req.tokens[req.num_computed : req.num_computed + n]
-            positions += range(req.num_computed, req.num_computed + n)
+            if draft is not None:  # verify: the root (last token, uncached) and the draft tree below it
+                tokens += [req.tokens[-1]] + draft.tokens
+                positions += [req.num_computed] + [req.num_computed + d for d in draft.depths()]
+                trees.append(draft.segment_parents())
+            else:
+                tokens += req.tokens[req.num_computed : req.num_computed + n]
+                positions += range(req.num_computed, req.num_computed + n)
+                trees.append(None)
             block_tables.append(req.blocks)
         common = build_common_metadata(
-            [n for _, n in batch],
-            [req.num_computed for req, _ in batch],
+            [n for _, n, _ in batch],
+            [req.num_computed for req, _, _ in batch],
             block_tables,
             self.config.block_size,
             self.device,
         )
+        if any(t is not None for t in trees):
+            common = with_tree_mask(common, trees)
         attn = StepAttention(self, self.builder.build(common))  # one build per step, shared by every layer
-        last = (common.query_start_loc_cpu[1:] - 1).tolist()
-        sampling = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == len(req.tokens)]
-        rows = torch.tensor([last[i] for i in sampling], dtype=torch.long, device=self.device)
+        qsl = common.query_start_loc_cpu.tolist()
+        rows = []  # logits rows: every verify token, else the last token of a request whose sequence is cached
+        for i, (req, n, draft) in enumerate(batch):
+            if draft is not None:
+                rows += range(qsl[i], qsl[i + 1])
+            elif req.num_computed + n == len(req.tokens):
+                rows.append(qsl[i + 1] - 1)
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model.forward(token_ids, torch.tensor(positions, device=self.device), attn, rows)
-        for req, n in batch:
+        logits = self.model.forward(token_ids, torch.tensor(positions, device=self.device), attn,
+                                    torch.tensor(rows, dtype=torch.long, device=self.device))
+        at = 0
+        for req, n, draft in batch:
+            if draft is not None:
+                self._accept(req, draft, logits[at : at + n])
+                at += n
+                continue
             req.num_computed += n
-        for j, i in enumerate(sampling):  # the whole known sequence is cached: greedy next token
-            req = batch[i][0]
-            req.step_logits.append(logits[j].float().cpu())
-            req.output.append(int(logits[j].argmax()))
+            if req.num_computed == len(req.tokens):  # the whole known sequence is cached: greedy next token
+                req.step_logits.append(logits[at].float().cpu())
+                req.output.append(int(logits[at].argmax()))
+                at += 1
         self.num_steps += 1
         self.scheduled_tokens.append(len(tokens))
+
+    def _accept(self, req: _Request, draft: DraftTree, logits: torch.Tensor) -> None:
+        """Keep the longest draft path the model agrees with plus its next token; roll the cache back to it.
+
+        logits : [1 + len(draft), vocab], the rows of the root and of each draft token.
+        """
+        path, bonus = accept_greedy(draft, logits.argmax(dim=-1).tolist())
+        context = req.num_computed
+        self._move_cached_tokens([context + 1 + a for a in path], [context + 1 + j for j in range(len(path))], req)
+        emitted = 0
+        for token, row in zip([draft.tokens[a] for a in path] + [bonus], [0] + [1 + a for a in path]):
+            if req.finished:
+                break
+            req.step_logits.append(logits[row].float().cpu())
+            req.output.append(token)
+            emitted += 1
+        req.num_computed = context + min(emitted, 1 + len(path))  # the root and the accepted drafts are cached
+        keep = self._pages(req.num_computed)
+        if len(req.blocks) > keep:  # pages that held only rejected drafts go back to the pool
+            self.allocator.release(req.blocks[keep:])
+            del req.blocks[keep:]
+        stats = self.spec_stats
+        stats.verify_steps += 1
+        stats.branching_steps += draft.num_branches > 1 or len(set(draft.parents)) < len(draft.parents)
+        stats.draft_tokens += len(draft)
+        stats.accepted_tokens += len(path)
+        stats.emitted_tokens += emitted
+
+    def _move_cached_tokens(self, src: list[int], dst: list[int], req: _Request) -> None:
+        """Copy the cached K/V of positions ``src`` to positions ``dst`` of ``req`` in every layer (an accepted tree
+        path moves to consecutive positions; a chain is already in place)."""
+        moves = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not moves:
+            return
+        bs = self.config.block_size
+        table = torch.tensor(req.blocks, dtype=torch.long, device=self.device)
+        src_t = torch.tensor([s for s, _ in moves], device=self.device)
+        dst_t = torch.tensor([d for _, d in moves], device=self.device)
+        sb, so, db, do = table[src_t // bs], src_t % bs, table[dst_t // bs], dst_t % bs
+        for cache in self.kv_caches:
+            if cache.dim() == 5:  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+                cache[db, :, do] = cache[sb, :, so]
+            else:  # MLA: [num_blocks, block_size, head_size]
+                cache[db, do] = cache[sb, so]
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None
@@ -271,6 +376,7 @@ class PagedEngine:
         for req in requests:
             if not req.prompt:
                 raise ValueError(f"prompt {req.index} is empty; every prompt needs at least one token")
+        self.spec_stats = SpeculativeStats()
         waiting = deque(requests)
         running: list[_Request] = []
         steps = 0
@@ -293,4 +399,5 @@ class PagedEngine:
             num_steps=steps,
             seconds=time.perf_counter() - start,
             backend=self.backend.name,
+            speculative=self.spec_stats if self.speculative is not None else None,
         )
