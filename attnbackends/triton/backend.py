@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
+from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
@@ -45,6 +45,7 @@ class TritonMetadata:
     common: CommonAttentionMetadata
     plan: LaunchPlan
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
+    tree_mask: Optional[torch.Tensor] = None  # [sum n_i^2] uint8 view of common.spec_tree_mask
 
     @property
     def num_decodes(self) -> int:
@@ -65,6 +66,9 @@ class TritonMetadata:
         return self.plan.config
 
 
+#: Most rows (decode query tokens x query heads per KV head) one decode program holds.
+MAX_DECODE_TILE_ROWS = 128
+
 #: The query length the deterministic mode's fixed tile config is picked for (any batch then uses that config).
 DETERMINISTIC_QUERY_LEN = 64
 
@@ -82,6 +86,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """Makes every launch decision of a batch (:class:`~attnbackends.triton.launch.LaunchPlan`) and owns the
     split-KV workspace (``max_num_reqs`` decode rows).
 
+    Speculative decoding: decodes of up to ``reorder_batch_threshold`` tokens (1 + the spec's
+    ``num_speculative_tokens``) run on the decode path, one program per (request, KV head) holding all the
+    request's query tokens x query heads (the keys are read once); deeper ones than
+    :data:`MAX_DECODE_TILE_ROWS` rows allow run on the generic path. A tree mask is honoured on both paths: only
+    the tiles over each request's draft segment are masked.
+
     Parameters (beyond the base class)
     ----------
     deterministic : batch-invariant mode. Every batch runs with ``num_kv_splits=1`` (no split-KV, so no
@@ -91,6 +101,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         position in the decode/prefill split: decodes first). Costs decode speed on small batches (no split-KV),
         and the fixed tiles are not the fastest for every shape.
     """
+
+    query_len_support = QueryLenSupport.VARLEN
+    max_decode_query_len = 64
+    supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
                  **kwargs) -> None:
@@ -122,6 +136,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 paged=False, num_decodes=0, num_kv_splits=1, **self._plan_args)
             return TritonMetadata(common, plan, self.debug)
         split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
+        decode_q = self.reorder_batch_threshold
+        num_decodes = split.num_decodes
+        if decode_q * self.spec.num_queries_per_kv > MAX_DECODE_TILE_ROWS:
+            num_decodes = 0  # too many rows for one decode tile: the generic path takes these verify requests
+        tree = common.spec_tree_mask
         num_kv_splits = 1
         if self.workspace is not None and split.num_decodes and split.num_prefills == 0:
             num_kv_splits = choose_num_kv_splits(
@@ -131,8 +150,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         plan = plan_attention(
             num_tokens=common.num_actual_tokens, block_size=self.spec.block_size, num_seqs=common.num_reqs,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
-            num_decodes=split.num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace, **self._plan_args)
-        return TritonMetadata(common, plan, self.debug)
+            num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
+            decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
+        return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None)
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
@@ -197,7 +217,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
-                         self.k_scale, self.v_scale, cache_key=cache_key)
+                         self.k_scale, self.v_scale, cache_key=cache_key, tree_mask=metadata.tree_mask,
+                         tree_indptr=common.spec_tree_mask_indptr)
         return output
 
     def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,

@@ -40,10 +40,10 @@ def _attn_tile(
     acc, l_i, m_i, q, j,
     key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     offs_n = j * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
     n_ok = offs_n < kv_end
@@ -99,6 +99,13 @@ def _attn_tile(
             vis = n_ok[None, :] & (pos[:, None] >= 0)
         if SLIDING_WINDOW > 0:
             vis = vis & (offs_n[None, :] > pos[:, None] - SLIDING_WINDOW)
+        if USE_TREE:
+            # Tree verification: inside the draft segment a query sees only its ancestors (packed [n, n] mask).
+            in_tree = ((pos[:, None] >= draft_start) & (pos[:, None] < draft_start + draft_len)
+                       & (offs_n[None, :] >= draft_start) & vis)
+            t_idx = (pos[:, None] - draft_start) * draft_len + (offs_n[None, :] - draft_start)
+            allowed = tl.load(tree_ptr + t_idx, mask=in_tree, other=1)
+            vis = vis & (allowed != 0)
         s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -116,10 +123,10 @@ def _attn_range(
     acc, l_i, m_i, q, lo, hi,
     key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Tiles lo..hi-1. Compiled: a pipelined for-loop. Interpreted: a while-loop, because the interpreter
     (with numpy >= 2.3) cannot turn its 1-element scalar arrays into range() bounds."""
@@ -129,25 +136,25 @@ def _attn_range(
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-                MASKED, INTERPRET)
+                MASKED, USE_TREE, INTERPRET)
             j += 1
     else:
         for j in range(lo, hi):
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-                MASKED, INTERPRET)
+                MASKED, USE_TREE, INTERPRET)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attend(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
-    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
+    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
     seq_idx, q_block, kv_head, segm,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -157,7 +164,7 @@ def _attend(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, Q_FP16: tl.constexpr,
-    RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
+    RETURN_LSE: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
@@ -194,6 +201,18 @@ def _attend(
         else:
             kv_end = seq_len
             full_hi = seq_len // TILE_N
+        if USE_TREE:
+            # The request's draft segment (its last draft_len tokens): only tiles reaching into it are masked.
+            tree_lo = tl.load(tree_indptr_ptr + seq_idx)
+            tree_size = tl.load(tree_indptr_ptr + seq_idx + 1) - tree_lo
+            draft_len = (tl.sqrt(tree_size.to(tl.float32)) + 0.5).to(tl.int32)
+            draft_start = seq_len - draft_len
+            full_hi = tl.minimum(full_hi, draft_start // TILE_N)
+            tree_ptr = tree_mask_ptr + tree_lo
+        else:
+            draft_len = 0
+            draft_start = seq_len
+            tree_ptr = tree_mask_ptr
         if SLIDING_WINDOW > 0:
             kv_lo = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0)
             full_lo = _cdiv(tl.maximum(last_pos - SLIDING_WINDOW + 1, 0), TILE_N)
@@ -227,23 +246,23 @@ def _attend(
             acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, INTERPRET)
+            True, USE_TREE, INTERPRET)
         acc, l_i, m_i = _attn_range(
             acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            False, INTERPRET)
+            False, USE_TREE, INTERPRET)
         acc, l_i, m_i = _attn_range(
             acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, INTERPRET)
+            True, USE_TREE, INTERPRET)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]
@@ -270,11 +289,13 @@ def _attend(
     do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
                        "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh", "stride_lse_h"],
     do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "alibi_ptr",
-                                    "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "k_scale", "v_scale"],
+                                    "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "k_scale", "v_scale",
+                                    "tree_mask_ptr", "tree_indptr_ptr"],
 )
 def _unified_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, k_scale, v_scale,
+    tree_mask_ptr, tree_indptr_ptr,
     num_seqs, num_decodes,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -286,10 +307,13 @@ def _unified_attention_kernel(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
+    DECODE_Q: tl.constexpr, USE_TREE: tl.constexpr,
 ):
     """Grid: (num_decodes + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
-    NUM_SEGMENTS). Programs below num_decodes take one decode sequence each (query_len 1, BLOCK_Q = 1); the
-    others map to (sequence, query block) by a binary search over query_start_loc."""
+    NUM_SEGMENTS). Programs below num_decodes take one decode sequence each (query_len <= DECODE_Q: all its
+    tokens in one tile, so the sequence's keys are read once); the others map to (sequence, query block) by a
+    binary search over query_start_loc. USE_TREE: requests' draft segments follow the packed tree mask
+    (``CommonAttentionMetadata.spec_tree_mask``)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     segm = tl.program_id(2)
@@ -318,15 +342,15 @@ def _unified_attention_kernel(
             _attend(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                 seq_lens_ptr, query_start_loc_ptr,
-                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
+                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
                 pid, 0, kv_head, segm,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
                 q_scale, qk_scale, soft_cap, vs,
-                QPK, 1, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                INTERPRET)
+                USE_TREE, INTERPRET)
     if GENERIC_PATH:
         if pid >= num_decodes:
             # Sequence i >= num_decodes owns query blocks starting at (qsl[i] - qsl[nd]) // BLOCK_Q + (i - nd):
@@ -352,7 +376,7 @@ def _unified_attention_kernel(
             _attend(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                 seq_lens_ptr, query_start_loc_ptr,
-                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
+                alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
                 seq_idx, q_block, kv_head, segm,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -360,7 +384,7 @@ def _unified_attention_kernel(
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, BLOCK_Q, BLOCK_M, TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                INTERPRET)
+                USE_TREE, INTERPRET)
 
 
 @triton.jit(

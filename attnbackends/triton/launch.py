@@ -340,7 +340,7 @@ def check_unified_attention_args(query, key_cache, value_cache, output, query_st
 UNIFIED_CONSTEXPRS = (
     "QPK", "HEAD_SIZE", "HEAD_PAD", "BLOCK_SIZE", "DECODE_PATH", "DECODE_BLOCK_M", "DECODE_TILE_N", "GENERIC_PATH",
     "BLOCK_Q", "BLOCK_M", "TILE_N", "PAGED", "CAUSAL", "SLIDING_WINDOW", "USE_SOFTCAP", "USE_ALIBI", "USE_SINKS",
-    "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET",
+    "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET", "DECODE_Q", "USE_TREE",
 )
 REDUCE_CONSTEXPRS = ("HEAD_SIZE", "HEAD_PAD", "NUM_SEGMENTS", "SEG_PAD", "RETURN_LSE")
 
@@ -390,13 +390,16 @@ def plan_attention(
     scales_are_ptrs: bool = False, paged: bool = True, return_lse: bool = False, num_decodes: Optional[int] = None,
     num_kv_splits: Optional[int] = None, num_sms: int = 1, workspace: Optional[SplitKVWorkspace] = None,
     config: Optional[KernelConfig] = None, device: Union[torch.device, str, None] = None,
+    decode_query_len: int = 1, use_tree: bool = False,
 ) -> LaunchPlan:
     """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
 
     ``num_tokens``: query tokens of the batch (padding excluded). ``num_decodes``: default all sequences when
     ``max_query_len <= 1``, else none. ``num_kv_splits``: default :func:`choose_num_kv_splits` with ``num_sms``
     (pass 1 on the CPU). A split needs ``workspace`` to fit the batch; without one, one is allocated on
-    ``device`` (not CUDA-graph capturable), and a workspace too small means no split.
+    ``device`` (not CUDA-graph capturable), and a workspace too small means no split. ``decode_query_len``: the
+    longest decode (speculative verify: 1 + draft tokens); a decode program then holds all of a request's query
+    tokens x its query heads in one tile. ``use_tree``: the launch takes a packed tree mask.
     """
     qpk = num_heads // num_kv_heads
     if num_decodes is None:
@@ -430,10 +433,11 @@ def plan_attention(
         num_tokens // block_q + num_seqs - num_decodes if generic_path else 0)
     head_pad = next_power_of_2(head_size)
     constexprs = (
-        qpk, head_size, head_pad, block_size, decode_path, max(config.decode_block_m, next_power_of_2(qpk)),
+        qpk, head_size, head_pad, block_size, decode_path,
+        max(config.decode_block_m, next_power_of_2(qpk * max(1, decode_query_len))),
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
-        num_kv_splits, return_lse, is_triton_interpreted(),
+        num_kv_splits, return_lse, is_triton_interpreted(), max(1, decode_query_len), bool(use_tree),
     )
     reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs else None
     return LaunchPlan(
@@ -455,13 +459,15 @@ def launch_attention(
     block_table: Optional[torch.Tensor], softmax_scale: float, logits_soft_cap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, k_scale: Scale = 1.0,
     v_scale: Scale = 1.0, return_lse: Optional[torch.Tensor] = None, *, cache_key: Optional[tuple] = None,
+    tree_mask: Optional[torch.Tensor] = None, tree_indptr: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Run ``plan`` on these tensors (no checks: see :func:`unified_attention` for the shapes).
 
     ``key_cache``/``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]`` views when the plan is
     paged; ``[num_tokens, num_kv_heads, head_size]`` keys and values otherwise (``seq_lens`` and ``block_table``
     None). ``cache_key``: what the caller knows fixes the caches' part of the compiled-kernel key (their dtype,
-    strides and alignment); computed here when None.
+    strides and alignment); computed here when None. ``tree_mask`` ([sum n_i^2] uint8) and ``tree_indptr``
+    ([num_seqs + 1] int32): the packed tree mask of a plan made with ``use_tree``.
     """
     if plan.grid[0] == 0:
         return output
@@ -490,6 +496,7 @@ def launch_attention(
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         partial_out, partial_lse, lse,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
+        tree_mask if tree_mask is not None else dummy, tree_indptr if tree_indptr is not None else dummy,
         plan.num_seqs, plan.num_decodes,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
