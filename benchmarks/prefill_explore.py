@@ -487,7 +487,8 @@ class PagedBatch:
         device = device or DEVICE
         g = torch.Generator(device=device).manual_seed(seed)
         self.shapes = list(shapes)
-        self.num_heads, self.num_kv_heads, self.head_size, self.block_size = num_heads, num_kv_heads, head_size, block_size
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_size, self.block_size = head_size, block_size
         self.q_lens = [q for q, _ in shapes]
         self.seq_lens_host = [q + c for q, c in shapes]
         pages = [triton.cdiv(s, block_size) for s in self.seq_lens_host]
@@ -838,9 +839,15 @@ class Runner:
                 verdicts[started] = {"label": started, "status": "timeout" if rc == "timeout" else "crashed",
                                      "error": f"child process ended ({rc}) while on this config"}
                 self.log(f"  {started}: child process ended ({rc}) on this config; skipped")
+            progressed = any(c.label in verdicts for c in pending)
             pending = [c for c in pending if c.label not in verdicts]
             if rc == "timeout":
                 break
+            if not progressed:  # the child died before its first config: it would every time
+                for c in pending:
+                    verdicts[c.label] = {"label": c.label, "status": "error",
+                                         "error": f"probe process ended ({rc}) before checking any config"}
+                pending = []
         for c in pending:
             verdicts[c.label] = {"label": c.label, "status": "skipped", "error": "probe time budget spent"}
         return verdicts
@@ -988,7 +995,8 @@ class Runner:
                 return
             B, L = shape
             flops = self.batches[shape].flops()
-            r = {"case": "prefill", "backend": backend, "peer": peer, "B": B, "L": L, "dtype": str(DTYPE).replace("torch.", ""),
+            r = {"case": "prefill", "backend": backend, "peer": peer, "B": B, "L": L,
+                 "dtype": str(DTYPE).replace("torch.", ""),
                  "kv_dtype": "auto", "us": round(us, 2), "peer_us": round(p, 2), "ratio": round(us / p, 4),
                  "TFLOPs": round(flops / us / 1e6, 1), "peer_TFLOPs": round(flops / p / 1e6, 1)}
             r.update(extra or {})
