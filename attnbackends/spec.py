@@ -23,11 +23,16 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "DTYPES",
     "BACKEND_ENV_VAR",
+    "MAX_BLOCK_SIZE",
     "torch_dtype_of",
     "kv_cache_torch_dtype",
 ]
 
 BACKEND_ENV_VAR = "ATTNBACKENDS_BACKEND"
+
+#: The largest KV-cache page, in tokens: larger pages waste memory on every request's last page and exceed what
+#: the kernels tile.
+MAX_BLOCK_SIZE = 1024
 
 DTYPES = ("float16", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -102,7 +107,7 @@ class AttentionSpec(BaseModel):
     head_size_v: Optional[int] = Field(default=None, gt=0, description="value head size where it differs")
     dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    block_size: int = Field(default=16, gt=0, description="tokens per KV-cache page")
+    block_size: int = Field(default=16, description=f"tokens per KV-cache page, 1 to {MAX_BLOCK_SIZE}")
     attn_type: AttentionType = AttentionType.DECODER
     sliding_window: Optional[int] = Field(default=None, gt=0, description="keys visible per query, self included")
     logits_soft_cap: Optional[float] = Field(default=None, gt=0)
@@ -118,6 +123,13 @@ class AttentionSpec(BaseModel):
     @classmethod
     def _normalise_dtype(cls, value: Any) -> Any:
         return _dtype_name(value)
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, value: int) -> int:
+        if not 1 <= value <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}] tokens per page, got {value}")
+        return value
 
     @field_validator("attn_type", mode="before")
     @classmethod
