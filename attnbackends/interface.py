@@ -244,9 +244,10 @@ def _scale_value(name: str, value: Any, spec: AttentionSpec) -> float:
 
 def _with_batch_limits(build: Callable) -> Callable:
     @functools.wraps(build)
-    def checked_build(self: "AttentionMetadataBuilder", common: CommonAttentionMetadata) -> Any:
+    def checked_build(self: "AttentionMetadataBuilder", common: CommonAttentionMetadata, *args: Any,
+                      **kwargs: Any) -> Any:
         check_batch_limits(self, common)
-        return build(self, common)
+        return build(self, common, *args, **kwargs)
 
     checked_build.checks_batch_limits = True
     return checked_build

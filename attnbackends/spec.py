@@ -24,6 +24,7 @@ __all__ = [
     "DTYPES",
     "BACKEND_ENV_VAR",
     "MAX_BLOCK_SIZE",
+    "dtype_name",
     "torch_dtype_of",
     "kv_cache_torch_dtype",
 ]
@@ -66,9 +67,9 @@ class AttentionType(str, Enum):
         return self in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 
-def torch_dtype_of(name: str) -> torch.dtype:
-    """torch dtype of a model dtype name ("float16", "bfloat16", "float32")."""
-    return _TORCH_DTYPES[name]
+def torch_dtype_of(name: "str | torch.dtype") -> torch.dtype:
+    """torch dtype of a model dtype name ("float16", "bfloat16", "float32", or an alias such as "bf16")."""
+    return _TORCH_DTYPES[dtype_name(name)]
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
@@ -78,6 +79,15 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
     if kv_cache_dtype in _FP8_TORCH_DTYPES:
         return _FP8_TORCH_DTYPES[kv_cache_dtype]
     return _TORCH_DTYPES[kv_cache_dtype]
+
+
+def dtype_name(value: "str | torch.dtype") -> str:
+    """The model dtype's name ("float16", "bfloat16", "float32") of a torch dtype, a name or an alias ("fp16",
+    "half", "bf16", "fp32"); ValueError naming the allowed values otherwise."""
+    name = _dtype_name(value)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {value!r} is not supported; allowed: {', '.join(DTYPES)} (or the torch dtypes)")
+    return name
 
 
 def _dtype_name(value: Any) -> Any:
