@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Callable, Optional, Union
 
 from .interface import AttentionBackend
 from .platform import DeviceInfo
-from .spec import AttentionConfig, AttentionSpec
+from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec
 
 __all__ = [
     "BackendNotSupportedError",
@@ -93,6 +94,8 @@ class Explanation:
                 status = "chosen"
             elif row.reasons:
                 status = "rejected"
+            elif self.requested != "auto":
+                status = "fits (not requested)"
             elif row.rank is None:
                 status = "fits (not in priority list)"
             else:
@@ -255,7 +258,9 @@ def explain(
         result.rows.append(ExplanationRow(name=name, reasons=reasons, rank=rank))
     if config.backend != "auto":
         if config.backend not in _REGISTRY:
-            raise ValueError(f"unknown backend {config.backend!r}; registered: {', '.join(backend_names())}")
+            from_env = os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == config.backend
+            source = f" (from the environment variable {BACKEND_ENV_VAR})" if from_env else ""
+            raise ValueError(f"unknown backend {config.backend!r}{source}; registered: {', '.join(backend_names())}")
         candidates = [config.backend]
     else:
         candidates = order

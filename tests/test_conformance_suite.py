@@ -115,3 +115,14 @@ def test_readme_snippet_runs_as_written(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"\b1[0-9] passed", proc.stdout), proc.stdout[-2000:]
+
+
+def test_readme_links_only_to_files_in_the_repository():
+    root = README.parent
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    paths = re.findall(r"`((?:docs|examples|tests|attnbackends|benchmarks)/[\w./-]+\.(?:md|py|yaml|sh))`", text)
+    assert links, "README links to nothing"
+    missing = [p for p in links + paths if not p.startswith("http") and not (root / p).exists()]
+    assert not missing, f"README points to files that are not in the repository: {missing}"
+    assert not re.search(r"(?<![/\w])DESIGN\.md", text.replace("docs/DESIGN.md", "")), "bare DESIGN.md reference"
