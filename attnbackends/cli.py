@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from typing import Optional, Sequence
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -16,6 +18,7 @@ from .platform import DeviceInfo, package_available
 from .registry import BackendNotSupportedError, backend_names, explain
 from .registry import _resolve as resolve_backend  # noqa: PLC2701 - the CLI shows import failures as reasons
 from .spec import KV_CACHE_DTYPES, AttentionConfig, AttentionSpec, AttentionType
+from .validation import check_device_available
 
 __all__ = ["BENCH_COMMAND", "main"]
 
@@ -50,6 +53,31 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+#: SM counts of common GPUs, for `explain --gpu`: (compute capability, SMs).
+KNOWN_GPUS = {
+    "a100": ((8, 0), 108),
+    "a10g": ((8, 6), 80),
+    "l4": ((8, 9), 58),
+    "l40s": ((8, 9), 142),
+    "h100": ((9, 0), 132),
+    "h200": ((9, 0), 132),
+    "b200": ((10, 0), 148),
+}
+
+_COMPUTE_CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
+
+
+class UsageError(ValueError):
+    """A command-line mistake: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block: `--help` shows it)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
     common = dict(
         dtype=args.dtype,
@@ -60,12 +88,17 @@ def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
         has_sinks=args.sinks,
     )
     if args.mla:
-        return AttentionSpec.mla(num_heads=args.num_heads, **common)
+        for flag, value in (("--head-size", args.head_size), ("--num-kv-heads", args.num_kv_heads)):
+            if value is not None:
+                raise UsageError(f"{flag} does not apply with --mla: an MLA layer caches one latent head of "
+                                 "kv_lora_rank + qk_rope_head_dim; set those with --kv-lora-rank and --qk-rope-head-dim")
+        return AttentionSpec.mla(num_heads=args.num_heads, kv_lora_rank=args.kv_lora_rank,
+                                 qk_rope_head_dim=args.qk_rope_head_dim, **common)
     alibi = tuple(2.0 ** (-(i + 1)) for i in range(args.num_heads)) if args.alibi else None
     return AttentionSpec(
         num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_size=args.head_size,
+        num_kv_heads=8 if args.num_kv_heads is None else args.num_kv_heads,
+        head_size=128 if args.head_size is None else args.head_size,
         attn_type=args.attn_type,
         alibi_slopes=alibi,
         **common,
@@ -73,12 +106,49 @@ def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
 
 
 def _device_from_args(args: argparse.Namespace) -> DeviceInfo:
+    pretend_gpu = args.compute_capability is not None or args.gpu is not None or args.sm_count is not None
+    if args.cpu and pretend_gpu:
+        raise UsageError("--cpu cannot be combined with --gpu, --compute-capability or --sm-count: pick one device")
     if args.cpu:
         return DeviceInfo.cpu()
-    if args.compute_capability:
-        major, _, minor = args.compute_capability.partition(".")
-        return DeviceInfo.cuda(int(major), int(minor or 0), sm_count=args.sm_count)
-    return DeviceInfo.current()
+    if not pretend_gpu:
+        return DeviceInfo.current()
+    cc, sm_count, name = None, args.sm_count, ""
+    if args.gpu is not None:
+        cc, known_sms = KNOWN_GPUS[args.gpu]
+        sm_count = known_sms if sm_count is None else sm_count
+        name = args.gpu.upper()
+    if args.compute_capability is not None:
+        match = _COMPUTE_CAPABILITY.match(args.compute_capability.strip())
+        if not match:
+            raise UsageError(f"--compute-capability must be major.minor, e.g. 9.0 or 8.9; got {args.compute_capability!r}")
+        given = (int(match.group(1)), int(match.group(2)))
+        if cc is not None and given != cc:
+            raise UsageError(f"--gpu {args.gpu} has compute capability {cc[0]}.{cc[1]}, not {args.compute_capability}")
+        cc = given
+    if cc is None:
+        raise UsageError("--sm-count needs --gpu or --compute-capability")
+    if sm_count is not None and sm_count < 1:
+        raise UsageError(f"--sm-count must be >= 1, got {sm_count}")
+    return DeviceInfo.cuda(cc[0], cc[1], sm_count=sm_count or 0, name=name)
+
+
+def _describe_spec(spec: AttentionSpec) -> str:
+    if spec.is_mla:
+        shape = (f"MLA, {spec.num_heads} heads, latent {spec.kv_lora_rank} + rope {spec.qk_rope_head_dim} "
+                 f"(nope {spec.qk_nope_head_dim}, v {spec.v_head_dim})")
+    else:
+        shape = f"{spec.num_heads} q / {spec.num_kv_heads} kv heads, head size {spec.head_size}"
+    extras = [f"dtype {spec.dtype}", f"kv cache {spec.kv_cache_dtype}", f"block size {spec.block_size}",
+              spec.attn_type.value]
+    for label, value in (("sliding window", spec.sliding_window), ("soft-cap", spec.logits_soft_cap)):
+        if value is not None:
+            extras.append(f"{label} {value}")
+    if spec.alibi_slopes is not None:
+        extras.append("ALiBi")
+    if spec.has_sinks:
+        extras.append("sinks")
+    return shape + "; " + ", ".join(extras)
 
 
 def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
@@ -88,7 +158,8 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
         backend=args.backend, selection=args.selection, decode_backend=args.decode_backend,
         prefill_backend=args.prefill_backend, profile_dir=args.profile_dir))
     result = explain(spec, device, config)
-    table = Table(title=f"{device.describe()}; requested: {result.requested}")
+    table = Table(title=f"layer: {_describe_spec(spec)}\ndevice: {device.describe()}; backend requested: "
+                        f"{result.requested}")
     for col in ("backend", "status", "reasons"):
         table.add_column(col)
     for name, status, reasons in result.as_table():
@@ -100,18 +171,35 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     if result.measured is not None:
         console.print(result.measured.render())
     if result.chosen is None:
-        console.print("[bold red]no backend fits this spec on this device[/]")
+        if result.requested != "auto":
+            console.print(f"[bold red]the requested backend {result.requested} does not fit this spec on this "
+                          "device[/] (its reasons are in the table)")
+        else:
+            console.print("[bold red]no backend fits this spec on this device[/]")
         return 1
     console.print(f"chosen: [bold]{result.chosen}[/]")
     return 0
 
 
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from .demo import run_demo
 
+    if args.device is not None:
+        check_device_available(args.device, name="--device")
     config = AttentionConfig.from_env(AttentionConfig(backend=args.backend))
     try:
-        report = run_demo(device=args.device, num_prompts=args.prompts, max_new_tokens=args.new_tokens, attention_config=config)
+        report = run_demo(device=args.device, num_prompts=args.prompts, max_new_tokens=args.new_tokens,
+                          attention_config=config, dtype=args.dtype)
     except BackendNotSupportedError as exc:
         console.print(f"[red]{exc}[/]")
         return 1
@@ -125,46 +213,81 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         f"agreement with the dense reference: {100 * report.token_agreement:.1f}% of tokens identical, "
         f"max |logit diff| {report.max_logit_diff:.3g}"
     )
-    ok = report.token_agreement >= (1.0 if report.dtype == "float32" else 0.9)
-    return 0 if ok else 1
+    need = 1.0 if report.dtype == "float32" else 0.9
+    if report.token_agreement < need:
+        console.print(f"[red]fewer than {100 * need:.0f}% of the tokens agree with the dense reference[/]")
+        return 1
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnbackends", description=__doc__)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(prog="attnbackends", description=__doc__, formatter_class=fmt)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="every registered backend and what it supports")
+    sub.add_parser("list", help="every registered backend and what it supports", formatter_class=fmt)
 
-    ex = sub.add_parser("explain", help="which backend would be chosen for a layer, and why each other one was not")
-    ex.add_argument("--num-heads", type=int, default=32)
-    ex.add_argument("--num-kv-heads", type=int, default=8)
-    ex.add_argument("--head-size", type=int, default=128)
-    ex.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    ex.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
-    ex.add_argument("--block-size", type=int, default=16)
-    ex.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType])
-    ex.add_argument("--sliding-window", type=int, default=None)
-    ex.add_argument("--soft-cap", type=float, default=None)
-    ex.add_argument("--alibi", action="store_true")
-    ex.add_argument("--sinks", action="store_true")
-    ex.add_argument("--mla", action="store_true", help="a DeepSeek-V3 MLA layer (latent 512 + rope 64)")
-    ex.add_argument("--compute-capability", help="pretend to run on a CUDA GPU of this compute capability, e.g. 9.0")
-    ex.add_argument("--sm-count", type=int, default=132)
+    ex = sub.add_parser("explain", formatter_class=fmt,
+                        help="which backend would be chosen for a layer, and why each other one was not")
+    ex.add_argument("--num-heads", type=_positive, default=32, help="query heads of the layer")
+    ex.add_argument("--num-kv-heads", type=_positive, default=None,
+                    help="key/value heads (default 8; not with --mla: MLA caches one latent head)")
+    ex.add_argument("--head-size", type=_positive, default=None,
+                    help="query/key head size (default 128; not with --mla: see --kv-lora-rank)")
+    ex.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"], help="model dtype")
+    ex.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                    help="KV-cache dtype; auto: the model dtype; fp8 means e4m3")
+    ex.add_argument("--block-size", type=_positive, default=16, help="tokens per KV-cache page")
+    ex.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType],
+                    help="decoder (causal, cached), encoder / encoder_only (bidirectional, no cache) or "
+                         "encoder_decoder (cross-attention)")
+    ex.add_argument("--sliding-window", type=_positive, default=None, help="keys visible per query, self included")
+    ex.add_argument("--soft-cap", type=float, default=None, help="logit soft-cap: cap * tanh(s / cap)")
+    ex.add_argument("--alibi", action="store_true", help="ALiBi slopes (one per query head)")
+    ex.add_argument("--sinks", action="store_true", help="one learned sink logit per query head (gpt-oss)")
+    ex.add_argument("--mla", action="store_true", help="a DeepSeek MLA layer (latent cache; see --kv-lora-rank)")
+    ex.add_argument("--kv-lora-rank", type=_positive, default=512, help="MLA latent size (with --mla)")
+    ex.add_argument("--qk-rope-head-dim", type=_positive, default=64, help="MLA rotary key size (with --mla)")
+    ex.add_argument("--gpu", choices=sorted(KNOWN_GPUS),
+                    help="pretend to run on this GPU (its compute capability and SM count)")
+    ex.add_argument("--compute-capability", default=None,
+                    help="pretend to run on a CUDA GPU of this compute capability, major.minor, e.g. 9.0")
+    ex.add_argument("--sm-count", type=_positive, default=None,
+                    help="SMs of the pretend GPU (default: from --gpu; omitted otherwise)")
     ex.add_argument("--cpu", action="store_true", help="pretend to run on the CPU")
-    ex.add_argument("--backend", default="auto", help="explicit choice to validate instead of auto")
-    ex.add_argument("--selection", default="static", choices=["static", "measured"])
+    ex.add_argument("--backend", default="auto",
+                    help="a backend name to validate instead of auto-selection (ATTNBACKENDS_BACKEND overrides it)")
+    ex.add_argument("--selection", default="static", choices=["static", "measured"],
+                    help="static priority lists, or a profile stored by `attnbackends tune`")
     ex.add_argument("--decode-backend", default=None, help="backend for decodes (a phase composition)")
     ex.add_argument("--prefill-backend", default=None, help="backend for prefills (a phase composition)")
     ex.add_argument("--profile-dir", default=None, help="where `attnbackends tune` profiles live")
 
-    demo = sub.add_parser("demo", help="serve a tiny random-weight model through the auto-selected backend")
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--prompts", type=int, default=6)
-    demo.add_argument("--new-tokens", type=int, default=16)
-    demo.add_argument("--backend", default="auto")
-    sub.add_parser("bench", help="benchmarks are tooling in the checkout: says how to run them")
+    demo = sub.add_parser("demo", formatter_class=fmt,
+                          help="serve a tiny random-weight model through the auto-selected backend")
+    demo.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    demo.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                      help="model dtype (default: bfloat16 on cuda, float32 on cpu; the triton backend needs a "
+                           "16-bit dtype)")
+    demo.add_argument("--prompts", type=_positive, default=6, help="number of prompts")
+    demo.add_argument("--new-tokens", type=_positive, default=16, help="tokens generated per prompt")
+    demo.add_argument("--backend", default="auto",
+                      help="backend name or auto (ATTNBACKENDS_BACKEND overrides it)")
+    sub.add_parser("bench", formatter_class=fmt, help="benchmarks are tooling in the checkout: says how to run them")
     add_tune_parsers(sub)
     return parser
+
+
+def _error_line(exc: ValueError) -> str:
+    """The message of a user error without library boilerplate (pydantic's documentation URLs and input echo)."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            message = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{where}: {message}" if where and not message.startswith(where) else message)
+        return "; ".join(parts)
+    return str(exc)
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
@@ -184,7 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         commands = {"list": _cmd_list, "explain": _cmd_explain, "demo": _cmd_demo, "bench": _cmd_bench, **TUNE_COMMANDS}
         return commands[args.command](args, console)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {_error_line(exc)}", highlight=False, soft_wrap=True)
         return 2
 
 

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from .engine import EngineConfig, PagedEngine, TinyLlama, TinyLlamaConfig
-from .spec import AttentionConfig
+from .spec import AttentionConfig, torch_dtype_of
+from .validation import check_device_available
 
 __all__ = ["DemoReport", "run_demo"]
 
@@ -39,10 +40,21 @@ def run_demo(
     max_new_tokens: int = 16,
     seed: int = 0,
     attention_config: Optional[AttentionConfig] = None,
+    dtype: "str | torch.dtype | None" = None,
 ) -> DemoReport:
-    """Generate greedily for prompts of different lengths, then recompute every sequence densely and compare."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    """Generate greedily for prompts of different lengths, then recompute every sequence densely and compare.
+
+    device : "cpu", "cuda" or "cuda:N" (default: cuda when available); dtype : the model dtype, a name or a torch
+    dtype (default: bfloat16 on cuda, float32 on the cpu). ``num_prompts`` and ``max_new_tokens`` must be >= 1.
+    """
+    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    device = str(check_device_available(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        dtype = torch_dtype_of(dtype)
     model = TinyLlama(TinyLlamaConfig(), seed=seed)
     engine = PagedEngine(
         model, EngineConfig(block_size=16, max_num_batched_tokens=64), device=device, dtype=dtype,

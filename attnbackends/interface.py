@@ -4,8 +4,11 @@ shared by every layer) and its impl (one per layer). See DESIGN.md, "Contracts".
 from __future__ import annotations
 
 import enum
+import functools
+import math
+import numbers
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Optional, TypeVar
 
 import torch
 
@@ -13,6 +16,7 @@ from .metadata import CommonAttentionMetadata
 from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
+from .validation import check_batch_limits, check_device_available
 
 __all__ = [
     "AttentionBackend",
@@ -212,7 +216,14 @@ class AttentionBackend(ABC):
     def allocate_kv_cache(
         cls, num_blocks: int, spec: AttentionSpec, device: "torch.device | str" = "cpu"
     ) -> torch.Tensor:
-        """An uninitialised KV cache for one layer, in this backend's layout and the spec's cache dtype."""
+        """An UNINITIALISED KV cache for one layer, in this backend's layout and the spec's cache dtype.
+
+        Its memory holds whatever was there before (possibly NaN): only slots the impls have written (through
+        ``forward`` or ``update_kv_cache``) may be attended over; context a batch claims but never wrote is garbage.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        device = check_device_available(device)
         return torch.empty(cls.kv_cache_shape(num_blocks, spec), dtype=spec.kv_cache_torch_dtype, device=device)
 
     @classmethod
@@ -226,20 +237,61 @@ class AttentionBackend(ABC):
         """The per-layer impl class."""
 
 
+def _scale_value(name: str, value: Any, spec: AttentionSpec) -> float:
+    """An fp8 scale as a float: positive and finite, a number or a one-element tensor; other than 1 only for an fp8
+    cache (a 16-bit cache stores values unscaled, so a scale there is a mix-up)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be one number (a per-tensor scale), got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a positive finite number, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    if value != 1.0 and not spec.is_fp8_kv_cache:
+        raise ValueError(f"{name}={value} given but kv_cache_dtype is {spec.kv_cache_dtype!r}: scales apply to fp8 "
+                         "caches only (use kv_cache_dtype 'fp8', 'fp8_e4m3' or 'fp8_e5m2', or leave the scale at 1.0)")
+    return value
+
+
+def _with_batch_limits(build: Callable) -> Callable:
+    @functools.wraps(build)
+    def checked_build(self: "AttentionMetadataBuilder", common: CommonAttentionMetadata, *args: Any,
+                      **kwargs: Any) -> Any:
+        check_batch_limits(self, common)
+        return build(self, common, *args, **kwargs)
+
+    checked_build.checks_batch_limits = True
+    return checked_build
+
+
 class AttentionMetadataBuilder(ABC, Generic[M]):
     """Built once per model; :meth:`build` turns one batch's common metadata into this backend's metadata.
+
+    Every subclass's ``build`` and ``build_for_cudagraph_capture`` first check the batch against the builder's
+    limits (:func:`attnbackends.validation.check_batch_limits`, host integers only: an empty batch, more than
+    ``max_num_reqs`` requests or ``max_num_tokens`` tokens is a ValueError); subclasses get this without code.
 
     Parameters
     ----------
     spec : the spec of the layers this builder serves (all layers sharing it must agree on it).
     device : where the batch tensors live.
-    max_num_reqs, max_num_tokens : sizes of persistent buffers (CUDA graphs replay on fixed addresses).
+    max_num_reqs, max_num_tokens : the largest batch ``build`` accepts (persistent buffers are sized by them: CUDA
+        graphs replay on fixed addresses).
 
     Speculative decoding: a spec with ``num_speculative_tokens = k`` raises this builder's
     ``reorder_batch_threshold`` to ``1 + k`` (an instance attribute set here), so verify requests of up to 1 + k
     tokens count as decodes; the class declares what it can serve (``query_len_support``,
     ``max_decode_query_len``, ``supports_tree_mask``) and :meth:`speculative_reasons` checks a spec against it.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("build", "build_for_cudagraph_capture"):
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "checks_batch_limits", False):
+                setattr(cls, name, _with_batch_limits(method))
 
     #: Requests with query_len <= this count as decodes; the engine puts them first in the batch.
     reorder_batch_threshold: ClassVar[int] = 1
@@ -272,8 +324,11 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         max_num_tokens: int = 8192,
         debug: bool = False,
     ) -> None:
+        for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.spec = spec
-        self.device = torch.device(device)
+        self.device = check_device_available(device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.debug = debug
@@ -301,7 +356,8 @@ class AttentionImplBase(ABC, Generic[M]):
     ----------
     spec : the layer's spec.
     sinks : [num_heads] float32, the learned sink logits, when ``spec.has_sinks``.
-    k_scale, v_scale : per-tensor fp8 KV-cache scales (stored = saturate(x / scale)); ignored otherwise.
+    k_scale, v_scale : per-tensor fp8 KV-cache scales (stored = saturate(x / scale)), positive and finite; must stay
+        1.0 for a 16-bit cache.
     debug : check the inputs and the batch's block table on every ``forward`` (see :mod:`attnbackends.validation`);
         without it, inputs are checked on the first call only (and on every call whose metadata a builder made
         with ``debug=True``).
@@ -331,16 +387,14 @@ class AttentionImplBase(ABC, Generic[M]):
             if sinks.shape != (spec.num_heads,):
                 raise ValueError(f"sinks must have shape ({spec.num_heads},), got {tuple(sinks.shape)}")
             sinks = sinks.float()
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not (float(value) > 0):
-                raise ValueError(f"{name} must be a positive number, got {value}")
+        k_scale, v_scale = _scale_value("k_scale", k_scale, spec), _scale_value("v_scale", v_scale, spec)
         self.spec = spec
         self.sinks = sinks
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
         self.scale = spec.softmax_scale
         self.debug = bool(debug)
-        self._inputs_checked = False  # set after the first forward's validation
+        self._input_layout: Optional[tuple] = None  # recorded by the first forward's full validation
 
 
 class AttentionImpl(AttentionImplBase[M]):

@@ -90,7 +90,8 @@ class DeviceInfo(BaseModel):
     def describe(self) -> str:
         if self.is_cuda:
             major, minor = self.compute_capability
-            return f"cuda {self.name} (compute capability {major}.{minor}, {self.sm_count} SMs)"
+            sms = f", {self.sm_count} SMs" if self.sm_count else ""
+            return f"cuda {self.name} (compute capability {major}.{minor}{sms})"
         return "cpu" + (" (Triton interpreted)" if self.triton_interpreted else "")
 
 

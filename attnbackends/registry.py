@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Any, Callable, Optional, Union
@@ -17,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 from .interface import AttentionBackend
 from .phased import is_phased_name, parse_phased_name, phased_backend, phased_name
 from .platform import DeviceInfo
-from .spec import AttentionConfig, AttentionSpec
+from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec
 
 __all__ = [
     "BackendNotSupportedError",
@@ -97,6 +98,8 @@ class Explanation:
                 status = "chosen"
             elif row.reasons:
                 status = "rejected"
+            elif self.requested != "auto":
+                status = "fits (not requested)"
             elif row.rank is None:
                 status = "fits (not in priority list)"
             else:
@@ -117,30 +120,49 @@ class Explanation:
 def register_backend(
     name: Optional[str] = None, *, select_before: Optional[str] = None, replace: bool = False
 ) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
-    """Class decorator that registers a backend under ``name`` (default: the class's ``name``).
+    """Class decorator that registers a backend under ``name`` and sets the class's ``name`` to it.
 
+    name : the registered name (lower-cased); default: the ``name`` the class itself defines. A class that defines
+        no ``name`` of its own (it would keep its parent's) needs one here; a class whose own ``name`` differs from
+        the one given is refused.
     select_before : join the auto-selection lists right before this backend (in every list that holds it);
         by default a registered backend is chosen only explicitly or through ``AttentionConfig.priority``.
     replace : allow replacing an existing registration of the same name.
+
+    All or nothing: every argument is checked before anything changes, so a refused registration leaves the
+    registry, the priority lists and the class as they were.
     """
 
     def decorate(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
             raise TypeError(f"register_backend expects an AttentionBackend subclass, got {cls!r}")
-        key = (name or getattr(cls, "name", "") or "").lower()
+        own_name = cls.__dict__.get("name")
+        if name is None and not own_name:
+            inherited = getattr(cls, "name", None)
+            why = f"it would keep its parent's name {inherited!r}" if inherited else "it has none"
+            raise ValueError(f"{cls.__name__} defines no name of its own ({why}): set the class attribute `name` "
+                             "or pass register_backend(name)")
+        key = (name if name is not None else own_name).strip().lower()
         if not key:
-            raise ValueError(f"{cls.__name__} has no name: set the class attribute `name` or pass register_backend(name)")
+            raise ValueError(f"register_backend(name) must be a non-empty name, got {name!r}")
         if key in _REGISTRY and not replace and _REGISTRY[key] is not cls:
             raise ValueError(f"a backend named {key!r} is already registered; pass replace=True to override it")
-        _REGISTRY[key] = cls
+        if own_name and own_name.lower() != key:
+            raise ValueError(f"{cls.__name__}.name is {own_name!r} but register_backend was given {name!r}: "
+                             "use one name (or drop one of them)")
+        lists = []
+        if select_before == key:
+            raise ValueError(f"select_before={select_before!r} is the backend being registered")
         if select_before is not None:
             lists = [order for order in _PRIORITIES.values() if select_before in order]
             if not lists:
                 raise ValueError(f"select_before={select_before!r} is in no priority list; known: {backend_names()}")
-            for order in lists:
-                if key in order:
-                    order.remove(key)
-                order.insert(order.index(select_before), key)
+        cls.name = key
+        _REGISTRY[key] = cls
+        for order in lists:
+            if key in order:
+                order.remove(key)
+            order.insert(order.index(select_before), key)
         return cls
 
     return decorate
@@ -248,7 +270,9 @@ def explain(
     by_name = {row.name: row for row in result.rows}
     if config.backend != "auto":
         if config.backend not in _REGISTRY and not is_phased_name(config.backend):
-            raise ValueError(f"unknown backend {config.backend!r}; registered: {', '.join(backend_names())}")
+            from_env = os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == config.backend
+            source = f" (from the environment variable {BACKEND_ENV_VAR})" if from_env else ""
+            raise ValueError(f"unknown backend {config.backend!r}{source}; registered: {', '.join(backend_names())}")
         candidates = [config.backend]
     elif phased:
         candidates = [_phase_choice(config, order, by_name)]

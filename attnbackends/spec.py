@@ -23,11 +23,17 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "DTYPES",
     "BACKEND_ENV_VAR",
+    "MAX_BLOCK_SIZE",
+    "dtype_name",
     "torch_dtype_of",
     "kv_cache_torch_dtype",
 ]
 
 BACKEND_ENV_VAR = "ATTNBACKENDS_BACKEND"
+
+#: The largest KV-cache page, in tokens: larger pages waste memory on every request's last page and exceed what
+#: the kernels tile.
+MAX_BLOCK_SIZE = 1024
 
 DTYPES = ("float16", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -61,9 +67,9 @@ class AttentionType(str, Enum):
         return self in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 
-def torch_dtype_of(name: str) -> torch.dtype:
-    """torch dtype of a model dtype name ("float16", "bfloat16", "float32")."""
-    return _TORCH_DTYPES[name]
+def torch_dtype_of(name: "str | torch.dtype") -> torch.dtype:
+    """torch dtype of a model dtype name ("float16", "bfloat16", "float32", or an alias such as "bf16")."""
+    return _TORCH_DTYPES[dtype_name(name)]
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
@@ -73,6 +79,15 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
     if kv_cache_dtype in _FP8_TORCH_DTYPES:
         return _FP8_TORCH_DTYPES[kv_cache_dtype]
     return _TORCH_DTYPES[kv_cache_dtype]
+
+
+def dtype_name(value: "str | torch.dtype") -> str:
+    """The model dtype's name ("float16", "bfloat16", "float32") of a torch dtype, a name or an alias ("fp16",
+    "half", "bf16", "fp32"); ValueError naming the allowed values otherwise."""
+    name = _dtype_name(value)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {value!r} is not supported; allowed: {', '.join(DTYPES)} (or the torch dtypes)")
+    return name
 
 
 def _dtype_name(value: Any) -> Any:
@@ -102,7 +117,7 @@ class AttentionSpec(BaseModel):
     head_size_v: Optional[int] = Field(default=None, gt=0, description="value head size where it differs")
     dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    block_size: int = Field(default=16, gt=0, description="tokens per KV-cache page")
+    block_size: int = Field(default=16, description=f"tokens per KV-cache page, 1 to {MAX_BLOCK_SIZE}")
     attn_type: AttentionType = AttentionType.DECODER
     sliding_window: Optional[int] = Field(default=None, gt=0, description="keys visible per query, self included")
     logits_soft_cap: Optional[float] = Field(default=None, gt=0)
@@ -124,6 +139,13 @@ class AttentionSpec(BaseModel):
     @classmethod
     def _normalise_dtype(cls, value: Any) -> Any:
         return _dtype_name(value)
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, value: int) -> int:
+        if not 1 <= value <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}] tokens per page, got {value}")
+        return value
 
     @field_validator("attn_type", mode="before")
     @classmethod

@@ -1,10 +1,20 @@
-"""Input validation at the edges of an impl's ``forward``, kept off the hot path.
+"""Input validation at the edges of an impl's ``forward`` and a builder's ``build``, kept cheap on the hot path.
 
-Every standard impl checks its tensors (shapes, dtypes, devices, strides of query / key / value / output / kv_cache
-against the spec and the backend's KV-cache layout) on its FIRST ``forward`` call, and again on every call in debug
-mode. Debug mode also checks the batch's metadata against the cache: block-table entries inside
-``[0, kv_cache.shape[0])``, ``seq_len >= query_len``, a monotonic ``query_start_loc`` and slots inside the cache; these
-read the block table and the slot mapping on the host (a device sync), which is why they are off by default.
+The "checked" rule every impl follows (through :func:`check_forward_inputs`, the first line of its ``forward``):
+
+- the FIRST call validates every tensor in full (shapes, dtypes, devices and strides of query / key / value / output
+  / kv_cache against the spec and the backend's KV-cache layout) and records each tensor's layout: its shape past
+  the token dimension, its strides, dtype and device;
+- every LATER call compares the tensors with that record (a few attribute reads and tuple comparisons) and checks
+  the token dimension against the batch's ``num_actual_tokens``; anything different runs the full validation
+  again, which raises a ValueError naming the argument, or records the new layout when it is valid too;
+- in debug mode every call validates in full and also checks the batch's metadata against the cache:
+  block-table entries inside ``[0, kv_cache.shape[0])``, ``seq_len >= query_len``, a monotonic
+  ``query_start_loc``, slots inside the cache and no slot written twice. These read the block table and the slot
+  mapping on the host (a device sync), which is why they are off by default.
+
+Every builder's ``build`` checks the batch against the builder's limits first (:func:`check_batch_limits`: host
+integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``.
 
 How an engine turns debug mode on: set ``AttentionConfig(debug=True)`` (or ``debug: true`` in its YAML/JSON file)
 and pass ``debug=config.debug`` to the metadata builder, as :class:`attnbackends.engine.Engine` does::
@@ -15,8 +25,8 @@ The builder validates each batch's metadata in ``build`` and marks the metadata 
 every impl running that metadata checks its inputs and the block table on every call. An impl can also be put in
 debug mode on its own: ``backend.get_impl_cls()(spec, debug=True)``.
 
-Every error is a ValueError naming the tensor, what it got (shape, dtype, device or the bad index) and what was
-expected.
+Every error is a ValueError naming the argument, what it got (shape, dtype, device, strides or the bad index) and
+what was expected.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from .ops.page_guard import guard_block_table
 from .spec import AttentionSpec
 
 __all__ = [
+    "check_batch_limits",
+    "check_device_available",
     "check_forward_inputs",
     "check_tensor",
     "debug_enabled",
@@ -56,6 +68,26 @@ def _fmt_shape(shape: Sequence[DimSpec], names: Optional[Sequence[str]] = None) 
     return "[" + ", ".join(parts) + "]"
 
 
+def check_device_available(device: "torch.device | str", name: str = "device") -> torch.device:
+    """``device`` as a torch.device; ValueError naming ``name`` when it cannot hold tensors on this machine (CUDA
+    asked for where torch has no CUDA or sees no GPU, a GPU index past the last one, the meta device)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}={device!r} is not a device; allowed: 'cpu', 'cuda' or 'cuda:N'") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"{name}={str(dev)!r} was requested but {why}; use {name}='cpu' on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(dev)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "meta":
+        raise ValueError(f"{name}='meta' holds no data; allowed: 'cpu', 'cuda' or 'cuda:N'")
+    elif dev.type != "cpu":
+        raise ValueError(f"{name}={str(dev)!r} is not supported; allowed: 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
 def check_tensor(
     name: str,
     t: Any,
@@ -73,13 +105,16 @@ def check_tensor(
     ----------
     shape : the expected shape, ``None`` for a dimension of any size.
     dtype : the allowed dtype (or dtypes).
-    device : the device it must be on.
+    device : the device it must be on (a tensor on the meta device is always rejected: it holds no data).
     names : the dimensions' names, for the message.
     last_dim_contiguous : require ``stride(-1) == 1`` (kernels load rows as contiguous vectors).
     min_rows : require ``shape[0] >= min_rows`` (e.g. the batch's num_actual_tokens).
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor {_fmt_shape(shape, names)}, got {type(t).__name__}")
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device: it holds no data (a model not yet materialised?); "
+                         f"pass a tensor on cpu or cuda; got {_describe(t)}")
     if t.dim() != len(shape) or any(d is not None and d != s for d, s in zip(shape, t.shape)):
         raise ValueError(f"{name} must be {_fmt_shape(shape, names)}; got {_describe(t)}")
     if min_rows is not None and t.shape[0] < min_rows:
@@ -90,10 +125,19 @@ def check_tensor(
             want = allowed[0] if len(allowed) == 1 else "one of " + ", ".join(str(d) for d in allowed)
             raise ValueError(f"{name} must be {want}; got {_describe(t)}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}; got {_describe(t)}")
+        raise ValueError(f"{name} must be on {device} (where the query is); got {_describe(t)}")
     if last_dim_contiguous and t.numel() and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride(-1) == 1); got {_describe(t)}, "
                          f"strides {tuple(t.stride())}")
+
+
+def _check_cache_contiguous(kv_cache: torch.Tensor, layout: str) -> None:
+    if not kv_cache.is_contiguous():
+        raise ValueError(
+            f"kv_cache must be one contiguous tensor in the backend's layout {layout} (as allocate_kv_cache returns "
+            f"it); got shape {tuple(kv_cache.shape)} with strides {tuple(kv_cache.stride())}, a view of another "
+            "layout or a slice of a larger tensor"
+        )
 
 
 def debug_enabled(impl: Any, metadata: Any) -> bool:
@@ -111,14 +155,16 @@ def validate_forward_inputs(
     num_actual_tokens: int,
     *,
     kv_cache_shape: Optional[Sequence[int]] = None,
+    kv_cache_layout: Optional[str] = None,
 ) -> None:
     """Check a standard (non-MLA) forward's tensors against ``spec``.
 
     query : [T, num_heads, head_size] spec.dtype; key, value : [>= num_actual_tokens, num_kv_heads, head_size /
     value_head_size] spec.dtype (or None when the cache already holds them); output : [T, num_heads,
     value_head_size] spec.dtype; kv_cache : ``kv_cache_shape`` (the backend's layout for ``kv_cache.shape[0]``
-    blocks; default: the standard ``[num_blocks, 2, block_size, num_kv_heads, head_size]``) in the spec's cache dtype.
-    Everything on query's device, last dimension contiguous.
+    blocks; default: the standard ``[num_blocks, 2, block_size, num_kv_heads, head_size]``) in the spec's cache dtype,
+    contiguous when ``kv_cache_layout`` (the layout's description) is given. Everything on query's device, last
+    dimension contiguous.
     """
     dtype = spec.torch_dtype
     hq, hkv, d, dv = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.value_head_size
@@ -145,6 +191,8 @@ def validate_forward_inputs(
         kv_cache.shape[0], 2, spec.block_size, hkv, d
     )
     check_tensor("kv_cache", kv_cache, shape=want, dtype=spec.kv_cache_torch_dtype, device=device)
+    if kv_cache_layout is not None:
+        _check_cache_contiguous(kv_cache, kv_cache_layout)
 
 
 def validate_mla_forward_inputs(
@@ -157,7 +205,8 @@ def validate_mla_forward_inputs(
     num_actual_tokens: int,
 ) -> None:
     """Check an MLA forward's tensors: q [T, N, P + R], kv_c_normed [>= n, Lkv], k_pe [>= n, R], output [T, N, V]
-    in the model dtype; kv_cache [num_blocks, block_size, Lkv + R] in the cache dtype; all on q's device."""
+    in the model dtype; kv_cache [num_blocks, block_size, Lkv + R] in the cache dtype, contiguous; all on q's
+    device."""
     dtype = spec.torch_dtype
     n, p, r, v, lkv = (spec.num_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim,
                        spec.kv_lora_rank)
@@ -178,6 +227,7 @@ def validate_mla_forward_inputs(
     check_tensor("kv_cache", kv_cache, shape=(kv_cache.shape[0], spec.block_size, spec.head_size),
                  dtype=spec.kv_cache_torch_dtype, device=device,
                  names=("num_blocks", "block_size", "kv_lora_rank + qk_rope_head_dim"))
+    _check_cache_contiguous(kv_cache, "[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]")
 
 
 def validate_metadata_against_cache(
@@ -186,8 +236,8 @@ def validate_metadata_against_cache(
     """Debug-mode checks of one batch against the cache it runs on (reads device tensors on the host).
 
     query_start_loc monotonic, seq_lens >= query lens, every block-table entry a request uses inside
-    ``[0, kv_cache.shape[0])``, every slot of a real token inside the cache (or -1). Raises ValueError naming the
-    tensor and the first bad index.
+    ``[0, kv_cache.shape[0])``, every slot of a real token inside the cache (or -1) and no slot given to two
+    tokens. Raises ValueError naming the tensor and the first bad index.
     """
     if kv_cache is None:
         validate_common_metadata(common)
@@ -202,6 +252,77 @@ def validate_metadata_against_cache(
             f"slot_mapping[{i}] = {int(slots[i])} is outside [-1, {num_blocks * block_size}) "
             f"(num_blocks {num_blocks} x block_size {block_size})"
         )
+    sorted_slots, order = torch.sort(slots, stable=True)
+    twice = torch.nonzero((sorted_slots[1:] == sorted_slots[:-1]) & (sorted_slots[1:] >= 0))
+    if twice.numel():
+        k = int(twice[0])
+        i, j = sorted(int(x) for x in (order[k], order[k + 1]))
+        raise ValueError(f"slot_mapping[{i}] and slot_mapping[{j}] are both {int(slots[i])}: two tokens of the "
+                         "batch would be written to one cache slot")
+
+
+def check_batch_limits(builder: Any, common: CommonAttentionMetadata) -> None:
+    """What every builder's ``build`` checks first, from host integers only: the batch is not empty and fits the
+    builder's ``max_num_reqs`` and ``max_num_tokens``, and ``slot_mapping`` covers every token.
+
+    Raises ValueError naming the limit and the batch's value.
+    """
+    num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+    if num_reqs <= 0 or num_tokens <= 0:
+        raise ValueError(f"empty batch (num_reqs = {num_reqs}, num_actual_tokens = {num_tokens}): build metadata "
+                         "only for steps with at least one request and one token")
+    if num_reqs > builder.max_num_reqs:
+        raise ValueError(f"the batch has {num_reqs} requests, more than max_num_reqs = {builder.max_num_reqs} "
+                         "this builder was made for; make the builder with a larger max_num_reqs or schedule fewer "
+                         "requests per step")
+    if num_tokens > builder.max_num_tokens:
+        raise ValueError(f"the batch has {num_tokens} tokens (num_actual_tokens), more than max_num_tokens = "
+                         f"{builder.max_num_tokens} this builder was made for; make the builder with a larger "
+                         "max_num_tokens or schedule fewer tokens per step")
+    if common.slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {common.slot_mapping.shape[0]} entries, fewer than num_actual_tokens "
+                         f"({num_tokens}): every token needs a slot (-1 for padding)")
+
+
+def _layout(t: Optional[torch.Tensor], *, whole_shape: bool = False) -> Optional[tuple]:
+    """What later calls must repeat: (size of dimension 1, size of the last dimension, strides, dtype, device), or
+    the whole shape in place of the two sizes (``whole_shape``: the cache, whose first dimension is fixed too).
+
+    The strides fix the number of dimensions, and the validated tensors have at most three, so dimension 1 and the
+    last one are every dimension past the token dimension."""
+    if t is None:
+        return None
+    if whole_shape:
+        return (t.shape, t.stride(), t.dtype, t.device)
+    return (t.shape[1], t.shape[-1], t.stride(), t.dtype, t.device)
+
+
+def _same_layout(layout: tuple, n: int, query: Any, key: Any, value: Any, kv_cache: Any, output: Any) -> bool:
+    """Whether this call's tensors repeat the recorded ``layout`` and hold at least ``n`` token rows.
+
+    Written out in full on purpose: it runs on every forward of every layer, and each extra Python object or call
+    costs host time."""
+    q, k, v, c, o = layout
+    qs, os_ = query.shape, output.shape
+    if not (query.stride() == q[2] and output.stride() == o[2] and qs[0] >= n and os_[0] == qs[0]
+            and qs[1] == q[0] and qs[-1] == q[1] and os_[1] == o[0] and os_[-1] == o[1]
+            and query.dtype is q[3] and output.dtype is o[3] and query.device == q[4] and output.device == o[4]):
+        return False
+    if key is None:
+        if k is not None or value is not None:
+            return False
+    else:
+        if k is None or value is None:
+            return False
+        ks, vs = key.shape, value.shape
+        if not (key.stride() == k[2] and value.stride() == v[2] and ks[0] >= n and vs[0] == ks[0]
+                and ks[1] == k[0] and ks[-1] == k[1] and vs[1] == v[0] and vs[-1] == v[1]
+                and key.dtype is k[3] and value.dtype is v[3] and key.device == k[4] and value.device == v[4]):
+            return False
+    if kv_cache is None:
+        return c is None
+    return (c is not None and kv_cache.shape == c[0] and kv_cache.stride() == c[1] and kv_cache.dtype is c[2]
+            and kv_cache.device == c[3])
 
 
 def check_forward_inputs(
@@ -217,25 +338,36 @@ def check_forward_inputs(
     backend: Optional[type] = None,
     mla: bool = False,
 ) -> None:
-    """The hook every impl's ``forward`` calls first: range-checks the batch's page ids against the cache once per
-    batch (:func:`attnbackends.ops.page_guard.guard_block_table`), validates the tensors on the impl's first call and
-    on every call in debug mode, plus the metadata against the cache in debug mode. Cheap after the first call outside
-    debug mode (two attribute reads). ``backend``: the backend class whose ``kv_cache_shape`` the cache must have."""
-    if kv_cache is not None and common is not None and kv_cache.dim() >= 1:
+    """The hook every impl's ``forward`` calls first (the "checked" rule of the module docstring).
+
+    Range-checks the batch's page ids against the cache once per batch
+    (:func:`attnbackends.ops.page_guard.guard_block_table`). Full validation on the impl's first call, on every call
+    in debug mode, and on any call whose tensors differ from the recorded layout; otherwise one comparison per
+    tensor. ``backend``: the backend class whose ``kv_cache_shape`` and layout the cache must have. ``mla``: the
+    arguments are MLA's (q, kv_c_normed, k_pe, kv_cache, output).
+    """
+    if common is not None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() >= 1:
         guard_block_table(common, kv_cache.shape[0], impl.spec.block_size)
-    debug = debug_enabled(impl, metadata)
-    if impl._inputs_checked and not debug:
-        return
-    spec = impl.spec
     num_actual_tokens = common.num_actual_tokens if common is not None else metadata.num_actual_tokens
+    layout = impl._input_layout
+    debug = impl.debug or getattr(metadata, "debug", False)
+    if layout is not None and not debug:
+        try:
+            if _same_layout(layout, num_actual_tokens, query, key, value, kv_cache, output):
+                return
+        except (AttributeError, IndexError, TypeError):  # not tensors, or a 0-d one: the full check names it
+            pass
+    spec = impl.spec
     if mla:
         validate_mla_forward_inputs(spec, query, key, value, kv_cache, output, num_actual_tokens)
     else:
-        kv_cache_shape = None
-        if backend is not None and kv_cache is not None and kv_cache.dim() >= 1:
+        kv_cache_shape = kv_cache_layout = None
+        if backend is not None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() >= 1:
             kv_cache_shape = backend.kv_cache_shape(kv_cache.shape[0], spec)
+            kv_cache_layout = backend.kv_cache_layout
         validate_forward_inputs(spec, query, key, value, kv_cache, output, num_actual_tokens,
-                                kv_cache_shape=kv_cache_shape)
+                                kv_cache_shape=kv_cache_shape, kv_cache_layout=kv_cache_layout)
     if debug and common is not None:
         validate_metadata_against_cache(common, kv_cache, spec.block_size)
-    impl._inputs_checked = True
+    impl._input_layout = (_layout(query), _layout(key), _layout(value), _layout(kv_cache, whole_shape=True),
+                          _layout(output))

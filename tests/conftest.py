@@ -1,5 +1,6 @@
 """Test session setup: `gpu` tests skip cleanly where CUDA is missing; the CPU runs Triton interpreted; property
-tests report how many cases they ran (the `case_counter` fixture, printed at the end of the session)."""
+tests report how many cases they ran (the `case_counter` fixture) and the bad-input catalogue how many kinds it ran
+(the `bad_input_catalogue` fixture), both printed at the end of the session."""
 
 import collections
 import os
@@ -12,10 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CASE_COUNTS = pytest.StashKey[collections.Counter]()
+_BAD_INPUT_KINDS = pytest.StashKey[set]()
 
 
 def pytest_configure(config):
     config.stash[_CASE_COUNTS] = collections.Counter()
+    config.stash[_BAD_INPUT_KINDS] = set()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,7 +36,17 @@ def case_counter(pytestconfig) -> collections.Counter:
     return pytestconfig.stash[_CASE_COUNTS]
 
 
+@pytest.fixture(scope="session")
+def bad_input_catalogue(pytestconfig) -> set:
+    """Names of the bad-input kinds run (tests/test_bad_input_catalogue.py); their number is printed at the end."""
+    return pytestconfig.stash[_BAD_INPUT_KINDS]
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    kinds = config.stash.get(_BAD_INPUT_KINDS, None)
+    if kinds:
+        terminalreporter.write_sep("-", "bad-input catalogue")
+        terminalreporter.write_line(f"bad-input catalogue: {len(kinds)} kinds of bad input run")
     counts = config.stash.get(_CASE_COUNTS, None)
     if not counts:
         return

@@ -1,4 +1,7 @@
-from attnbackends.cli import main
+import pytest
+import torch
+
+from attnbackends.cli import _parser, main
 
 
 def test_list(capsys):
@@ -17,7 +20,7 @@ def test_explain_names_chosen_and_rejections(capsys):
 def test_explain_explicit_choice_that_does_not_fit(capsys, monkeypatch):
     monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
     assert main(["explain", "--cpu", "--backend", "flashinfer"]) == 1
-    assert "no backend fits" in capsys.readouterr().out
+    assert "the requested backend flashinfer does not fit" in " ".join(capsys.readouterr().out.split())
 
 
 def test_explain_invalid_spec_is_a_clear_error(capsys):
@@ -30,3 +33,89 @@ def test_demo_on_cpu(capsys, monkeypatch):
     assert main(["demo", "--device", "cpu", "--prompts", "3", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "backend chosen: reference" in out and "100.0% of tokens identical" in out
+
+
+def one_line_error(capsys, argv, rc=2):
+    assert main(argv) == rc
+    out = capsys.readouterr()
+    text = (out.out + out.err).strip()
+    assert "\n" not in text and "errors.pydantic.dev" not in text and "Traceback" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("value", ["90", "abc", "9", "9.0.1"])
+def test_compute_capability_must_be_major_minor(capsys, value):
+    assert "--compute-capability must be major.minor" in one_line_error(capsys, ["explain", "--compute-capability", value])
+
+
+def test_cpu_and_compute_capability_together_rejected(capsys):
+    assert "--cpu cannot be combined" in one_line_error(capsys, ["explain", "--cpu", "--compute-capability", "9.0"])
+
+
+def test_mla_with_head_size_rejected(capsys):
+    assert "--head-size does not apply with --mla" in one_line_error(capsys, ["explain", "--mla", "--head-size", "128"])
+
+
+def test_explain_header_shows_the_spec_and_sm_count_from_the_gpu_table(capsys):
+    assert main(["explain", "--gpu", "a100", "--head-size", "64", "--kv-cache-dtype", "fp8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "head size 64" in out and "kv cache fp8" in out and "compute capability 8.0, 108 SMs" in out
+    assert main(["explain", "--compute-capability", "8.9"]) == 0
+    out = capsys.readouterr().out
+    assert "compute capability 8.9)" in out and "SMs" not in out  # unknown GPU: no made-up SM count
+
+
+def test_explain_mla_uses_its_own_sizes(capsys):
+    assert main(["explain", "--mla", "--kv-lora-rank", "256", "--gpu", "h100"]) == 0
+    assert "latent 256 + rope 64" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explain_explicit_backend_is_consistent(capsys, monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["explain", "--cpu", "--backend", "triton"]) == 1
+    out = capsys.readouterr().out
+    assert "lower priority" not in out and "fits (not requested)" in out
+    assert "the requested backend triton does not fit" in out and "no backend fits" not in out
+
+
+def test_spec_errors_without_pydantic_boilerplate(capsys):
+    assert "block_size must be in [1, 1024]" in one_line_error(capsys, ["explain", "--block-size", "100000"])
+
+
+def test_unknown_backend_from_environment_says_so(capsys, monkeypatch):
+    monkeypatch.setenv("ATTNBACKENDS_BACKEND", "nope")
+    assert "from the environment variable ATTNBACKENDS_BACKEND" in one_line_error(capsys, ["explain", "--cpu"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--prompts", "0"], "--prompts: must be >= 1"),
+    (["demo", "--new-tokens", "0"], "--new-tokens: must be >= 1"),
+])
+def test_demo_zero_counts(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_demo_cuda_absent_is_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert "--device='cuda' was requested but" in one_line_error(capsys, ["demo", "--device", "cuda"])
+
+
+def test_every_option_has_help():
+    for action in _parser()._actions:
+        for sub in getattr(action, "choices", None) or {}:
+            if not isinstance(action.choices, dict):
+                break
+            for option in action.choices[sub]._actions:
+                assert option.help, f"{sub} {option.option_strings} has no help text"
+
+
+def test_demo_dtype_on_cpu(capsys, monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    assert main(["demo", "--device", "cpu", "--dtype", "float16", "--prompts", "2", "--new-tokens", "2"]) in (0, 1)
+    assert "(float16)" in capsys.readouterr().out

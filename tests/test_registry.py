@@ -123,3 +123,52 @@ def test_device_info():
     with pytest.raises(ValueError, match="compute_capability"):
         DeviceInfo(kind="cuda")
     assert DeviceInfo.current("cpu").kind == "cpu"
+
+
+def test_decorator_name_becomes_the_class_name(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+
+    @register_backend("Mine")
+    class Mine(ReferenceBackend):  # no `name` of its own: it would otherwise keep "reference"
+        pass
+
+    try:
+        assert Mine.name == "mine" and get_backend_class("mine") is Mine
+        assert select(SPEC, CPU, AttentionConfig(backend="mine")).name == "mine"
+        assert ReferenceBackend.name == "reference"
+    finally:
+        unregister_backend("mine")
+
+
+def test_class_that_would_keep_its_parents_name_is_refused():
+    class Nameless(ReferenceBackend):
+        pass
+
+    before = (dict(registry._REGISTRY), {k: list(v) for k, v in registry._PRIORITIES.items()})
+    with pytest.raises(ValueError, match="Nameless defines no name of its own .*parent's name 'reference'"):
+        register_backend()(Nameless)
+
+    class Named(ReferenceBackend):
+        name = "named_one"
+
+    with pytest.raises(ValueError, match=r"Named.name is 'named_one' but register_backend was given 'other'"):
+        register_backend("other")(Named)
+    assert (dict(registry._REGISTRY), {k: list(v) for k, v in registry._PRIORITIES.items()}) == before
+
+
+def test_failed_registration_leaves_nothing_registered(monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+
+    class Typo(ReferenceBackend):
+        name = "typo_ref"
+
+    before = {k: list(v) for k, v in registry._PRIORITIES.items()}
+    with pytest.raises(ValueError, match="select_before='refrence' is in no priority list"):
+        register_backend(select_before="refrence")(Typo)
+    assert "typo_ref" not in backend_names()
+    assert {k: list(v) for k, v in registry._PRIORITIES.items()} == before
+    try:
+        register_backend(select_before="reference")(Typo)  # the corrected retry succeeds
+        assert select(SPEC, CPU) is Typo
+    finally:
+        unregister_backend("typo_ref")

@@ -61,7 +61,7 @@ def test_checked_once_outside_debug_and_every_call_in_debug(backend):
     batch, builder, impl = setup(backend)
     meta = builder.build(batch.common)
     run(impl, batch, meta)
-    assert impl._inputs_checked
+    assert impl._input_layout is not None
     _, builder_d, impl_d = setup(backend, debug=True)
     meta_d = builder_d.build(batch.common)
     assert meta_d.debug

@@ -15,6 +15,7 @@ import triton.language as tl
 from ..ops.kv_cache_write import round_to_fp8_grid
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache, fp8_max, quantize_for_cache
 from ..ops.launch_math import next_power_of_2
+from ..ops.page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
 
 __all__ = [
     "MLA_KV_CACHE_LAYOUT",
@@ -46,6 +47,9 @@ def _concat_and_cache_mla_kernel(
     scale,
     fp8_limit,
     block_size,
+    num_slots,
+    fault_ptr,
+    fault_flag_ptr,
     KV_LORA: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -57,6 +61,9 @@ def _concat_and_cache_mla_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t)
+    if (slot < -1) | (slot >= num_slots):  # outside the cache: skipped and reported (ops.page_guard)
+        record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, t, slot, num_slots)
+        return
     if slot < 0:  # padding
         return
     base = CACHE + (slot // block_size) * stride_cache_blk + (slot % block_size) * stride_cache_tok
@@ -81,6 +88,7 @@ def concat_and_cache_mla_torch(
     num_tokens = kv_c.shape[0]
     block_size = kv_cache.shape[1]
     slots = slot_mapping[:num_tokens]
+    check_slots_host(slots, kv_cache.shape[0] * block_size)
     keep = slots >= 0
     slots = slots[keep]
     latent = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
@@ -121,6 +129,7 @@ def concat_and_cache_mla(
     if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("concat_and_cache_mla needs unit stride in the last dimension of kv_c, k_pe and kv_cache")
     is_fp8 = kv_cache.dtype in FP8_DTYPES
+    faults = fault_record(kv_cache.device)
     _concat_and_cache_mla_kernel[(num_tokens,)](
         kv_c,
         k_pe,
@@ -133,6 +142,9 @@ def concat_and_cache_mla(
         float(k_scale),
         fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
         kv_cache.shape[1],
+        kv_cache.shape[0] * kv_cache.shape[1],
+        faults.record,
+        faults.host_flag,
         KV_LORA=kv_lora,
         ROPE=rope,
         BLOCK_C=next_power_of_2(kv_lora),
@@ -142,6 +154,8 @@ def concat_and_cache_mla(
         FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14,
         INTERPRET=not kv_cache.is_cuda,
     )
+    if not kv_cache.is_cuda:  # interpreted: the fault record is already written, and reading it costs no sync
+        raise_pending_faults(kv_cache.device)
 
 
 def context_slots(

@@ -21,7 +21,7 @@ import triton.language as tl
 from ..compat import DirectLauncher
 from ..platform import is_triton_interpreted
 from .launch_math import cdiv, next_power_of_2
-from .page_guard import FAULT_SLOT, PageTableError, fault_record, record_fault
+from .page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
 from .quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
 
 __all__ = [
@@ -143,12 +143,7 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: to
     block_size = kv_cache.shape[2]
     slot_mapping = slot_mapping[: key.shape[0]]
     n = slot_mapping.shape[0]
-    num_slots = kv_cache.shape[0] * block_size
-    bad = torch.nonzero((slot_mapping < -1) | (slot_mapping >= num_slots))
-    if bad.numel():
-        i = int(bad[0])
-        raise PageTableError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside the KV cache's {num_slots} "
-                             "slots (and not -1, padding)")
+    check_slots_host(slot_mapping, kv_cache.shape[0] * block_size)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blk, off = slots // block_size, slots % block_size
@@ -220,6 +215,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     launch_key = (constexprs, key.dtype, kv_cache.dtype, strides, num_kv_heads, key.data_ptr() % 16,
                   value.data_ptr() % 16, kv_cache.data_ptr() % 16)
     _write_launcher(launch_key, grid, args, constexprs, num_warps, 3)
+    if not kv_cache.is_cuda:  # interpreted: the fault record is already written, and reading it costs no sync
+        raise_pending_faults(kv_cache.device)
 
 
 @lru_cache(maxsize=None)

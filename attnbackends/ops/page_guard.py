@@ -35,6 +35,7 @@ __all__ = [
     "PageTableError",
     "fault_record",
     "guard_block_table",
+    "check_slots_host",
     "raise_pending_faults",
     "record_fault",
     "safe_page",
@@ -152,6 +153,15 @@ def _fault_message(kind: int, a: int, b: int, c: int) -> str:
                 + "; the step that used it was computed with page 0 in its place")
     return (f"slot_mapping[{a}] = {b} is outside the KV cache's {c} slots (and not -1, padding); "
             "that token's key and value were not written")
+
+
+def check_slots_host(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Raise :class:`PageTableError` for the first slot outside ``[-1, num_slots)`` (a host read of the slots: the
+    torch write paths' check)."""
+    bad = torch.nonzero((slot_mapping < -1) | (slot_mapping >= num_slots))
+    if bad.numel():
+        i = int(bad[0])
+        raise PageTableError(_fault_message(FAULT_SLOT, i, int(slot_mapping[i]), num_slots))
 
 
 def raise_pending_faults(device: "torch.device | str") -> None:

@@ -1,12 +1,21 @@
 """A conformance suite any backend (ours or a third party's) can run against the oracle.
 
+    import pytest
+    import torch
     from attnbackends.testing import conformance_cases, check_backend_case
-    @pytest.mark.parametrize("case", conformance_cases(), ids=str)
-    def test_my_backend(case):
-        check_backend_case(MyBackend, case, device="cuda")
 
-A case whose spec the backend declares unsupported (``not_supported_reasons``) raises ``CaseNotSupported`` so the
-caller can skip it with the backend's own reasons; every other mismatch is an AssertionError.
+    DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @pytest.mark.parametrize("case", conformance_cases("bfloat16", 128, 16), ids=str)
+    def test_my_backend(case):
+        check_backend_case(MyBackend, case, device=DEVICE)
+
+A case the backend declines (its ``not_supported_reasons`` for the case's spec, or ``CaseNotSupported`` raised by
+the backend itself) is skipped with the backend's reasons under pytest (:func:`check_backend_case`); outside pytest
+it raises ``CaseNotSupported`` (:func:`check_backend_case_or_raise`, :func:`sweep`). Every other mismatch is an
+AssertionError. Outputs are judged against the oracle elementwise and as a whole (relative Frobenius error, see
+:class:`~attnbackends.testing.tolerances.Tolerance`); fp8 cases against the oracle on the dequantised cache values,
+so a 1% scale error fails them.
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ import torch
 from ..interface import AttentionBackend
 from ..ops.quant import dequantize_from_cache
 from ..platform import DeviceInfo
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, dtype_name
 from ..speculative import chain_parents
-from .cases import EAGLE_TREE_8, RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes, random_tree_parents
+from ..validation import check_device_available
+from .cases import (
+    EAGLE_TREE_8, RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes, random_tree_parents,
+)
 from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
@@ -35,6 +47,7 @@ __all__ = [
     "run_backend_on_batch",
     "check_backend_on_batch",
     "check_backend_case",
+    "check_backend_case_or_raise",
 ]
 
 
@@ -73,8 +86,12 @@ class ConformanceCase:
         return make_random_batch(spec, shapes, seed=self.seed, device=device, pad_tokens=self.pad_tokens, **self.extra)
 
 
-def conformance_cases(dtype: str = "float16", head_size: int = 64, block_size: int = 16) -> list[ConformanceCase]:
-    """The standard cases, one feature each plus mixed batches, for the given dtype/head/block size."""
+def conformance_cases(
+    dtype: "str | torch.dtype" = "float16", head_size: int = 64, block_size: int = 16
+) -> list[ConformanceCase]:
+    """The standard cases, one feature each plus mixed batches, for the given dtype (a name such as ``"bfloat16"``
+    or a torch dtype), head size and block size."""
+    dtype = dtype_name(dtype)
     base = dict(num_heads=4, num_kv_heads=2, head_size=head_size, dtype=dtype, block_size=block_size)
     mixed = tuple(
         [SequenceShape(1, 0), SequenceShape(1, block_size), SequenceShape(1, 3 * block_size + 5)]
@@ -189,9 +206,28 @@ def _check_cache_writes(name: str, batch: RandomBatch, kv_cache: torch.Tensor) -
             raise AssertionError(f"{name}: new {what}s were not written to their slots (max abs diff {worst:.3g})")
 
 
-def check_backend_case(backend_cls: type[AttentionBackend], case: ConformanceCase, device: "torch.device | str" = "cpu") -> None:
-    """Build the case's batch on ``device`` and check the backend on it (CaseNotSupported if it declines)."""
+def check_backend_case_or_raise(
+    backend_cls: type[AttentionBackend], case: ConformanceCase, device: "torch.device | str" = "cpu"
+) -> None:
+    """Build the case's batch on ``device`` and check the backend on it; CaseNotSupported if it declines."""
+    device = check_device_available(device)
+    reasons = backend_cls.not_supported_reasons(case.spec(), _device_info(device))
+    if reasons:
+        raise CaseNotSupported(reasons)
     check_backend_on_batch(backend_cls, case.batch(device))
+
+
+def check_backend_case(backend_cls: type[AttentionBackend], case: ConformanceCase, device: "torch.device | str" = "cpu") -> None:
+    """Build the case's batch on ``device`` and check the backend on it; a case the backend declines is skipped
+    with its reasons (``pytest.skip``; without pytest installed, CaseNotSupported is raised)."""
+    try:
+        check_backend_case_or_raise(backend_cls, case, device)
+    except CaseNotSupported as exc:
+        try:
+            import pytest
+        except ImportError:
+            raise exc from None
+        pytest.skip(f"{backend_cls.name} declines {case.name}: {exc}")
 
 
 def sweep(backend_cls: type[AttentionBackend], cases: Sequence[ConformanceCase], device: "torch.device | str" = "cpu") -> dict[str, str]:
@@ -199,7 +235,7 @@ def sweep(backend_cls: type[AttentionBackend], cases: Sequence[ConformanceCase],
     results = {}
     for case in cases:
         try:
-            check_backend_case(backend_cls, case, device)
+            check_backend_case_or_raise(backend_cls, case, device)
             results[case.name] = "ok"
         except CaseNotSupported as exc:
             results[case.name] = f"unsupported: {exc}"
