@@ -11,6 +11,7 @@ from .conformance import (
     run_backend_on_batch,
     sweep,
 )
+from .layer_groups import LAYER_GROUP_SHAPES, check_layer_groups, layer_group_batches
 from .oracle import oracle_attention
 from .tolerances import Tolerance, assert_close_to_oracle, tolerance_for
 
@@ -27,6 +28,9 @@ __all__ = [
     "conformance_cases",
     "run_backend_on_batch",
     "sweep",
+    "LAYER_GROUP_SHAPES",
+    "check_layer_groups",
+    "layer_group_batches",
     "oracle_attention",
     "Tolerance",
     "assert_close_to_oracle",
