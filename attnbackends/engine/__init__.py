@@ -6,6 +6,8 @@ small seeded one and comparing with transformers' ``generate``; transformers is 
 """
 
 from .engine import BlockAllocator, EngineConfig, EngineModel, GenerationResult, PagedEngine, StepAttention
+from .groups import GroupedEngineModel, GroupedPagedEngine, GroupedStepAttention
+from .hybrid_model import TinyHybrid, TinyHybridConfig
 from .hf import HFComparison, build_hf_model, compare_with_transformers, transformers_greedy, wrap_hf_model
 from .hf_deepseek import HFDeepseekV3Model
 from .hf_llama import HFLlamaModel
@@ -18,6 +20,11 @@ __all__ = [
     "GenerationResult",
     "PagedEngine",
     "StepAttention",
+    "GroupedEngineModel",
+    "GroupedPagedEngine",
+    "GroupedStepAttention",
+    "TinyHybrid",
+    "TinyHybridConfig",
     "TinyLlama",
     "TinyLlamaConfig",
     "HFLlamaModel",

@@ -224,15 +224,27 @@ class PagedEngine:
         order = decode_first_order([n for _, n in batch], self.builder.reorder_batch_threshold)
         return [batch[i] for i in order]
 
+    def _reserve_pages(self, req: _Request, num_tokens: int) -> None:
+        """Give ``req`` the pages its first ``num_tokens`` tokens need (``req.blocks`` is its block table)."""
+        need = self._pages(num_tokens) - len(req.blocks)
+        if need > 0:
+            req.blocks += self.allocator.allocate(need)
+
+    def _release_pages(self, req: _Request) -> None:
+        self.allocator.release(req.blocks)
+        req.blocks = []
+
+    def _step_attention(self, batch: list[tuple[_Request, int]], common) -> StepAttention:
+        """The step's attention: one build per step, shared by every layer."""
+        return StepAttention(self, self.builder.build(common))
+
     @torch.inference_mode()
     def step(self, running: list[_Request]) -> None:
         """One forward pass over the scheduled tokens of ``running``; samples where a sequence is fully cached."""
         batch = self._schedule(running)
         tokens, positions, block_tables = [], [], []
         for req, n in batch:
-            need = self._pages(req.num_computed + n) - len(req.blocks)
-            if need > 0:
-                req.blocks += self.allocator.allocate(need)
+            self._reserve_pages(req, req.num_computed + n)
             tokens += req.tokens[req.num_computed : req.num_computed + n]
             positions += range(req.num_computed, req.num_computed + n)
             block_tables.append(req.blocks)
@@ -243,7 +255,7 @@ class PagedEngine:
             self.config.block_size,
             self.device,
         )
-        attn = StepAttention(self, self.builder.build(common))  # one build per step, shared by every layer
+        attn = self._step_attention(batch, common)
         last = (common.query_start_loc_cpu[1:] - 1).tolist()
         sampling = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == len(req.tokens)]
         rows = torch.tensor([last[i] for i in sampling], dtype=torch.long, device=self.device)
@@ -282,8 +294,7 @@ class PagedEngine:
             self.step(running)
             steps += 1
             for req in [r for r in running if r.finished]:
-                self.allocator.release(req.blocks)
-                req.blocks = []
+                self._release_pages(req)
                 running.remove(req)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
