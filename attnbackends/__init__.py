@@ -5,6 +5,16 @@ backend's metadata builder (once per batch) and impl (once per layer).
 """
 
 from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
+from .layer_groups import (
+    GroupedMetadata,
+    GroupedMetadataBuilder,
+    LayerGroup,
+    LayerGroups,
+    LayerGroupsConfig,
+    explain_layers,
+    group_layers,
+    trim_to_window,
+)
 from .metadata import (
     CommonAttentionMetadata,
     DecodePrefillSplit,
@@ -36,6 +46,14 @@ __all__ = [
     "CudaGraphSupport",
     "QueryLenSupport",
     "CommonAttentionMetadata",
+    "GroupedMetadata",
+    "GroupedMetadataBuilder",
+    "LayerGroup",
+    "LayerGroups",
+    "LayerGroupsConfig",
+    "explain_layers",
+    "group_layers",
+    "trim_to_window",
     "DecodePrefillSplit",
     "build_common_metadata",
     "decode_first_order",

@@ -73,6 +73,7 @@ def test_explain_mla_uses_its_own_sizes(capsys):
 def test_explain_explicit_backend_is_consistent(capsys, monkeypatch):
     monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr("attnbackends.platform.is_triton_interpreted", lambda: False)  # it is read once and cached
     assert main(["explain", "--cpu", "--backend", "triton"]) == 1
     out = capsys.readouterr().out
     assert "lower priority" not in out and "fits (not requested)" in out

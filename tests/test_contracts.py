@@ -49,13 +49,15 @@ def test_compiled_layer_allocates_the_mla_output_shape():
 @pytest.mark.parametrize("v_scale", [None, 1.0, 0.5])
 def test_mla_v_scale_equal_to_k_scale_or_one_is_accepted(v_scale):
     kv_b_proj = torch.randn(4 * (16 + 24), 32)
-    impl = ReferenceMLAImpl(MLA_SPEC, kv_b_proj=kv_b_proj, k_scale=0.5, v_scale=v_scale)
+    fp8_spec = MLA_SPEC.model_copy(update={"kv_cache_dtype": "fp8_e4m3"})  # scales apply to fp8 caches only
+    impl = ReferenceMLAImpl(fp8_spec, kv_b_proj=kv_b_proj, k_scale=0.5, v_scale=v_scale)
     assert impl.v_scale == impl.k_scale == 0.5
 
 
 def test_mla_v_scale_that_differs_is_rejected():
     with pytest.raises(ValueError, match=r"v_scale=0\.25 is not supported by MLA.*k_scale=0\.5"):
-        ReferenceMLAImpl(MLA_SPEC, kv_b_proj=torch.randn(4 * (16 + 24), 32), k_scale=0.5, v_scale=0.25)
+        ReferenceMLAImpl(MLA_SPEC.model_copy(update={"kv_cache_dtype": "fp8_e4m3"}),
+                         kv_b_proj=torch.randn(4 * (16 + 24), 32), k_scale=0.5, v_scale=0.25)
 
 
 def _cp_case():

@@ -5,6 +5,8 @@ model (adapters and seeded fixtures in the checkout's ``examples/engine/hf_model
 """
 
 from .engine import BlockAllocator, EngineConfig, EngineModel, GenerationResult, PagedEngine, StepAttention
+from .groups import GroupedEngineModel, GroupedPagedEngine, GroupedStepAttention
+from .hybrid_model import TinyHybrid, TinyHybridConfig
 from .model import TinyLlama, TinyLlamaConfig
 
 __all__ = [
@@ -14,6 +16,11 @@ __all__ = [
     "GenerationResult",
     "PagedEngine",
     "StepAttention",
+    "GroupedEngineModel",
+    "GroupedPagedEngine",
+    "GroupedStepAttention",
+    "TinyHybrid",
+    "TinyHybridConfig",
     "TinyLlama",
     "TinyLlamaConfig",
 ]

@@ -267,15 +267,27 @@ class PagedEngine:
         order = decode_first_order([n for _, n, _ in batch], self.builder.reorder_batch_threshold)
         return [batch[i] for i in order]
 
+    def _reserve_pages(self, req: _Request, num_tokens: int) -> None:
+        """Give ``req`` the pages its first ``num_tokens`` tokens need (``req.blocks`` is its block table)."""
+        need = self._pages(num_tokens) - len(req.blocks)
+        if need > 0:
+            req.blocks += self.allocator.allocate(need)
+
+    def _release_pages(self, req: _Request) -> None:
+        self.allocator.release(req.blocks)
+        req.blocks = []
+
+    def _step_attention(self, batch: list[tuple], common) -> StepAttention:
+        """The step's attention: one build per step, shared by every layer."""
+        return StepAttention(self, self.builder.build(common))
+
     @torch.inference_mode()
     def step(self, running: list[_Request]) -> None:
         """One forward pass over the scheduled tokens of ``running``; samples where a sequence is fully cached."""
         batch = self._schedule(running)
         tokens, positions, block_tables, trees = [], [], [], []
         for req, n, draft in batch:
-            need = self._pages(req.num_computed + n) - len(req.blocks)
-            if need > 0:
-                req.blocks += self.allocator.allocate(need)
+            self._reserve_pages(req, req.num_computed + n)
             if draft is not None:  # verify: the root (last token, uncached) and the draft tree below it
                 tokens += [req.tokens[-1]] + draft.tokens
                 positions += [req.num_computed] + [req.num_computed + d for d in draft.depths()]
@@ -294,7 +306,7 @@ class PagedEngine:
         )
         if any(t is not None for t in trees):
             common = with_tree_mask(common, trees)
-        attn = StepAttention(self, self.builder.build(common))  # one build per step, shared by every layer
+        attn = self._step_attention(batch, common)
         qsl = common.query_start_loc_cpu.tolist()
         rows = []  # logits rows: every verify token, else the last token of a request whose sequence is cached
         for i, (req, n, draft) in enumerate(batch):
@@ -388,8 +400,7 @@ class PagedEngine:
             self.step(running)
             steps += 1
             for req in [r for r in running if r.finished]:
-                self.allocator.release(req.blocks)
-                req.blocks = []
+                self._release_pages(req)
                 running.remove(req)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

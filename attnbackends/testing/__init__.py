@@ -12,6 +12,7 @@ from .conformance import (
     run_backend_on_batch,
     sweep,
 )
+from .layer_groups import LAYER_GROUP_SHAPES, check_layer_groups, layer_group_batches
 from .oracle import oracle_attention
 from .tolerances import Tolerance, assert_close_to_oracle, tolerance_for
 
@@ -29,6 +30,9 @@ __all__ = [
     "conformance_cases",
     "run_backend_on_batch",
     "sweep",
+    "LAYER_GROUP_SHAPES",
+    "check_layer_groups",
+    "layer_group_batches",
     "oracle_attention",
     "Tolerance",
     "assert_close_to_oracle",

@@ -135,6 +135,7 @@ def make_random_batch(
     fp8_scales: Optional[tuple[float, float]] = None,
     logit_magnitude: float = 1.0,
     tree_parents: Optional[Sequence[Optional[Sequence[int]]]] = None,
+    block_tables: Optional[Sequence[Sequence[int]]] = None,
 ) -> RandomBatch:
     """A random batch for ``spec`` with one request per entry of ``shapes`` (keep decodes first for backends that
     need that order: see :func:`attnbackends.metadata.decode_first_order`).
@@ -143,6 +144,8 @@ def make_random_batch(
     fp8 caches get scales chosen so the data spans the fp8 range (or ``fp8_scales``); ``logit_magnitude`` scales
     the queries, to exercise soft-capping and large logits. ``tree_parents`` (one entry per request, None for no
     tree) turns requests into tree-verify requests (:func:`attnbackends.speculative.with_tree_mask`).
+    ``block_tables`` (one page list per request, within ``num_blocks``) replaces the random pages: batches of
+    several layers then share one block table.
     """
     if spec.is_mla:
         raise ValueError("make_random_batch builds standard-attention batches; MLA has its own generator")
@@ -194,6 +197,12 @@ def make_random_batch(
         for n in pages_needed:
             tables.append(pool[at : at + n])
             at += n
+        if block_tables is not None:
+            tables = [list(t) for t in block_tables]
+            short = [i for i, (t, n) in enumerate(zip(tables, pages_needed)) if len(t) < n]
+            if len(tables) != len(shapes) or short or any(not 0 <= b < num_blocks for t in tables for b in t):
+                raise ValueError(f"block_tables needs one list per request, enough pages each (short: {short}) and "
+                                 f"page ids in [0, {num_blocks})")
         kv_cache = quantize_for_cache(randn(num_blocks, 2, bs, hkv, d), cache_dtype, 1.0)
         for k, v, s, table in zip(dense_k, dense_v, shapes, tables):
             for pos in range(s.context_len):
