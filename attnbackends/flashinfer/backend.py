@@ -440,11 +440,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if num_prefills:
             wrapper = self._prefill_wrapper()
             part = inputs.select(num_decodes, num_reqs)
+            qo_indptr, kv_indptr, last_page_len = part.qo_indptr, part.kv_indptr, part.kv_last_page_len
+            if tree:
+                # plan() packs a custom mask on the device with an indptr it derives from these: they must be there
+                # (plan() then copies them back to the host: tree batches pay one sync in build()).
+                qo_indptr, kv_indptr, last_page_len = (t.to(self.device) for t in (qo_indptr, kv_indptr,
+                                                                                  last_page_len))
             wrapper.plan(
-                part.qo_indptr,
-                part.kv_indptr,
+                qo_indptr,
+                kv_indptr,
                 part.kv_indices,
-                part.kv_last_page_len,
+                last_page_len,
                 spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
                 causal=True,
                 custom_mask=expand_tree_mask(common, num_decodes, num_reqs) if tree else None,
