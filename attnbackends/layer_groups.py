@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -30,7 +29,7 @@ from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 from .metadata import CommonAttentionMetadata
 from .platform import DeviceInfo
 from .registry import BackendNotSupportedError, Explanation, explain, get_backend_class
-from .spec import AttentionConfig, AttentionSpec, AttentionType
+from .spec import AttentionConfig, AttentionSpec, AttentionType, read_config_file
 
 __all__ = [
     "GroupedMetadata",
@@ -132,20 +131,7 @@ class LayerGroupsConfig(BaseModel):
     @classmethod
     def from_file(cls, path: "str | os.PathLike") -> "LayerGroupsConfig":
         """Read the ``attention:`` section (the default) and the ``layer_groups:`` section of a YAML/JSON file."""
-        import json
-
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"config file {path} must end in .yaml, .yml or .json")
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        data = read_config_file(path)
         groups = data.get("layer_groups") or {}
         if not isinstance(groups, dict):
             raise ValueError(f"layer_groups in {path} must be a mapping, got {type(groups).__name__}")

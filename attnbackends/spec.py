@@ -257,6 +257,23 @@ class AttentionSpec(BaseModel):
         return self.attn_type.is_causal
 
 
+def read_config_file(path: "str | os.PathLike") -> dict:
+    """The mapping in a ``.yaml``/``.yml`` or ``.json`` config file (ValueError for another suffix or a non-mapping)."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ValueError(f"config file {path} must end in .yaml, .yml or .json")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
 class AttentionConfig(BaseModel):
     """The user's choice: ``backend`` ("auto" or a registered name) and an optional priority override.
 
@@ -303,18 +320,7 @@ class AttentionConfig(BaseModel):
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "AttentionConfig":
         """Read a config from a ``.yaml``/``.yml`` or ``.json`` file; an ``attention:`` section is used if present."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"config file {path} must end in .yaml, .yml or .json")
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        data = read_config_file(path)
         data = data.get("attention", data)
         return cls.model_validate(data)
 
