@@ -40,8 +40,8 @@ def test_an_installed_launch_hook_is_seen():
 def test_triton_forward_launches_directly_after_the_first_call():
     case = conformance_cases("bfloat16", 128, 16)[0]
     batch = case.batch("cuda")
-    builder = TritonAttentionBackend.get_builder_cls()(case.spec, "cuda")
-    impl = TritonAttentionBackend.get_impl_cls()(case.spec)
+    builder = TritonAttentionBackend.get_builder_cls()(case.spec(), "cuda")
+    impl = TritonAttentionBackend.get_impl_cls()(case.spec())
     metadata = builder.build(batch.common)
     first = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, batch.new_output()).clone()
     assert launch._attention_launcher._compiled, "the first launch did not leave a compiled kernel to reuse"
