@@ -5,10 +5,9 @@ with dense masked attention (no cache): the reference the engine is checked agai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..spec import AttentionSpec
@@ -58,30 +57,8 @@ class TinyHybrid(TinyLlama):
     def impl_kwargs(self, layer: int) -> dict[str, Any]:
         return {"sinks": self.sinks[layer].detach().float()} if self.sinks is not None else {}
 
-    def _rope_layer(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
-        inv_freq = self.inv_freq if self.cfg.is_global(layer) else self.local_inv_freq
-        angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend, logits_rows: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        """tokens, positions: [T] int64 -> logits [T, vocab] float32 (only the rows ``logits_rows`` if given);
-        ``attend(layer, q, k, v)`` is the engine's step attention."""
-        cfg = self.cfg
-        x = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            h = layer.input_norm(x)
-            q = self._rope_layer(layer.q_proj(h).view(-1, cfg.num_heads, cfg.head_size), positions, i)
-            k = self._rope_layer(layer.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size), positions, i)
-            v = layer.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size)
-            o = attend(i, q, k, v)
-            x = x + layer.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_size))
-            x = x + layer.mlp(layer.post_norm(x))
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.lm_head(self.norm(x)).float()
+    def _inv_freq(self, layer: int) -> torch.Tensor:
+        return self.inv_freq if self.cfg.is_global(layer) else self.local_inv_freq
 
     def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole sequence with dense attention (causal, each layer's window, sinks): tokens [L] -> [L, vocab]."""

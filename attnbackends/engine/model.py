@@ -84,9 +84,13 @@ class TinyLlama(nn.Module):
     def impl_kwargs(self, layer: int) -> dict[str, Any]:
         return {}
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _inv_freq(self, layer: int) -> torch.Tensor:
+        """[D/2] rotary frequencies of ``layer`` (one base for every layer here)."""
+        return self.inv_freq
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """Rotary embedding, half-split convention. x: [T, H, D]; positions: [T]."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        angles = positions.float()[:, None] * self._inv_freq(layer)[None, :]  # [T, D/2]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -99,8 +103,8 @@ class TinyLlama(nn.Module):
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
-            q = self._rope(layer.q_proj(h).view(-1, cfg.num_heads, cfg.head_size), positions)
-            k = self._rope(layer.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size), positions)
+            q = self._rope(layer.q_proj(h).view(-1, cfg.num_heads, cfg.head_size), positions, i)
+            k = self._rope(layer.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size), positions, i)
             v = layer.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_size)
             o = attend(i, q, k, v)
             x = x + layer.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_size))
