@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, build_common_metadata, select
+from attnbackends.ops.page_guard import raise_pending_faults
 from attnbackends.registry import get_backend_class
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import make_random_batch, tolerance_for
@@ -115,6 +116,17 @@ class Ctx:
         table[row, col] = value
         return dataclasses.replace(self.common, block_table=table, block_table_cpu=table.cpu())
 
+    def last_page_col(self, row: int) -> int:
+        """The block-table column of request ``row``'s last used page."""
+        return (int(self.common.seq_lens_cpu[row]) - 1) // self.spec.block_size
+
+    def step_boundary(self) -> None:
+        """What an engine does between steps: wait for the step (its sampling reads the logits back), then the
+        next step's first check raises any fault the device recorded."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        raise_pending_faults(self.device)
+
     def with_slot(self, index: int, value: int):
         slots = self.common.slot_mapping.clone()
         slots[index] = value
@@ -148,6 +160,11 @@ class Kind:
         if self.arg in ROLES and target.mla:
             return MLA_NAMES[self.arg]
         return self.arg
+
+
+def other_float_dtype(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a 16-bit float dtype other than its own."""
+    return t.to(torch.float16 if t.dtype == torch.bfloat16 else torch.bfloat16)
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -269,7 +286,7 @@ KINDS = [
     Kind("output_dtype", lambda c: c.forward(output=c.tensors["output"].float()), "output"),
     Kind("output_width", lambda c: c.forward(output=wider(c.tensors["output"])), "output"),
     Kind("output_last_dim_strided", lambda c: c.forward(output=strided_last_dim(c.tensors["output"])), "output"),
-    Kind("kv_cache_dtype", lambda c: c.forward(kv_cache=c.tensors["kv_cache"].to(torch.bfloat16)), "kv_cache"),
+    Kind("kv_cache_dtype", lambda c: c.forward(kv_cache=other_float_dtype(c.tensors["kv_cache"])), "kv_cache"),
     Kind("kv_cache_not_a_tensor", lambda c: c.forward(kv_cache=list(c.tensors["kv_cache"].unbind(1))), "kv_cache"),
     Kind("kv_cache_on_meta_device", lambda c: c.forward(kv_cache=meta_like(c.tensors["kv_cache"])), "kv_cache"),
     Kind("kv_cache_non_contiguous", lambda c: c.forward(kv_cache=non_contiguous_cache(c.tensors["kv_cache"])),
@@ -289,7 +306,7 @@ KINDS = [
     Kind("later_output_on_meta_device", later(lambda c: dict(output=meta_like(c.tensors["output"]))), "output"),
     Kind("later_key_last_dim_strided", later(lambda c: dict(key=strided_last_dim(c.tensors["key"]))), "key"),
     Kind("later_value_dtype", later(lambda c: dict(value=c.tensors["value"].float())), "value"),
-    Kind("later_kv_cache_dtype", later(lambda c: dict(kv_cache=c.tensors["kv_cache"].to(torch.bfloat16))),
+    Kind("later_kv_cache_dtype", later(lambda c: dict(kv_cache=other_float_dtype(c.tensors["kv_cache"]))),
          "kv_cache"),
     Kind("later_kv_cache_non_contiguous", later(lambda c: dict(kv_cache=non_contiguous_cache(c.tensors["kv_cache"]))),
          "kv_cache"),
@@ -320,7 +337,7 @@ KINDS = [
     # The batch against the cache: checked in debug mode (reads device tensors on the host) ...
     Kind("debug_page_id_past_cache", lambda c: c.forward(c.build(c.with_table_entry(0, 0, c.tensors["kv_cache"].shape[0]))),
          "block_table", debug=True),
-    Kind("debug_negative_page_id", lambda c: c.forward(c.build(c.with_table_entry(0, 1, -2))), "block_table",
+    Kind("debug_negative_page_id", lambda c: c.forward(c.build(c.with_table_entry(0, c.last_page_col(0), -2))), "block_table",
          debug=True),
     Kind("debug_slot_past_cache", lambda c: c.forward(c.build(c.with_slot(2, c.num_slots))), "slot_mapping",
          debug=True),
@@ -334,10 +351,10 @@ KINDS = [
     # ... and page ids and slots on every step (the page guard), run in a child process in case one crashes.
     Kind("page_id_past_cache", lambda c: c.forward(c.build(c.with_table_entry(0, 0, c.tensors["kv_cache"].shape[0]))),
          "block_table", crash_prone=True),
-    Kind("negative_page_id", lambda c: c.forward(c.build(c.with_table_entry(0, 1, -2))), "block_table",
+    Kind("negative_page_id", lambda c: c.forward(c.build(c.with_table_entry(0, c.last_page_col(0), -2))), "block_table",
          crash_prone=True),
-    Kind("slot_past_cache", lambda c: c.forward(c.build(c.with_slot(2, c.num_slots))), "slot_mapping",
-         crash_prone=True),
+    Kind("slot_past_cache", lambda c: (c.forward(c.build(c.with_slot(2, c.num_slots))), c.step_boundary()),
+         "slot_mapping", crash_prone=True),
 ]
 KINDS_BY_NAME = {k.name: k for k in KINDS}
 assert len(KINDS_BY_NAME) == len(KINDS), "kind names must be unique"

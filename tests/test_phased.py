@@ -156,16 +156,19 @@ def test_decode_part_in_a_cuda_graph():
     capture = make_random_batch(spec, [SequenceShape(1, c) for c in (900, 40, 300, 7)], seed=1, device="cuda",
                                 num_blocks=400)
     kv_cache, out = capture.kv_cache.clone(), capture.new_output()
-    q, common = capture.query.clone(), capture.common
+    q, k, v, common = capture.query.clone(), capture.key.clone(), capture.value.clone(), capture.common
     meta = builder.build_for_cudagraph_capture(common)
-    impl.forward(q, None, None, kv_cache, meta, out)  # warm-up compiles outside the capture
+    impl.forward(q, k, v, kv_cache, meta, out)  # warm-up compiles outside the capture
+    assert_close_to_oracle(out, oracle_attention(capture), tolerance_for(spec.torch_dtype), what="eager decode")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(q, None, None, kv_cache, meta, out)
+        impl.forward(q, k, v, kv_cache, meta, out)
     replay = make_random_batch(spec, [SequenceShape(1, c) for c in (15, 700, 64, 299)], seed=2, device="cuda",
                                num_blocks=400)
     kv_cache.copy_(replay.kv_cache)
-    q.copy_(replay.query)
+    for dst, src in ((q, replay.query), (k, replay.key), (v, replay.value),
+                     (common.slot_mapping, replay.common.slot_mapping)):
+        dst.copy_(src)
     common.seq_lens.copy_(replay.common.seq_lens)
     common.block_table.zero_()
     common.block_table[:, : replay.common.block_table.shape[1]].copy_(replay.common.block_table)
