@@ -29,6 +29,7 @@ __all__ = [
     "PRIVATE_SURFACES",
     "PrivateSurface",
     "efficient_attention_with_lse",
+    "ensure_triton_scratch_allocator",
     "fallback_reason",
     "flash_attn_cute_available",
     "flashinfer_jit_generators",
@@ -63,6 +64,9 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
         frozenset({"3.6.0"})),
     "aten_efficient_attention": PrivateSurface(
         "torch", "torch.ops.aten._scaled_dot_product_efficient_attention (SDPA's kernel, returning the LSE)"),
+    "triton_scratch_allocator": PrivateSurface(
+        "triton", "triton.runtime._allocation._allocator (the context's scratch allocator, read to leave an "
+        "allocator the application set in place)"),
     "flash_attn_cute": PrivateSurface(
         "flash-attn-4", "flash_attn.cute, shipped inside a namespace package flash_attn"),
 }
@@ -189,6 +193,26 @@ class DirectLauncher:
                 self._fallback_reason = reason
             return
         self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+
+
+# --------------------------------------------------------------------------------- Triton's scratch allocator
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Scratch for kernels that make tensor descriptors on the device, from torch's caching allocator."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def ensure_triton_scratch_allocator() -> None:
+    """Give Triton a scratch allocator (torch's caching allocator) for kernels that make TMA descriptors on the
+    device, unless this context already has one (an application's own is left in place)."""
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        unset = isinstance(current, _allocation.NullAllocator)
+    except (ImportError, AttributeError) as exc:
+        fallback_reason("triton_scratch_allocator", f"cannot read Triton's allocator ({exc}); setting ours")
+        unset = True
+    if unset:
+        triton.set_allocator(_torch_scratch)
 
 
 # ------------------------------------------------------------------------------------------------- FlashInfer JIT

@@ -2,8 +2,10 @@
 
     python benchmarks/triton_api.py --out results.json [--quick]
 
-``builder.build(common)`` once per batch, then ``impl.forward(q, None, None, kv_cache, metadata, out)`` timed
-(the cache already holds every key), against raw FlashInfer wrappers planned once on the same cache tensor
+``builder.build(common)`` once per batch, then ``impl.forward`` timed: decodes as ``forward(q, None, None,
+kv_cache, metadata, out)`` (the cache already holds every key); prefill and mixed batches as an engine runs them,
+``forward(q, k, v, kv_cache, metadata, out)`` with the step's new keys and values (written to the cache inside the
+timed call; ``prefill_kv_in_cache`` rows time the call without them), against raw FlashInfer wrappers planned once on the same cache tensor
 (``run()`` timed) and torch SDPA for prefill. Rows use the names of PERF.md:
 
 - ``host_overhead``: host (thread CPU) time of one call with the GPU idle: B=1 decode at L=16; ours (attention
@@ -11,6 +13,8 @@
 - ``decode_eager``: B=1 L=1024, B=1 L=16384, B=16 L=4096, eager (no CUDA graph), do_bench medians and
   back-to-back wall time per call.
 - ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA), ``mixed``.
+
+``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from attnbackends.triton.backend import TritonAttentionBackend
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = 1.0 / math.sqrt(D)
 DEV = "cuda"
+PREFILL_KERNEL = True  # the Triton builder's prefill_kernel option (off by default on GPUs until validated)
 
 
 def do_bench_us(fn) -> float:
@@ -104,7 +109,8 @@ class Batch:
         visible = sum(sum(c + i + 1 for i in range(q)) for q, c in shapes)
         self.flops = 4.0 * HQ * D * visible
         self.builder = TritonAttentionBackend.get_builder_cls()(
-            self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192))
+            self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192),
+            prefill_kernel=PREFILL_KERNEL)
         self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale)
         self.metadata = self.builder.build(self.common)
         self.out = torch.full_like(self.query, float("nan"))
@@ -184,7 +190,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON rows to write (PERF.md format)")
     ap.add_argument("--quick", action="store_true", help="host overhead and eager decode rows only")
     ap.add_argument("--profile", action="store_true", help="print where the host time of one forward goes")
+    ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
+    ap.add_argument("--no-prefill-kernel", action="store_true",
+                    help="build with prefill_kernel=False (prefills on the unified kernel)")
     args = ap.parse_args(argv)
+    global PREFILL_KERNEL
+    PREFILL_KERNEL = not args.no_prefill_kernel
     if args.profile:
         profile_forward()
     rows = []
@@ -206,6 +217,9 @@ def main(argv=None) -> int:
 
     def diff(a, b):
         return float((a.float() - b.float()).abs().max())
+
+    if args.prefill_sweep:
+        return prefill_sweep(row, diff)
 
     # Host time per call, GPU idle (tiny decode).
     b = Batch([(1, 15)])
@@ -257,7 +271,7 @@ def main(argv=None) -> int:
     for B, L in [(1, 8192), (4, 4096), (16, 1024)]:
         b = Batch([(L, 0)] * B)
         fi, fi_out = flashinfer_prefill(b)
-        fn = b.triton()
+        fn = b.triton(write=True)
         fn()
         fi()
         d = diff(b.out, fi_out)
@@ -266,6 +280,8 @@ def main(argv=None) -> int:
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
         row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d)
         row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd))
+        cached = do_bench_us(b.triton())
+        row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
         del b
 
     # Mixed: 60 decodes at 4096 + 4 x 512 new on 2048 context, one batch.
@@ -273,11 +289,47 @@ def main(argv=None) -> int:
     d_fn, d_out = flashinfer_decode(b, 0, 60)
     p_fn, p_out = flashinfer_prefill(b, 60, 64)
     both = lambda: (d_fn(), p_fn())  # noqa: E731
-    fn = b.triton()
+    fn = b.triton(write=True)
     fn()
     both()
     d = max(diff(b.out[:60], d_out), diff(b.out[60:], p_out))
     row("mixed", 64, 4096, do_bench_us(fn), do_bench_us(both), max_abs_diff=d)
+    return 0
+
+
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 64, 8, 2), (128, 32, 8, 3),
+                 (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2)]
+
+
+def prefill_sweep(row, diff) -> int:
+    """The prefill kernel's tile configs (block_m, block_n, warps, stages) on the prefill rows' shapes."""
+    import dataclasses
+
+    from attnbackends.triton.prefill_launch import PrefillConfig, plan_prefill_new_kv
+
+    for B, L in [(1, 8192), (4, 4096), (16, 1024)]:
+        b = Batch([(L, 0)] * B)
+        b.triton(write=True)()  # the new keys into the cache, for FlashInfer to read
+        fi, fi_out = flashinfer_prefill(b)
+        fi()
+        peer = do_bench_us(fi)
+        tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
+        for bm, bn, w, st in PREFILL_SWEEP:
+            plan = plan_prefill_new_kv(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=PAGE, num_seqs=B,
+                                       first_seq=0, max_query_len=L, config=PrefillConfig(bm, bn, w, st))
+            b.metadata = dataclasses.replace(b.metadata, prefill_split=(None, plan))
+            fn = b.triton(write=True)
+            try:
+                b.out.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a config that does not compile is a row, not the end of the sweep
+                row("prefill_sweep", B, L, float("nan"), peer, config=[bm, bn, w, st], error=str(exc)[:200])
+                continue
+            us = do_bench_us(fn)
+            row("prefill_sweep", B, L, us, peer, config=[bm, bn, w, st], TFLOPs=tf(us), peer_TFLOPs=tf(peer),
+                max_abs_diff=diff(b.out, fi_out))
+        del b
     return 0
 
 

@@ -16,9 +16,16 @@ from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilde
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
-from ..platform import DeviceInfo
+from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
+from .prefill_launch import (
+    PrefillPlan,
+    launch_prefill_new_kv,
+    plan_prefill_new_kv,
+    prefill_new_kv_unsupported_reason,
+    tma_compatible,
+)
 from .launch import (
     MAX_HEAD_SIZE,
     MAX_KV_SPLITS,
@@ -46,6 +53,9 @@ class TritonMetadata:
     plan: LaunchPlan
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
     tree_mask: Optional[torch.Tensor] = None  # [sum n_i^2] uint8 view of common.spec_tree_mask
+    #: For a forward that brings the step's keys and values: the decodes' plan (None: no decodes) and the
+    #: prefill kernel's plan for the other requests, run instead of ``plan``. None: ``plan`` always runs.
+    prefill_split: Optional[tuple[Optional[LaunchPlan], PrefillPlan]] = None
 
     @property
     def num_decodes(self) -> int:
@@ -100,6 +110,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         its own query, keys and values: bitwise the same whatever else shares its batch (given the same
         position in the decode/prefill split: decodes first). Costs decode speed on small batches (no split-KV),
         and the fixed tiles are not the fastest for every shape.
+    prefill_kernel : run the prefills and chunked prefills of a batch on the prefill kernel
+        (:mod:`attnbackends.triton.prefill_kernel`: the new tokens' keys and values read from the forward's
+        ``key``/``value``, the context from the pages) when the forward brings them. None (default): on under the
+        Triton interpreter, off on GPUs until the kernel's H100 validation run; True: on wherever the kernel
+        applies; False: off. ``prefill_kernel_reason`` says why it is not used (None: used).
     """
 
     query_len_support = QueryLenSupport.VARLEN
@@ -107,11 +122,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
-                 **kwargs) -> None:
+                 prefill_kernel: Optional[bool] = None, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
         self.num_sms = DeviceInfo.current(self.device).sm_count if self.device.type == "cuda" else 1
+        #: Why batches with prefills cannot use the prefill kernel (None: they do, when the forward brings keys).
+        self.prefill_kernel_reason: Optional[str] = self._prefill_kernel_reason(prefill_kernel)
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
@@ -123,6 +140,20 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, config=self.kernel_config,
             device=self.device,
         )
+
+    def _prefill_kernel_reason(self, wanted: Optional[bool]) -> Optional[str]:
+        spec = self.spec
+        if wanted is False:
+            return "turned off (prefill_kernel=False)"
+        if wanted is None and self.device.type == "cuda" and not is_triton_interpreted():
+            return "off by default on GPUs until its H100 validation run (pass prefill_kernel=True to use it)"
+        if not spec.attn_type.uses_kv_cache:
+            return "encoder attention"
+        return prefill_new_kv_unsupported_reason(
+            head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
+            sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+            use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, device=self.device,
+            deterministic=self.deterministic)
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if self.debug:
@@ -152,7 +183,27 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
             decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
-        return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None)
+        prefill_split = None
+        if self.prefill_kernel_reason is None and causal and split.num_prefills and tree is None:
+            prefill_split = self._plan_prefill_split(common, num_decodes, split.num_decode_tokens, causal)
+        return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
+                              prefill_split)
+
+    def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
+                            causal: bool) -> tuple[Optional[LaunchPlan], PrefillPlan]:
+        """The decodes on the unified kernel's decode tiles, the rest on the prefill kernel."""
+        decode_plan = None
+        if num_decodes:
+            decode_plan = plan_attention(
+                num_tokens=num_decode_tokens, block_size=self.spec.block_size, num_seqs=num_decodes,
+                max_query_len=self.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
+                num_decodes=num_decodes, num_kv_splits=1, decode_query_len=self.reorder_batch_threshold,
+                **self._plan_args)
+        prefill_plan = plan_prefill_new_kv(
+            num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
+            block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
+            max_query_len=common.max_query_len)
+        return decode_plan, prefill_plan
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
@@ -215,6 +266,16 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         if key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
         _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
+        split = metadata.prefill_split
+        if split is not None and key is not None and tma_compatible(query, key, value, output):
+            decode_plan, prefill_plan = split
+            if decode_plan is not None:
+                launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc,
+                                 common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
+                                 self.k_scale, self.v_scale, cache_key=cache_key)
+            launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
+                                  common.block_table, common.seq_lens, common.query_start_loc, self.scale)
+            return output
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
                          self.k_scale, self.v_scale, cache_key=cache_key, tree_mask=metadata.tree_mask,

@@ -1,0 +1,137 @@
+"""The Triton prefill kernel (new tokens' K/V from the forward's key/value, context from the pages) through the
+backend's public API, against the float64 oracle: interpreted at tiny shapes on the CPU, at real shapes on the GPU."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attnbackends import AttentionSpec  # noqa: E402
+from attnbackends.testing import SequenceShape as S  # noqa: E402
+from attnbackends.testing import assert_close_to_oracle, make_random_batch, oracle_attention, tolerance_for  # noqa: E402
+from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+from attnbackends.triton.prefill_launch import prefill_new_kv_unsupported_reason  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+# Decodes first, then chunked prefills with context (partial last context tile), a plain prefill, a 1-token
+# prefill-classified tail, and a prefill longer than two query blocks.
+MIXED = [S(1, 20), S(1, 3), S(40, 23), S(33, 0), S(2, 17), S(20, 48)]
+
+
+def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int = 0, key_strided: bool = False):
+    """One forward with the step's key/value on fresh random data; returns (output, batch, metadata)."""
+    batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
+    impl = TritonAttentionBackend.get_impl_cls()(spec)
+    meta = builder.build(batch.common)
+    key, value = batch.key, batch.value
+    if key_strided:  # keys and values as views of one fused [tokens, 2, kv_heads, head] projection
+        fused = torch.stack([key, value], dim=1)
+        key, value = fused[:, 0], fused[:, 1]
+    out = batch.new_output()
+    out.fill_(float("nan"))
+    impl.forward(batch.query, key, value, batch.kv_cache.clone(), meta, out)
+    return out, batch, meta
+
+
+def check(spec, shapes, **kw):
+    out, batch, meta = run_forward(spec, shapes, **kw)
+    assert meta.prefill_split is not None, "the batch should run on the prefill kernel"
+    n = batch.num_actual_tokens
+    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what="prefill kernel")
+    return meta
+
+
+CPU_SPECS = [
+    AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16),
+    AttentionSpec(num_heads=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=32),
+    AttentionSpec(num_heads=5, num_kv_heads=1, head_size=32, dtype="float16", block_size=16),
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreted shapes; the GPU runs test_prefill_kernel_gpu")
+@pytest.mark.parametrize("spec", CPU_SPECS, ids=lambda s: f"h{s.num_heads}kv{s.num_kv_heads}d{s.head_size}b{s.block_size}")
+def test_mixed_batch_matches_oracle_interpreted(spec):
+    meta = check(spec, MIXED, pad_tokens=3)
+    decode_plan, prefill_plan = meta.prefill_split
+    assert decode_plan is not None and decode_plan.num_decodes == 2 and prefill_plan.first_seq == 2
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreted shapes")
+def test_only_prefills_and_fused_key_value_views():
+    spec = CPU_SPECS[0]
+    meta = check(spec, [S(40, 23), S(17, 0)], key_strided=True)
+    assert meta.prefill_split[0] is None  # no decodes: no decode launch
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreted shapes")
+def test_without_new_keys_the_unified_plan_runs():
+    """forward(q, None, None, ...) (the cache already holds the step's K/V) runs the batch's unified plan."""
+    spec = CPU_SPECS[0]
+    batch = make_random_batch(spec, MIXED, seed=1, device=DEVICE)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE)
+    impl = TritonAttentionBackend.get_impl_cls()(spec)
+    cache = batch.kv_cache.clone()
+    impl.update_kv_cache(batch.key, batch.value, cache, batch.common.slot_mapping)
+    out = batch.new_output()
+    out.fill_(float("nan"))
+    impl.forward(batch.query, None, None, cache, builder.build(batch.common), out)
+    assert_close_to_oracle(out, oracle_attention(batch), tolerance_for(spec.torch_dtype), what="unified")
+
+
+@pytest.mark.parametrize("feature, reason", [
+    (dict(logits_soft_cap=30.0), "soft-cap"), (dict(sliding_window=8), "sliding window"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "fp8"), (dict(attn_type="encoder_only"), "encoder"),
+])
+def test_features_the_kernel_does_not_take_keep_the_unified_path(feature, reason):
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16, **feature)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, "cpu")
+    assert builder.prefill_kernel_reason is not None and reason in builder.prefill_kernel_reason
+
+
+def test_turned_off_on_request_and_by_default_on_gpus():
+    spec = CPU_SPECS[0]
+    builder = TritonAttentionBackend.get_builder_cls()(spec, "cpu", prefill_kernel=False)
+    assert "prefill_kernel=False" in builder.prefill_kernel_reason
+    batch = make_random_batch(spec, MIXED, seed=2)
+    assert builder.build(batch.common).prefill_split is None
+    if ON_GPU:
+        assert "validation" in TritonAttentionBackend.get_builder_cls()(spec, "cuda").prefill_kernel_reason
+
+
+def test_gpu_reasons():
+    kw = dict(dtype=torch.bfloat16, kv_fp8=False, causal=True, sliding_window=None, logits_soft_cap=None,
+              use_alibi=False, use_sinks=False)
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU to ask its compute capability")
+    cuda = torch.device("cuda")
+    assert prefill_new_kv_unsupported_reason(head_size=128, device=cuda, **kw) is None
+    assert "head_size 96" in prefill_new_kv_unsupported_reason(head_size=96, device=cuda, **kw)
+
+
+GPU_SHAPES = [S(1, 700), S(1, 33), S(300, 517), S(1000, 0), S(129, 4096), S(64, 64), S(7, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (16, 4), (40, 8), (32, 4)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_prefill_kernel_gpu(head_size, num_heads, num_kv_heads, dtype):
+    spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                         block_size=16)
+    meta = check(spec, GPU_SHAPES, seed=head_size + num_heads, pad_tokens=5)
+    assert meta.prefill_split[1].first_seq == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_prefill_kernel_gpu_pages_and_fused_views(block_size):
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=block_size)
+    check(spec, GPU_SHAPES, seed=block_size, key_strided=True)
