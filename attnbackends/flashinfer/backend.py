@@ -238,6 +238,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._prefill: Any = None
         self._cascade: Any = None
         self._graph_decode: dict[int, Any] = {}
+        # Per draft step (build_draft_steps): its decode wrapper and the device buffer of its page table.
+        self._draft_decode: list[tuple[Any, DevicePlanBuffer]] = []
         self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self.host_gather_max_pages = host_gather_max_pages
         # Each batch's page table goes here by one copy (from a pinned host buffer of torch's caching host
@@ -269,6 +271,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if self._prefill is None:
             self._prefill = self._fi().BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), _KV_LAYOUT)
         return self._prefill
+
+    def _draft_step_state(self, step: int) -> tuple[Any, DevicePlanBuffer]:
+        """Draft step ``step``'s own decode wrapper and page-table buffer: every step's plan (and the page ids it
+        points at) must survive the later steps' planning."""
+        while len(self._draft_decode) <= step:
+            wrapper = self._fi().BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace_buffer(), _KV_LAYOUT, use_tensor_cores=self.use_tensor_cores)
+            self._draft_decode.append((wrapper, DevicePlanBuffer(self.device)))
+        return self._draft_decode[step]
 
     def _cascade_wrapper(self) -> Any:
         if self._cascade is None:
@@ -364,8 +375,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._graph_decode_wrapper(common.num_reqs)
         return self._build(common, 0)
 
-    def _build(self, common: CommonAttentionMetadata, common_prefix_len: int) -> FlashInferMetadata:
+    def build_draft_steps(self, draft) -> list[FlashInferMetadata]:
+        """See :meth:`AttentionMetadataBuilder.build_draft_steps`: each step is planned on its own decode wrapper
+        (the steps share the float workspace: they run one after another)."""
+        return [self._build(common, 0, self._draft_step_state(s)) for s, common in enumerate(draft.steps)]
+
+    def _build(self, common: CommonAttentionMetadata, common_prefix_len: int,
+               draft_step: Optional[tuple[Any, DevicePlanBuffer]] = None) -> FlashInferMetadata:
+        """Plan one batch; ``draft_step``: a draft step's decode wrapper and page-table buffer (no CUDA-graph
+        wrapper, no cascade)."""
         spec = self.spec
+        step_wrapper, buffer = draft_step if draft_step is not None else (None, None)
         if self.debug:
             validate_common_metadata(common, block_size=spec.block_size)
         if not common.causal:
@@ -379,7 +399,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         tree = common.spec_tree_mask is not None
         if tree or num_decode_tokens > num_decodes:  # multi-token decodes: the prefill wrapper serves every request
             num_decodes, num_decode_tokens, num_prefills = 0, 0, num_reqs
-        graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 else None
+        graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 and step_wrapper is None else None
         meta = FlashInferMetadata(
             plan_key=self.plan_key,
             num_actual_tokens=common.num_actual_tokens,
@@ -391,7 +411,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             debug=self.debug,
             common=common,
         )
-        if common_prefix_len > 0 and graph_wrapper is None and not tree:
+        if common_prefix_len > 0 and graph_wrapper is None and not tree and step_wrapper is None:
             blocks = cascade_prefix_blocks(
                 self.cascade_policy,
                 num_reqs=num_reqs,
@@ -408,15 +428,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
         decode_wrapper = None
         if num_decodes:
-            decode_wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
+            decode_wrapper = step_wrapper or (graph_wrapper if graph_wrapper is not None else self._decode_wrapper())
         replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
         if (replanner is not None and num_prefills == 0 and num_reqs <= DECODE_TABLE_MAX_REQS
                 and common.block_table.is_cuda and common.seq_lens.is_cuda):
             # the common decode step: the page table is built on the GPU, the host computes kv_indptr alone
-            inputs = self._device_buffer().decode_table(
+            inputs = (buffer or self._device_buffer()).decode_table(
                 common.seq_lens_cpu, common.seq_lens, common.block_table, spec.block_size, common.max_seq_len)
         else:
-            inputs = self._plan_inputs(common)
+            inputs = self._plan_inputs(common, buffer=buffer)
         meta.plan_inputs = inputs
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
@@ -468,9 +488,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._device_plan_buffer = DevicePlanBuffer(self.device)
         return self._device_plan_buffer
 
-    def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0) -> PagedKVPlanInputs:
+    def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0,
+                     buffer: Optional[DevicePlanBuffer] = None) -> PagedKVPlanInputs:
         """The batch's page table (without each request's first ``skip_pages`` pages), on the host and in the
-        builder's device buffer."""
+        builder's device buffer (or ``buffer``)."""
         return paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
@@ -480,7 +501,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             pin_memory=self._pin,
             block_table_cpu=common.block_table_cpu,
             max_seq_len=common.max_seq_len,
-            device_buffer=self._device_buffer(),
+            device_buffer=buffer or self._device_buffer(),
             host_gather_max_pages=self.host_gather_max_pages,
         )
 
