@@ -124,6 +124,7 @@ class AttentionBackend(ABC):
             "features": features,
             "cudagraph": cls.cudagraph_support.name,
             "packages": list(cls.required_packages),
+            "speculative": cls.get_builder_cls().speculative_capability(),
         }
 
     @classmethod
@@ -303,6 +304,15 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     max_decode_query_len: ClassVar[int] = 1
     #: Whether ``build`` honours ``CommonAttentionMetadata.spec_tree_mask`` (tree verification).
     supports_tree_mask: ClassVar[bool] = False
+
+    @classmethod
+    def speculative_capability(cls) -> str:
+        """The declared speculative support in words (for `attnbackends list`)."""
+        if cls.query_len_support is QueryLenSupport.SINGLE:
+            return "single-token decodes only"
+        kind = "uniform" if cls.query_len_support is QueryLenSupport.UNIFORM else "any mix of"
+        trees = "tree masks" if cls.supports_tree_mask else "no tree masks"
+        return f"{kind} decodes of up to {cls.max_decode_query_len} tokens; {trees}"
 
     @classmethod
     def speculative_reasons(cls, spec: AttentionSpec) -> list[str]:

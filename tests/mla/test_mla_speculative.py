@@ -133,3 +133,8 @@ def test_builders_declare_their_speculative_support():
     assert not [r for r in FlashInferMLABackend.not_supported_reasons(chain, h100) if "speculative" in r]
     too_deep = AttentionSpec.mla(16, num_speculative_tokens=64)
     assert any("needs decodes of 65 tokens" in r for r in TritonMLABackend.not_supported_reasons(too_deep, h100))
+
+
+def test_capabilities_say_what_each_builder_serves():
+    assert TritonMLABackend.capabilities()["speculative"] == "any mix of decodes of up to 64 tokens; tree masks"
+    assert FlashInferMLABackend.capabilities()["speculative"].endswith("no tree masks")
