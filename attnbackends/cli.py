@@ -47,6 +47,7 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
             cc + ("; runs on CPU" if caps["cpu"] else ""),
             f"attention: {', '.join(caps['attn_types'])}; features: {', '.join(caps['features']) or '-'}",
             f"CUDA graphs: {caps['cudagraph']}",
+            f"speculative decoding: {caps['speculative']}",
         ]
         table.add_row(name, status, "\n".join(lines))
     console.print(table)

@@ -8,11 +8,14 @@ import functools
 import math
 import numbers
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Generic, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Optional, TypeVar
 
 import torch
 
 from .metadata import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from .draft_steps import DraftSteps
 from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
@@ -121,6 +124,7 @@ class AttentionBackend(ABC):
             "features": features,
             "cudagraph": cls.cudagraph_support.name,
             "packages": list(cls.required_packages),
+            "speculative": cls.get_builder_cls().speculative_capability(),
         }
 
     @classmethod
@@ -302,6 +306,15 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     supports_tree_mask: ClassVar[bool] = False
 
     @classmethod
+    def speculative_capability(cls) -> str:
+        """The declared speculative support in words (for `attnbackends list`)."""
+        if cls.query_len_support is QueryLenSupport.SINGLE:
+            return "single-token decodes only"
+        kind = "uniform" if cls.query_len_support is QueryLenSupport.UNIFORM else "any mix of"
+        trees = "tree masks" if cls.supports_tree_mask else "no tree masks"
+        return f"{kind} decodes of up to {cls.max_decode_query_len} tokens; {trees}"
+
+    @classmethod
     def speculative_reasons(cls, spec: AttentionSpec) -> list[str]:
         """Why this builder cannot serve ``spec``'s speculative decoding (empty when it can)."""
         reasons = []
@@ -345,6 +358,16 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
         """Metadata for a capture-time batch; by default the same as :meth:`build`."""
         return self.build(common)
+
+    def build_draft_steps(self, draft: "DraftSteps") -> list[M]:
+        """The metadata of every draft step at once (:mod:`attnbackends.draft_steps`: ``topk`` branches per request
+        over shared prefix pages, one single-token decode per branch and step), each valid until the next call.
+
+        Made from host data only, so building them does not wait on the device; the steps then run one after
+        another (they may share the builder's buffers, never each other's plans). By default one :meth:`build`
+        per step; builders whose metadata holds a planned object (FlashInfer's wrappers) keep one per step.
+        """
+        return [self.build(common) for common in draft.steps]
 
 
 class AttentionImplBase(ABC, Generic[M]):

@@ -139,11 +139,10 @@ def test_builder_raises_the_decode_threshold_to_the_speculative_depth():
 
 
 def test_registry_explains_a_backend_that_cannot_serve_the_depth():
-    spec = AttentionSpec(**{**BASE, "dtype": "float16"}, num_speculative_tokens=3, speculative_tree=True)
+    spec = AttentionSpec(**{**BASE, "dtype": "float16"}, num_speculative_tokens=70, speculative_tree=True)
     table = {row[0]: row for row in explain(spec, DeviceInfo.cuda(9, 0)).as_table()}
-    reasons = table["triton_mla"][2]  # an MLA backend: rejected anyway; its builder declares single-token decodes
-    assert "num_speculative_tokens 3 needs decodes of 4 tokens" in reasons
-    assert "tree verification" in reasons
+    assert "num_speculative_tokens 70 needs decodes of 71 tokens" in table["triton"][2]  # its decodes: up to 64
+    assert "tree verification is not supported" in table["flashinfer_mla"][2]  # MLA (rejected anyway) without trees
     assert "num_speculative_tokens" not in table["reference"][2]
 
 

@@ -143,7 +143,8 @@ class FlashInferMetadata:
     decode_wrapper, prefill_wrapper : planned wrappers, None where the batch has no such part or runs cascade.
     cascade_wrapper : the planned MultiLevelCascadeAttentionWrapper when the batch runs cascade attention.
     cascade_shared_blocks : pages served from the cascade's shared level (0 without cascade).
-    cuda_graph : the decode wrapper runs on the builder's persistent CUDA-graph buffers.
+    cuda_graph : the decode wrapper (or a verify batch's prefill wrapper) runs on the builder's persistent CUDA-graph
+        buffers.
     plan_inputs : the page table the wrappers were planned with (None with cascade).
     """
 
@@ -238,6 +239,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._prefill: Any = None
         self._cascade: Any = None
         self._graph_decode: dict[int, Any] = {}
+        # CUDA-graph verify batches (multi-token decodes, with or without a tree): a prefill wrapper on persistent
+        # buffers per (requests, tokens, tree); a tree wrapper owns a packed-mask buffer (its run() reads the mask
+        # whenever it has one, so chains get their own wrapper).
+        self._graph_verify: dict[tuple[int, int, bool], Any] = {}
+        # Per draft step (build_draft_steps): its decode wrapper and the device buffer of its page table.
+        self._draft_decode: list[tuple[Any, DevicePlanBuffer]] = []
         self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self.host_gather_max_pages = host_gather_max_pages
         # Each batch's page table goes here by one copy (from a pinned host buffer of torch's caching host
@@ -270,6 +277,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._prefill = self._fi().BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), _KV_LAYOUT)
         return self._prefill
 
+    def _draft_step_state(self, step: int) -> tuple[Any, DevicePlanBuffer]:
+        """Draft step ``step``'s own decode wrapper and page-table buffer: every step's plan (and the page ids it
+        points at) must survive the later steps' planning."""
+        while len(self._draft_decode) <= step:
+            wrapper = self._fi().BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace_buffer(), _KV_LAYOUT, use_tensor_cores=self.use_tensor_cores)
+            self._draft_decode.append((wrapper, DevicePlanBuffer(self.device)))
+        return self._draft_decode[step]
+
     def _cascade_wrapper(self) -> Any:
         if self._cascade is None:
             self._cascade = self._fi().MultiLevelCascadeAttentionWrapper(2, self._workspace_buffer(), _KV_LAYOUT)
@@ -301,6 +317,31 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_kv_last_page_len_buffer=last_page_len[:batch_size],
         )
         self._graph_decode[batch_size] = wrapper
+        return wrapper
+
+    def _graph_verify_wrapper(self, num_reqs: int, num_tokens: int, tree: bool) -> Any:
+        """The CUDA-graph prefill wrapper of verify batches of this shape (created by build_for_cudagraph_capture)."""
+        key = (num_reqs, num_tokens, tree)
+        wrapper = self._graph_verify.get(key)
+        if wrapper is not None:
+            return wrapper
+        if num_reqs > self.max_num_reqs:
+            raise ValueError(f"a CUDA-graph batch of {num_reqs} requests exceeds max_num_reqs={self.max_num_reqs}")
+        dev = self.device
+        pages_per_req = -(-self.max_model_len // self.spec.block_size)
+        buffers = dict(
+            qo_indptr_buf=torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=torch.zeros(num_reqs * pages_per_req, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buf=torch.zeros(num_reqs, dtype=torch.int32, device=dev),
+        )
+        if tree:  # bits of every request's [query, key] mask, each request padded to whole bytes
+            mask_bytes = -(-num_tokens * self.max_model_len // 8) + num_reqs
+            buffers.update(custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
+                           mask_indptr_buf=torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev))
+        wrapper = self._fi().BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace_buffer(), _KV_LAYOUT, use_cuda_graph=True, **buffers)
+        self._graph_verify[key] = wrapper
         return wrapper
 
     def _replanner_for(self, wrapper: Any) -> Optional[DecodeReplanner]:
@@ -354,18 +395,34 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         """Plan a pure-decode batch on persistent buffers for capture; later ``build()`` calls with the same number
-        of requests, all decodes, re-plan those buffers so the captured graph replays the new batch."""
+        of requests, all decodes, re-plan those buffers so the captured graph replays the new batch.
+
+        Verify batches (decodes of up to ``reorder_batch_threshold`` tokens, with or without a tree mask) capture
+        the same way on a CUDA-graph prefill wrapper: later batches with the same requests and tokens (and a tree
+        mask where the captured one had one) re-plan its buffers."""
         split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
         if split.num_prefills:
             raise ValueError(
-                f"CUDA-graph capture takes pure-decode batches (query_len 1); this one has {split.num_prefills} "
-                "prefill requests"
+                f"CUDA-graph capture takes pure-decode batches (query_len <= {self.reorder_batch_threshold}); this "
+                f"one has {split.num_prefills} prefill requests"
             )
-        self._graph_decode_wrapper(common.num_reqs)
+        if common.spec_tree_mask is not None or common.num_actual_tokens > common.num_reqs:
+            self._graph_verify_wrapper(common.num_reqs, common.num_actual_tokens, common.spec_tree_mask is not None)
+        else:
+            self._graph_decode_wrapper(common.num_reqs)
         return self._build(common, 0)
 
-    def _build(self, common: CommonAttentionMetadata, common_prefix_len: int) -> FlashInferMetadata:
+    def build_draft_steps(self, draft) -> list[FlashInferMetadata]:
+        """See :meth:`AttentionMetadataBuilder.build_draft_steps`: each step is planned on its own decode wrapper
+        (the steps share the float workspace: they run one after another)."""
+        return [self._build(common, 0, self._draft_step_state(s)) for s, common in enumerate(draft.steps)]
+
+    def _build(self, common: CommonAttentionMetadata, common_prefix_len: int,
+               draft_step: Optional[tuple[Any, DevicePlanBuffer]] = None) -> FlashInferMetadata:
+        """Plan one batch; ``draft_step``: a draft step's decode wrapper and page-table buffer (no CUDA-graph
+        wrapper, no cascade)."""
         spec = self.spec
+        step_wrapper, buffer = draft_step if draft_step is not None else (None, None)
         if self.debug:
             validate_common_metadata(common, block_size=spec.block_size)
         if not common.causal:
@@ -377,9 +434,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
             num_decodes, num_decode_tokens, num_prefills = split.num_decodes, split.num_decode_tokens, split.num_prefills
         tree = common.spec_tree_mask is not None
+        verify = num_prefills == 0 and step_wrapper is None  # a verify batch may replay a captured graph
         if tree or num_decode_tokens > num_decodes:  # multi-token decodes: the prefill wrapper serves every request
             num_decodes, num_decode_tokens, num_prefills = 0, 0, num_reqs
-        graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 else None
+        else:
+            verify = False
+        graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 and step_wrapper is None else None
         meta = FlashInferMetadata(
             plan_key=self.plan_key,
             num_actual_tokens=common.num_actual_tokens,
@@ -391,7 +451,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             debug=self.debug,
             common=common,
         )
-        if common_prefix_len > 0 and graph_wrapper is None and not tree:
+        captured_verify = verify and (num_reqs, common.num_actual_tokens, tree) in self._graph_verify
+        if common_prefix_len > 0 and graph_wrapper is None and not tree and step_wrapper is None and not captured_verify:
             blocks = cascade_prefix_blocks(
                 self.cascade_policy,
                 num_reqs=num_reqs,
@@ -408,15 +469,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
         decode_wrapper = None
         if num_decodes:
-            decode_wrapper = graph_wrapper if graph_wrapper is not None else self._decode_wrapper()
+            decode_wrapper = step_wrapper or (graph_wrapper if graph_wrapper is not None else self._decode_wrapper())
         replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
         if (replanner is not None and num_prefills == 0 and num_reqs <= DECODE_TABLE_MAX_REQS
                 and common.block_table.is_cuda and common.seq_lens.is_cuda):
             # the common decode step: the page table is built on the GPU, the host computes kv_indptr alone
-            inputs = self._device_buffer().decode_table(
+            inputs = (buffer or self._device_buffer()).decode_table(
                 common.seq_lens_cpu, common.seq_lens, common.block_table, spec.block_size, common.max_seq_len)
         else:
-            inputs = self._plan_inputs(common)
+            inputs = self._plan_inputs(common, buffer=buffer)
         meta.plan_inputs = inputs
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
@@ -438,7 +499,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._after_public_plan(decode_wrapper)
             meta.decode_wrapper = decode_wrapper
         if num_prefills:
-            wrapper = self._prefill_wrapper()
+            wrapper = self._graph_verify.get((num_reqs, common.num_actual_tokens, tree)) if verify else None
+            meta.cuda_graph = wrapper is not None
+            wrapper = wrapper or self._prefill_wrapper()
             part = inputs.select(num_decodes, num_reqs)
             qo_indptr, kv_indptr, last_page_len = part.qo_indptr, part.kv_indptr, part.kv_last_page_len
             if tree:
@@ -468,9 +531,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._device_plan_buffer = DevicePlanBuffer(self.device)
         return self._device_plan_buffer
 
-    def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0) -> PagedKVPlanInputs:
+    def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0,
+                     buffer: Optional[DevicePlanBuffer] = None) -> PagedKVPlanInputs:
         """The batch's page table (without each request's first ``skip_pages`` pages), on the host and in the
-        builder's device buffer."""
+        builder's device buffer (or ``buffer``)."""
         return paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
@@ -480,7 +544,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             pin_memory=self._pin,
             block_table_cpu=common.block_table_cpu,
             max_seq_len=common.max_seq_len,
-            device_buffer=self._device_buffer(),
+            device_buffer=buffer or self._device_buffer(),
             host_gather_max_pages=self.host_gather_max_pages,
         )
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..flashinfer.workspace import shared_workspace
-from ..interface import AttentionBackend, CudaGraphSupport
+from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
@@ -42,7 +42,16 @@ class _MLABackendBase(AttentionBackend):
 
 class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     """Adds the decode kernel's launch config and KV split count (from host data only), and views of the builder's
-    persistent decode buffers: the latent output and the split-KV partials, shared by every layer of a batch."""
+    persistent decode buffers: the latent output and the split-KV partials, shared by every layer of a batch.
+
+    Speculative decoding: decodes of up to ``max_decode_query_len`` tokens (any mix of lengths) run on the decode
+    kernel, a request's query tokens x heads as the rows of its programs (the cache is read once per request), with
+    the tree mask honoured over each request's draft segment.
+    """
+
+    query_len_support = QueryLenSupport.VARLEN
+    max_decode_query_len = 64
+    supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
                  decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None, **kwargs: Any) -> None:
@@ -54,12 +63,13 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     def build_decode(self, decode: MLADecodeMetadata, common) -> None:
         spec = self.spec
         splits = self.num_splits or choose_num_splits(
-            decode.num_decodes, spec.num_heads, decode.max_seq_len, self.device_info.sm_count, self.decode_config
+            decode.num_decodes, spec.num_heads * decode.max_query_len, decode.max_seq_len, self.device_info.sm_count,
+            self.decode_config,
         )
         decode.extra["num_splits"] = splits
         decode.extra["config"] = self.decode_config
-        b, n, lkv = decode.num_decodes, spec.num_heads, spec.kv_lora_rank
-        # float32 elements: [B, N, Lkv] latent output (in the model dtype), then [B, N, S, Lkv] and [B, N, S] partials
+        b, n, lkv = decode.num_decode_tokens, spec.num_heads, spec.kv_lora_rank
+        # float32 elements: [T, N, Lkv] latent output (in the model dtype), then [T, N, S, Lkv] and [T, N, S] partials
         out_elems = -(-b * n * lkv * spec.torch_dtype.itemsize // 256) * 64  # the partials start 256-byte aligned
         part_elems = b * n * splits * (lkv + 1) if splits > 1 else 0
         if self._decode_buffer.numel() < out_elems + part_elems:
@@ -92,6 +102,8 @@ class TritonMLAImpl(MLAImpl):
             ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.extra["latent_out"],
             scale=self.scale, k_scale=self.k_scale, num_splits=decode.extra["num_splits"], config=config,
             partials=decode.extra.get("partials"), descriptors=self._tma_descriptors(ql, q_pe, kv_cache, config),
+            query_start_loc=decode.query_start_loc, max_query_len=decode.max_query_len, tree_mask=decode.tree_mask,
+            tree_indptr=decode.tree_indptr,
         )
 
 
@@ -119,7 +131,24 @@ class TritonMLABackend(_MLABackendBase):
 
 
 class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
-    """Plans FlashInfer's MLA wrapper for the decode requests (once per batch, on the host)."""
+    """Plans FlashInfer's MLA wrapper for the decode requests (once per batch, on the host).
+
+    Speculative decoding: decodes of several tokens are planned causal (``qo_indptr`` per request, FlashInfer aligns
+    the queries with the last keys). Tree verification is not offered: the MLA wrapper's plan() takes no custom mask.
+    """
+
+    query_len_support = QueryLenSupport.VARLEN
+    max_decode_query_len = 64
+    supports_tree_mask = False
+    #: Why ``supports_tree_mask`` is False (the registry's explanation of a ``speculative_tree`` spec says it).
+    tree_mask_unsupported_reason = ("speculative_tree: FlashInfer's BatchMLAPagedAttentionWrapper.plan() takes no "
+                                    "custom mask, so tree verification is not supported (chains are: "
+                                    "num_speculative_tokens without speculative_tree)")
+
+    @classmethod
+    def speculative_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = super().speculative_reasons(spec)
+        return [cls.tree_mask_unsupported_reason if r.startswith("speculative_tree") else r for r in reasons]
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, backend: str = "auto", **kwargs: Any) -> None:
         super().__init__(spec, device, **kwargs)
@@ -148,7 +177,7 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
         col = torch.arange(total, device=dev) - kv_indptr.to(dev, non_blocking=True).long()[req]
         kv_indices = decode.block_table[req, col].to(torch.int32)
         self.wrapper.plan(
-            torch.arange(b + 1, dtype=torch.int32),
+            decode.query_start_loc_cpu.to(torch.int32),
             kv_indptr,
             kv_indices,
             decode.seq_lens_cpu.to(torch.int32),
@@ -156,7 +185,7 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
             spec.kv_lora_rank,
             spec.qk_rope_head_dim,
             bs,
-            False,
+            decode.max_query_len > 1,
             spec.softmax_scale,
             spec.torch_dtype,
             spec.kv_cache_torch_dtype,

@@ -7,7 +7,9 @@ up-projection (nn.Linear layout: [k_nope ; v] of head n = rows n*(P+V) ... of ``
 
 Decode (query_len <= reorder_batch_threshold, first in the batch): ql = q_nope @ W_UK_T per head ([P] -> [Lkv]);
 MQA of [ql ; q_pe] over the latent cache (one KV head of Lkv + R, value = its first Lkv); o = o_latent @ W_UV
-per head ([Lkv] -> [V]). Prefill: [k_nope ; v] = kv_c @ kv_b_proj.T per head, k = [k_nope ; k_pe]; causal MHA over
+per head ([Lkv] -> [V]). With speculative decoding a decode has 1 + k query tokens (the builder declares how many,
+:attr:`~attnbackends.interface.AttentionMetadataBuilder.query_len_support`), causal among themselves, and a tree
+mask (:attr:`CommonAttentionMetadata.spec_tree_mask`) applies to decodes only: the prefill path is causal. Prefill: [k_nope ; v] = kv_c @ kv_b_proj.T per head, k = [k_nope ; k_pe]; causal MHA over
 the new tokens, plus the cached context processed in chunks through a bounded workspace (each chunk non-causal
 with its lse) merged with :func:`~attnbackends.ops.merge_attn_states.merge_attn_states`.
 """
@@ -63,7 +65,12 @@ class MLAContextChunk:
 
 @dataclass
 class MLADecodeMetadata:
-    """The leading decode requests. block_table : [B, W] int32; seq_lens : [B] int32 (device and host copies)."""
+    """The leading decode requests. block_table : [B, W] int32; seq_lens : [B] int32 (device and host copies).
+
+    Speculative decoding: query_start_loc [B + 1] int32 (device and host copies) places each request's query tokens
+    (``max_query_len`` the longest, 1 without speculation); tree_mask [sum n_i^2] bool and tree_indptr [B + 1] int32
+    are the batch's packed tree mask (:attr:`CommonAttentionMetadata.spec_tree_mask`) when it has one.
+    """
 
     num_decodes: int
     num_decode_tokens: int
@@ -71,6 +78,11 @@ class MLADecodeMetadata:
     seq_lens: torch.Tensor
     seq_lens_cpu: torch.Tensor
     max_seq_len: int
+    query_start_loc: Optional[torch.Tensor] = None
+    query_start_loc_cpu: Optional[torch.Tensor] = None
+    max_query_len: int = 1
+    tree_mask: Optional[torch.Tensor] = None
+    tree_indptr: Optional[torch.Tensor] = None
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (split count, planned wrappers)
 
 
@@ -158,9 +170,13 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             validate_common_metadata(common, block_size=self.spec.block_size)
         split = split_decodes_and_prefills(common, self.decode_threshold)
         nd, np_ = split.num_decodes, split.num_prefills
+        tree = common.spec_tree_mask is not None
+        if tree:
+            self._check_tree(common, nd)
         decode = prefill = None
         if nd:
             seq_lens_cpu = common.seq_lens_cpu[:nd]
+            multi = split.num_decode_tokens > nd
             decode = MLADecodeMetadata(
                 num_decodes=nd,
                 num_decode_tokens=split.num_decode_tokens,
@@ -168,6 +184,11 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
                 seq_lens=common.seq_lens[:nd],
                 seq_lens_cpu=seq_lens_cpu,
                 max_seq_len=int(seq_lens_cpu.max()),
+                query_start_loc=common.query_start_loc[: nd + 1] if multi or tree else None,
+                query_start_loc_cpu=common.query_start_loc_cpu[: nd + 1],
+                max_query_len=int(common.query_lens_cpu[:nd].max()) if multi else 1,
+                tree_mask=common.spec_tree_mask if tree else None,
+                tree_indptr=common.spec_tree_mask_indptr[: nd + 1] if tree else None,
             )
             self.build_decode(decode, common)
         if np_:
@@ -183,6 +204,21 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
 
     def build_decode(self, decode: MLADecodeMetadata, common: CommonAttentionMetadata) -> None:
         """Hook for backend-specific decode state (stored in ``decode.extra``)."""
+
+    def _check_tree(self, common: CommonAttentionMetadata, num_decodes: int) -> None:
+        """A tree mask is honoured on the decode path of builders that declare ``supports_tree_mask``: anything else
+        would silently attend causally. Host reads only."""
+        sizes = common.spec_tree_mask_indptr_cpu[1:] - common.spec_tree_mask_indptr_cpu[:-1]
+        if not self.supports_tree_mask and bool((sizes > 0).any()):
+            raise ValueError(f"{type(self).__name__} does not honour spec_tree_mask (supports_tree_mask is False); "
+                             "build verify batches without a tree mask (chains) or pick a backend that declares it")
+        late = torch.nonzero(sizes[num_decodes:] > 0)
+        if late.numel():
+            i = num_decodes + int(late[0])
+            raise ValueError(
+                f"request {i} has a tree mask but query_len {int(common.query_lens_cpu[i])} > the builder's "
+                f"reorder_batch_threshold {self.decode_threshold}: MLA verifies trees on the decode path only "
+                "(give the spec num_speculative_tokens >= the draft tokens per request)")
 
     def _build_prefill(self, common: CommonAttentionMetadata, nd: int, num_tokens: int) -> MLAPrefillMetadata:
         self.prefill_kernel.begin_batch()

@@ -3,6 +3,12 @@
 Every query head attends to the same latent "KV head" c = [kv_c ; k_pe] (Lkv + R wide); the value is kv_c. One
 program handles BLOCK_H heads of one request over one KV split, so each cache tile is loaded once for BLOCK_H heads
 and both products run on tensor cores (M = BLOCK_H). Splits are merged by their log-sum-exp in a second kernel.
+
+Speculative decoding: a request may decode several query tokens (verify 1 + k drafts). Its programs' rows are then
+(query token, head) pairs, row = t * H + h, so the cache is still read once per request for all of them; a row's
+query token t sits at position L - q_len + t and sees keys up to it (causal), and inside a tree-verify request's
+draft segment only its ancestors (the packed tree mask of :attr:`CommonAttentionMetadata.spec_tree_mask`). Only the
+tiles reaching past the keys every row sees are masked per row.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
 
 def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: int, config: MLADecodeConfig) -> int:
     """KV splits for grids under half the SMs (so the grid fills the GPU about once), never more than one split per
-    256 tokens or 64 splits. Fuller grids run unsplit: the partials' round trip costs more than the idle SMs."""
+    256 tokens or 64 splits. Fuller grids run unsplit: the partials' round trip costs more than the idle SMs.
+    ``num_heads``: the rows of one request (query heads x its longest query, see :func:`mla_decode`)."""
     programs = batch * cdiv(num_heads, config.block_h)
     if sm_count <= 0 or 2 * programs >= sm_count:
         return 1
@@ -57,11 +64,25 @@ def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: in
 
 
 @triton.jit
+def _visible(offs_n, pos, draft_start, draft_len, tree_ptr, USE_TREE: tl.constexpr):
+    """[BLOCK_H, BLOCK_N] bool: key offs_n is visible from the row at position pos (causal), and inside the draft
+    segment [draft_start, draft_start + draft_len) only where the packed tree mask allows it."""
+    vis = offs_n[None, :] <= pos[:, None]
+    if USE_TREE:
+        in_tree = ((pos[:, None] >= draft_start) & (pos[:, None] < draft_start + draft_len)
+                   & (offs_n[None, :] >= draft_start) & vis)
+        t_idx = (pos[:, None] - draft_start) * draft_len + (offs_n[None, :] - draft_start)
+        allowed = tl.load(tree_ptr + t_idx, mask=in_tree, other=1)
+        vis = vis & (allowed != 0)
+    return vis
+
+
+@triton.jit
 def _decode_tile(
     acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-    offs_c, offs_r, c_mask, r_mask,
+    offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
     KV_LORA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ROW_MASK: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
@@ -76,9 +97,15 @@ def _decode_tile(
         k_pe = k_pe.to(q.dtype)
     s = tl.dot(q, tl.trans(kv)) + tl.dot(q_pe, tl.trans(k_pe))  # [BLOCK_H, BLOCK_N]
     s = tl.where(n_mask[None, :], s * qk_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if ROW_MASK:
+        s = tl.where(_visible(offs_n, pos, draft_start, draft_len, tree_ptr, USE_TREE), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key of this tile yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
     return acc, l_i, m_new
@@ -86,56 +113,86 @@ def _decode_tile(
 
 @triton.jit
 def _split_prologue(
-    SEQ_LENS, Q_PE, stride_qp_b, stride_qp_h, num_heads, num_splits,
-    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    SEQ_LENS, QUERY_START, TREE_INDPTR, Q_PE, stride_qp_t, stride_qp_h, num_heads, num_splits,
+    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MAX_Q: tl.constexpr,
+    USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """The program's request ``b``, its KV split and key range [start, end), its heads [BLOCK_H] with their mask,
-    and their rotary queries q_pe [BLOCK_H, BLOCK_R] (float32 under the interpreter)."""
+    """The program's request ``b``, its KV split and key range [start, end), its rows [BLOCK_H] (query token ``tok``
+    and head of each, the row mask, the row's position ``pos``), the keys every row sees (``all_end``), the draft
+    segment (start, length, mask pointer offset) and the rows' rotary queries q_pe [BLOCK_H, BLOCK_R] (float32
+    under the interpreter)."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
+    rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    if MAX_Q == 1:
+        q_len = 1
+        heads = rows
+        h_mask = rows < num_heads
+        tok = b + rows * 0
+    else:
+        q_lo = tl.load(QUERY_START + b)
+        q_len = tl.load(QUERY_START + b + 1) - q_lo
+        heads = rows % num_heads
+        h_mask = rows < q_len * num_heads
+        tok = q_lo + rows // num_heads
+    pos = seq_len - q_len + rows // num_heads
+    all_end = seq_len - q_len + 1
+    if USE_TREE:
+        tree_lo = tl.load(TREE_INDPTR + b)
+        tree_size = tl.load(TREE_INDPTR + b + 1) - tree_lo
+        draft_len = (tl.sqrt(tree_size.to(tl.float32)) + 0.5).to(tl.int32)
+        draft_start = seq_len - draft_len
+        all_end = tl.minimum(all_end, draft_start)
+    else:
+        tree_lo = 0
+        draft_len = 0
+        draft_start = seq_len
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
+    if MAX_Q > 1:
+        end = tl.where(hb * BLOCK_H < q_len * num_heads, end, start)  # row blocks past the query tokens: no keys
     offs_r = tl.arange(0, BLOCK_R)
     q_pe = tl.load(
-        Q_PE + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_r[None, :],
+        Q_PE + tok[:, None] * stride_qp_t + heads[:, None] * stride_qp_h + offs_r[None, :],
         mask=h_mask[:, None] & (offs_r < ROPE)[None, :],
         other=0.0,
     )
     if INTERPRET:
         q_pe = q_pe.to(tl.float32)
-    return b, split, start, end, heads, h_mask, q_pe
+    return b, split, start, end, tok, heads, h_mask, pos, all_end, draft_start, draft_len, tree_lo, q_pe
 
 
 @triton.jit
-def _split_epilogue(l_i, m_i, out_scale, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h,
+def _split_epilogue(l_i, m_i, out_scale, LSE, tok, split, heads, h_mask, stride_lse_t, stride_lse_h,
                     STORE_LSE: tl.constexpr):
     """Stores the split's natural-log LSE (-inf without keys) when STORE_LSE; returns the factor [BLOCK_H] that
-    turns the accumulator into the output: out_scale / l_i, 0 for heads without keys."""
+    turns the accumulator into the output: out_scale / l_i, 0 for rows without keys."""
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     if STORE_LSE:
         lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        tl.store(LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=h_mask)
+        tl.store(LSE + tok * stride_lse_t + heads * stride_lse_h + split, lse, mask=h_mask)
     return tl.where(has_keys, out_scale / l_safe, 0.0)
 
 
 @triton.jit
 def _mla_decode_kernel(
-    Q_NOPE,  # [B, H, KV_LORA] absorbed queries
-    Q_PE,  # [B, H, ROPE]
+    Q_NOPE,  # [T, H, KV_LORA] absorbed queries (T query tokens, request b's from QUERY_START[b])
+    Q_PE,  # [T, H, ROPE]
     CACHE,  # [num_blocks, PAGE_SIZE, KV_LORA + ROPE]
     BLOCK_TABLE,  # [B, W] int32
     SEQ_LENS,  # [B] int32
-    O,  # one split: [B, H, KV_LORA] output; else [B, H, num_splits, KV_LORA] float32 partials
-    LSE,  # one split: [B, H] float32 (optional); else [B, H, num_splits] float32
-    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,  # Q_NOPE, Q_PE
+    QUERY_START,  # [B + 1] int32 (read when MAX_Q > 1; token b is request b's otherwise)
+    TREE_MASK,  # [sum n_i^2] uint8, the packed tree mask (read when USE_TREE)
+    TREE_INDPTR,  # [B + 1] int32
+    O,  # one split: [T, H, KV_LORA] output; else [T, H, num_splits, KV_LORA] float32 partials
+    LSE,  # one split: [T, H] float32 (optional); else [T, H, num_splits] float32
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,  # Q_NOPE, Q_PE
     stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
-    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,  # O, LSE
+    stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,  # O, LSE
     num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e) * k_scale
     v_scale,  # k_scale for fp8 caches, else 1
@@ -148,16 +205,20 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    MAX_Q: tl.constexpr,  # the longest query of the batch: rows are MAX_Q x H per request
+    USE_TREE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    b, split, start, end, heads, h_mask, q_pe = _split_prologue(
-        SEQ_LENS, Q_PE, stride_qp_b, stride_qp_h, num_heads, num_splits, ROPE, BLOCK_R, BLOCK_H, BLOCK_N, INTERPRET)
+    b, split, start, end, tok, heads, h_mask, pos, all_end, draft_start, draft_len, tree_lo, q_pe = _split_prologue(
+        SEQ_LENS, QUERY_START, TREE_INDPTR, Q_PE, stride_qp_t, stride_qp_h, num_heads, num_splits, ROPE, BLOCK_R,
+        BLOCK_H, BLOCK_N, MAX_Q, USE_TREE, INTERPRET)
+    tree_ptr = TREE_MASK + tree_lo
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     c_mask = offs_c < KV_LORA
     r_mask = offs_r < ROPE
     q = tl.load(
-        Q_NOPE + b * stride_qn_b + heads[:, None] * stride_qn_h + offs_c[None, :],
+        Q_NOPE + tok[:, None] * stride_qn_t + heads[:, None] * stride_qn_h + offs_c[None, :],
         mask=h_mask[:, None] & c_mask[None, :],
         other=0.0,
     )
@@ -168,22 +229,42 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     bt_row = BLOCK_TABLE + b * stride_bt_b
-    # Every tile of [start, end) holds at least one valid key, so m_i is finite after the first one.
+    # Tiles before `mid` hold keys every row sees (each holds at least one valid key, so m_i is finite after the
+    # first); later ones are masked per row (several query tokens, or a draft tree).
+    if MAX_Q > 1 or USE_TREE:
+        mid = start + tl.maximum(tl.minimum(all_end, end) - start, 0) // BLOCK_N * BLOCK_N
+    else:
+        mid = end
     if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
         n0 = start
-        while n0 < end:
+        while n0 < mid:
             acc, l_i, m_i = _decode_tile(
                 acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
+                offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, False, USE_TREE, INTERPRET)
             n0 += BLOCK_N
+        if MAX_Q > 1 or USE_TREE:
+            while n0 < end:
+                acc, l_i, m_i = _decode_tile(
+                    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+                    offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                    KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, True, USE_TREE, INTERPRET)
+                n0 += BLOCK_N
     else:
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, mid, BLOCK_N):
             acc, l_i, m_i = _decode_tile(
                 acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
+                offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, False, USE_TREE, INTERPRET)
+        if MAX_Q > 1 or USE_TREE:
+            for n0 in range(mid, end, BLOCK_N):
+                acc, l_i, m_i = _decode_tile(
+                    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+                    offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                    KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, True, USE_TREE, INTERPRET)
 
-    norm = _split_epilogue(l_i, m_i, v_scale, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h, STORE_LSE)
-    o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_c[None, :]
+    norm = _split_epilogue(l_i, m_i, v_scale, LSE, tok, split, heads, h_mask, stride_lse_t, stride_lse_h, STORE_LSE)
+    o_ptr = O + tok[:, None] * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s + offs_c[None, :]
     tl.store(o_ptr, (acc * norm[:, None]).to(O.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
 
 
@@ -228,11 +309,12 @@ def _mla_decode_reduce_kernel(
 
 @triton.jit
 def _online_softmax_step(
-    acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, n_mask, qk_scale_log2, MASKED: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, vis, qk_scale_log2, MASKED: tl.constexpr,
+    ROW_MASK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One tile of keys: scores over the latent halves and the rope part, then the online-softmax update of the
-    two halves of the accumulator ([BLOCK_H, Lkv / 2] each)."""
+    two halves of the accumulator ([BLOCK_H, Lkv / 2] each). ``vis``: the visible keys when MASKED, [1, BLOCK_N]
+    (or [BLOCK_H, BLOCK_N] per row when ROW_MASK, where a row may see none of them)."""
     if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: compute in float32 (q is already)
         kv0 = kv0.to(tl.float32)
         kv1 = kv1.to(tl.float32)
@@ -240,10 +322,14 @@ def _online_softmax_step(
     s = tl.dot(q0, tl.trans(kv0)) + tl.dot(q1, tl.trans(kv1)) + tl.dot(q_pe, tl.trans(k_pe))
     s = s * qk_scale_log2
     if MASKED:
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if ROW_MASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(kv0.dtype)
     acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0)
@@ -252,15 +338,37 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _pointer_tail_tile(
+    acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+    offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
+    KV_LORA: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_MASK: tl.constexpr,
+    USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """A tile of the TMA kernel read through masked pointer loads (rows past ``end`` may hold anything)."""
+    n = n0 + offs_n
+    n_mask = n < end
+    page = tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row_ptr = CACHE + page * stride_c_blk + (n % PAGE_SIZE) * stride_c_tok
+    kv0 = tl.load(row_ptr[:, None] + offs_h[None, :], mask=n_mask[:, None], other=0.0)
+    kv1 = tl.load(row_ptr[:, None] + HALF + offs_h[None, :], mask=n_mask[:, None], other=0.0)
+    k_pe = tl.load(row_ptr[:, None] + KV_LORA + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+    vis = n_mask[None, :]
+    if ROW_MASK:
+        vis = vis & _visible(n, pos, draft_start, draft_len, tree_ptr, USE_TREE)
+    return _online_softmax_step(acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, vis, qk_scale_log2, True,
+                                ROW_MASK, INTERPRET)
+
+
+@triton.jit
 def _mla_decode_tma_kernel(
     Q_NOPE, Q_PE,  # as in _mla_decode_kernel
     KV_DESC,  # TMA descriptor over the cache as [num_blocks * PAGE_SIZE, KV_LORA + ROPE], block [BLOCK_N, HALF]
     PE_DESC,  # the same rows, block [BLOCK_N, ROPE]
-    CACHE,  # the last, partial tile is read through pointers
-    BLOCK_TABLE, SEQ_LENS, O, LSE,  # as in _mla_decode_kernel
-    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,  # Q_NOPE, Q_PE
+    CACHE,  # the tiles past the fully visible ones are read through pointers
+    BLOCK_TABLE, SEQ_LENS, QUERY_START, TREE_MASK, TREE_INDPTR, O, LSE,  # as in _mla_decode_kernel
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,  # Q_NOPE, Q_PE
     stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
-    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,  # O, LSE
+    stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,  # O, LSE
     num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e)
     KV_LORA: tl.constexpr,
@@ -270,16 +378,23 @@ def _mla_decode_tma_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    MAX_Q: tl.constexpr,
+    USE_TREE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """:func:`_mla_decode_kernel` for 16-bit caches with whole tiles loaded by TMA (Hopper's bulk tensor copies,
     pipelined by the compiler); the accumulator is kept as two halves because a TMA box side is at most 256."""
-    b, split, start, end, heads, h_mask, q_pe = _split_prologue(
-        SEQ_LENS, Q_PE, stride_qp_b, stride_qp_h, num_heads, num_splits, ROPE, ROPE, BLOCK_H, BLOCK_N, INTERPRET)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    b, split, start, end, tok, heads, h_mask, pos, all_end, draft_start, draft_len, tree_lo, q_pe = _split_prologue(
+        SEQ_LENS, QUERY_START, TREE_INDPTR, Q_PE, stride_qp_t, stride_qp_h, num_heads, num_splits, ROPE, ROPE,
+        BLOCK_H, BLOCK_N, MAX_Q, USE_TREE, INTERPRET)
+    tree_ptr = TREE_MASK + tree_lo
+    if MAX_Q > 1 or USE_TREE:
+        full_end = start + tl.maximum(tl.minimum(all_end, end) - start, 0) // BLOCK_N * BLOCK_N
+    else:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     offs_h = tl.arange(0, HALF)
     offs_r = tl.arange(0, ROPE)
-    q_rows = Q_NOPE + b * stride_qn_b + heads[:, None] * stride_qn_h
+    q_rows = Q_NOPE + tok[:, None] * stride_qn_t + heads[:, None] * stride_qn_h
     q0 = tl.load(q_rows + offs_h[None, :], mask=h_mask[:, None], other=0.0)
     q1 = tl.load(q_rows + HALF + offs_h[None, :], mask=h_mask[:, None], other=0.0)
     if INTERPRET:
@@ -292,34 +407,36 @@ def _mla_decode_tma_kernel(
     acc1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     bt_row = BLOCK_TABLE + b * stride_bt_b
     offs_n = tl.arange(0, BLOCK_N)
-    all_keys = offs_n >= 0
+    all_keys = (offs_n >= 0)[None, :]
     if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
         n0 = start
         while n0 < full_end:
             row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
             acc0, acc1, l_i, m_i = _online_softmax_step(
                 acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
-                PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, INTERPRET)
+                PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, False, INTERPRET)
+            n0 += BLOCK_N
+        while n0 < end:
+            acc0, acc1, l_i, m_i = _pointer_tail_tile(
+                acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok,
+                qk_scale_log2, offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
+                KV_LORA, HALF, PAGE_SIZE, MAX_Q > 1 or USE_TREE, USE_TREE, INTERPRET)
             n0 += BLOCK_N
     else:
         for n0 in range(start, full_end, BLOCK_N):
             row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
             acc0, acc1, l_i, m_i = _online_softmax_step(
                 acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
-                PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, INTERPRET)
-    if full_end < end:  # the last, partial tile: masked pointer loads (rows past the end may hold anything)
-        n = full_end + offs_n
-        n_mask = n < end
-        page = tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row_ptr = CACHE + page * stride_c_blk + (n % PAGE_SIZE) * stride_c_tok
-        kv0 = tl.load(row_ptr[:, None] + offs_h[None, :], mask=n_mask[:, None], other=0.0)
-        kv1 = tl.load(row_ptr[:, None] + HALF + offs_h[None, :], mask=n_mask[:, None], other=0.0)
-        k_pe = tl.load(row_ptr[:, None] + KV_LORA + offs_r[None, :], mask=n_mask[:, None], other=0.0)
-        acc0, acc1, l_i, m_i = _online_softmax_step(
-            acc0, acc1, l_i, m_i, q0, q1, q_pe, kv0, kv1, k_pe, n_mask, qk_scale_log2, True, INTERPRET)
+                PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, False, INTERPRET)
+        # the partial last tile, and with several query tokens or a tree the tiles each row sees in part
+        for n0 in range(full_end, end, BLOCK_N):
+            acc0, acc1, l_i, m_i = _pointer_tail_tile(
+                acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok,
+                qk_scale_log2, offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
+                KV_LORA, HALF, PAGE_SIZE, MAX_Q > 1 or USE_TREE, USE_TREE, INTERPRET)
 
-    inv = _split_epilogue(l_i, m_i, 1.0, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h, STORE_LSE)[:, None]
-    o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_h[None, :]
+    inv = _split_epilogue(l_i, m_i, 1.0, LSE, tok, split, heads, h_mask, stride_lse_t, stride_lse_h, STORE_LSE)[:, None]
+    o_ptr = O + tok[:, None] * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s + offs_h[None, :]
     tl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=h_mask[:, None])
     tl.store(o_ptr + HALF, (acc1 * inv).to(O.dtype.element_ty), mask=h_mask[:, None])
 
@@ -353,20 +470,22 @@ def tma_descriptors(kv_cache: torch.Tensor, kv_lora: int, config: MLADecodeConfi
             TensorDescriptor.from_tensor(rows, [config.block_n, width - kv_lora]))
 
 
-def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_o_s, num_splits, qk_scale_log2,
-                config: MLADecodeConfig, grid, descriptors) -> None:
+def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, out, lse, stride_o_s, num_splits,
+                qk_scale_log2, config: MLADecodeConfig, grid, descriptors) -> None:
     page = kv_cache.shape[1]
     kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
     kv_desc, pe_desc = descriptors if descriptors is not None else tma_descriptors(kv_cache, kv_lora, config)
+    query_start, tree_mask, tree_indptr, max_q = speculative
     _mla_decode_tma_kernel[grid](
-        q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, out, lse if lse is not None else seq_lens,
+        q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, query_start, tree_mask, tree_indptr, out,
+        lse if lse is not None else seq_lens,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), stride_o_s,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         q_nope.shape[1], num_splits, qk_scale_log2,
         KV_LORA=kv_lora, HALF=kv_lora // 2, ROPE=rope, PAGE_SIZE=page, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        STORE_LSE=lse is not None, INTERPRET=not q_nope.is_cuda,
+        STORE_LSE=lse is not None, MAX_Q=max_q, USE_TREE=tree_indptr is not seq_lens, INTERPRET=not q_nope.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -386,30 +505,49 @@ def mla_decode(
     lse: Optional[torch.Tensor] = None,
     partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     descriptors: Optional[tuple[Any, Any]] = None,
+    query_start_loc: Optional[torch.Tensor] = None,
+    max_query_len: int = 1,
+    tree_mask: Optional[torch.Tensor] = None,
+    tree_indptr: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Decode attention over the latent cache (one query token per request).
+    """Decode attention over the latent cache: B requests, T query tokens (one per request, or several for
+    speculative verification).
 
     Parameters
     ----------
-    q_nope : [B, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
-    q_pe : [B, H, R] rotary part of the queries.
+    q_nope : [T, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
+    q_pe : [T, H, R] rotary part of the queries.
     kv_cache : [num_blocks, block_size, Lkv + R] in the model dtype or fp8 (read as stored * k_scale).
-    block_table : [B, W] int32; seq_lens : [B] int32 (keys per request, the new token included).
-    output : [B, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
+    block_table : [B, W] int32; seq_lens : [B] int32 (keys per request, its new tokens included).
+    output : [T, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
     num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
-    lse : [B, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
-    partials : preallocated ([B, H, S, Lkv] float32, [B, H, S] float32) buffers for num_splits > 1.
+    lse : [T, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
+    partials : preallocated ([T, H, S, Lkv] float32, [T, H, S] float32) buffers for num_splits > 1.
     descriptors : :func:`tma_descriptors` of ``kv_cache`` and ``config`` (built here when the TMA kernel applies
         and none are given).
+    query_start_loc : [B + 1] int32, request b's query tokens are ``query_start_loc[b] : query_start_loc[b + 1]``
+        (each at most ``max_query_len``; token t of a request with L keys and Q tokens sits at position L - Q + t
+        and sees keys up to it). None: one token per request (T == B).
+    max_query_len : the longest request's query (host int; the kernel's rows per request are this x H).
+    tree_mask, tree_indptr : the packed tree mask ([sum n_i^2] uint8 or bool) and its [B + 1] int32 offsets
+        (:attr:`CommonAttentionMetadata.spec_tree_mask`): request b's last n_b tokens are a draft segment whose
+        tokens see only their ancestors in it.
 
     Returns
     -------
     output
     """
-    batch, num_heads, kv_lora = q_nope.shape
+    num_tokens, num_heads, kv_lora = q_nope.shape
     rope = q_pe.shape[-1]
+    batch = seq_lens.shape[0]
     if kv_cache.shape[-1] != kv_lora + rope:
         raise ValueError(f"kv_cache last dimension {kv_cache.shape[-1]} != Lkv + R = {kv_lora + rope}")
+    if (tree_mask is None) != (tree_indptr is None):
+        raise ValueError("tree_mask and tree_indptr go together: pass both or neither")
+    max_query_len = int(max_query_len)
+    if query_start_loc is None and (max_query_len != 1 or num_tokens != batch):
+        raise ValueError(f"{num_tokens} query tokens for {batch} requests (max_query_len {max_query_len}) need "
+                         "query_start_loc")
     if batch == 0:
         return output
     config = config or default_decode_config(num_heads, interpreted=not q_nope.is_cuda)
@@ -417,7 +555,13 @@ def mla_decode(
     block_c = next_power_of_2(kv_lora)
     block_r = next_power_of_2(rope)
     is_fp8 = kv_cache.dtype in FP8_DTYPES
-    grid = (batch, cdiv(num_heads, config.block_h), num_splits)
+    grid = (batch, cdiv(num_heads * max_query_len, config.block_h), num_splits)
+    speculative = (
+        query_start_loc if query_start_loc is not None else seq_lens,
+        tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens,
+        tree_indptr if tree_indptr is not None else seq_lens,
+        max_query_len,
+    )
     common = dict(
         KV_LORA=kv_lora,
         ROPE=rope,
@@ -427,6 +571,8 @@ def mla_decode(
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
         IS_FP8=is_fp8,
+        MAX_Q=max_query_len,
+        USE_TREE=tree_indptr is not None,
         INTERPRET=not q_nope.is_cuda,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -436,12 +582,12 @@ def mla_decode(
     use_tma = tma_decode_applies(q_nope, q_pe, kv_cache, config)
     if num_splits == 1:
         if use_tma:
-            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse, 0, 1, qk_scale_log2, config, grid,
-                        descriptors)
+            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, output, lse, 0, 1, qk_scale_log2,
+                        config, grid, descriptors)
             return output
         lse_t = lse if lse is not None else seq_lens
         _mla_decode_kernel[grid](
-            q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse_t,
+            q_nope, q_pe, kv_cache, block_table, seq_lens, *speculative[:3], output, lse_t,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             output.stride(0), output.stride(1), 0,
@@ -452,16 +598,16 @@ def mla_decode(
         )
         return output
     if partials is None:
-        o_part = torch.empty(batch, num_heads, num_splits, kv_lora, dtype=torch.float32, device=q_nope.device)
-        lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
+        o_part = torch.empty(num_tokens, num_heads, num_splits, kv_lora, dtype=torch.float32, device=q_nope.device)
+        lse_part = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
     else:
         o_part, lse_part = partials
     if use_tma:
-        _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part, o_part.stride(2), num_splits,
-                    qk_scale_log2, config, grid, descriptors)
+        _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, o_part, lse_part, o_part.stride(2),
+                    num_splits, qk_scale_log2, config, grid, descriptors)
     else:
         _mla_decode_kernel[grid](
-            q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,
+            q_nope, q_pe, kv_cache, block_table, seq_lens, *speculative[:3], o_part, lse_part,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -470,7 +616,7 @@ def mla_decode(
             STORE_LSE=True,
             **common,
         )
-    _mla_decode_reduce_kernel[(batch, num_heads)](
+    _mla_decode_reduce_kernel[(num_tokens, num_heads)](
         o_part, lse_part, output, lse if lse is not None else lse_part,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
@@ -496,17 +642,31 @@ def mla_decode_torch(
     *,
     scale: float,
     k_scale: float = 1.0,
+    query_lens_cpu: Optional[torch.Tensor] = None,
+    tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """Pure-torch :func:`mla_decode` (a loop over requests, float32): the CPU path and the kernel's test twin.
 
-    seq_lens_cpu : [B] int32 on the CPU. Other arguments as in :func:`mla_decode`.
+    seq_lens_cpu : [B] int32 on the CPU. query_lens_cpu : [B] int32 on the CPU, the query tokens per request (None:
+    one each). tree_masks : per request its [n, n] bool draft-segment mask or None. Other arguments as in
+    :func:`mla_decode`.
     """
     kv_lora = q_nope.shape[-1]
     block_size = kv_cache.shape[1]
-    for i, seq_len in enumerate(seq_lens_cpu.tolist()):
+    query_lens = query_lens_cpu.tolist() if query_lens_cpu is not None else [1] * len(seq_lens_cpu)
+    start = 0
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens_cpu.tolist(), query_lens)):
         pages = block_table[i, : math.ceil(seq_len / block_size)].long()
         latent = dequantize_from_cache(kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len], torch.float32, k_scale)
-        q = torch.cat([q_nope[i], q_pe[i]], dim=-1).float()  # [H, Lkv + R]
-        probs = torch.softmax((q @ latent.T) * scale, dim=-1)  # [H, L]
-        output[i] = (probs @ latent[:, :kv_lora]).to(output.dtype)
+        q = torch.cat([q_nope[start : start + q_len], q_pe[start : start + q_len]], dim=-1).float()  # [Q, H, Lkv + R]
+        scores = torch.einsum("qhc,lc->qhl", q, latent) * scale
+        visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]  # [Q, L]
+        tree = tree_masks[i] if tree_masks is not None else None
+        if tree is not None:
+            n = tree.shape[0]
+            visible[q_len - n :, seq_len - n :] &= tree.cpu()
+        scores = scores.masked_fill(~visible.to(scores.device)[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        output[start : start + q_len] = torch.einsum("qhl,lc->qhc", probs, latent[:, :kv_lora]).to(output.dtype)
+        start += q_len
     return output

@@ -1,7 +1,8 @@
 """The reference MLA backend: the naive path, pure torch, any device; the oracle for MLA.
 
 No weight absorption and no chunking: each request's whole latent cache is up-projected through kv_b_proj and
-attended with ordinary causal MHA (qk head P + R, v head V) in float32.
+attended with ordinary causal MHA (qk head P + R, v head V) in float32, a tree-verify request's draft segment
+under its tree mask (any query length: the builder is the reference backend's).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
             k = torch.cat([kv[..., :p], latent[:, None, lkv:].expand(-1, n, -1)], dim=-1)
             positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
             out, _ = sequence_attention(
-                q[start:end], k, kv[..., p:], positions, scale=self.scale, causal=True, compute_dtype=compute
+                q[start:end], k, kv[..., p:], positions, scale=self.scale, causal=True, compute_dtype=compute,
+                tree_mask=metadata.tree_masks[i] if metadata.tree_masks is not None else None,
             )
             output[start:end] = out.to(output.dtype)
         return output

@@ -1,4 +1,5 @@
-"""Random MLA batches and the float64 naive oracle (up-project every latent token, causal MHA per request)."""
+"""Random MLA batches and the float64 naive oracle (up-project every latent token, causal MHA per request, tree
+masks over tree-verify requests' draft segments)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from ..interface import AttentionBackend
 from ..metadata import CommonAttentionMetadata, build_common_metadata
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..spec import AttentionSpec
+from ..speculative import with_tree_mask
 from ..testing.cases import SequenceShape
+from ..testing.oracle import _draft_visibility
 
 __all__ = ["MLABatch", "make_random_mla_batch", "mla_oracle", "run_mla_backend"]
 
@@ -28,6 +31,8 @@ class MLABatch:
     kv_cache : [num_blocks, block_size, Lkv + R] in the cache dtype, context written, every other slot random
     kv_b_proj : [N * (P + V), Lkv] model dtype
     dense_latent : per request [seq_len, Lkv + R] float64 as read back from the cache (after the fp8 round trip)
+    tree_parents : per request, the parent array of its draft segment (its last len(parents) query tokens) or None;
+        ``common`` then carries the tree mask
     """
 
     spec: AttentionSpec
@@ -40,6 +45,7 @@ class MLABatch:
     common: CommonAttentionMetadata
     k_scale: float
     dense_latent: list[torch.Tensor] = field(repr=False)
+    tree_parents: Optional[list[Optional[list[int]]]] = None
 
     @property
     def num_actual_tokens(self) -> int:
@@ -59,8 +65,10 @@ def make_random_mla_batch(
     device: "torch.device | str" = "cpu",
     pad_tokens: int = 0,
     k_scale: Optional[float] = None,
+    tree_parents: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> MLABatch:
-    """A random batch for an MLA spec, one request per shape (keep decodes first).
+    """A random batch for an MLA spec, one request per shape (keep decodes first); ``tree_parents`` (one entry per
+    request, None for no tree) makes tree-verify requests (:func:`attnbackends.speculative.with_tree_mask`).
 
     Latents are N(0, 1); kv_b_proj is N(0, 1/Lkv) so up-projected keys and values are about N(0, 1); queries are
     N(0, 1), so logits are about N(0, 1) under the 1/sqrt(P + R) scale. fp8 caches get k_scale so the latent spans
@@ -104,6 +112,9 @@ def make_random_mla_batch(
     common = build_common_metadata(
         query_lens, [s.context_len for s in shapes], tables, bs, device, num_padded_tokens=sum(query_lens) + pad_tokens
     )
+    if tree_parents is not None:
+        tree_parents = [list(p) if p else None for p in tree_parents]
+        common = with_tree_mask(common, tree_parents)
     round_trip = [dequantize_from_cache(quantize_for_cache(x, cache_dtype, k_scale), torch.float64, k_scale) for x in dense]
     return MLABatch(
         spec=spec,
@@ -116,6 +127,7 @@ def make_random_mla_batch(
         common=common,
         k_scale=k_scale,
         dense_latent=round_trip,
+        tree_parents=tree_parents,
     )
 
 
@@ -126,7 +138,8 @@ def mla_oracle(batch: MLABatch) -> torch.Tensor:
     w = batch.kv_b_proj.double().cpu()
     q_all = batch.q.double().cpu()
     outs, start = [], 0
-    for shape, latent in zip(batch.shapes, batch.dense_latent):
+    trees = batch.tree_parents or [None] * len(batch.shapes)
+    for shape, latent, parents in zip(batch.shapes, batch.dense_latent, trees):
         q = q_all[start : start + shape.query_len].transpose(0, 1)  # [N, Q, P + R]
         start += shape.query_len
         kv = (latent[:, :lkv] @ w.T).view(-1, n, p + v).transpose(0, 1)  # [N, L, P + V]
@@ -134,7 +147,10 @@ def mla_oracle(batch: MLABatch) -> torch.Tensor:
         s = (q @ k.transpose(1, 2)) * spec.softmax_scale  # [N, Q, L]
         pos_q = torch.arange(shape.context_len, shape.seq_len)[:, None]
         pos_k = torch.arange(shape.seq_len)[None, :]
-        s = s.masked_fill(pos_k > pos_q, float("-inf"))
+        visible = pos_k <= pos_q
+        if parents:
+            visible &= _draft_visibility(parents, shape.query_len, shape.seq_len)
+        s = s.masked_fill(~visible, float("-inf"))
         outs.append((torch.softmax(s, dim=-1) @ kv[..., p:]).transpose(0, 1))
     return torch.cat(outs)
 

@@ -126,6 +126,9 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
                          f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
     if slot_mapping.device != kv_cache.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, kv_cache on {kv_cache.device}")
+    if slot_mapping.shape[0] > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping must be contiguous (the write kernel reads it with unit stride), got stride "
+                         f"{slot_mapping.stride(0)}")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(s, torch.Tensor):
             if s.numel() != 1 or s.dtype != torch.float32 or s.device != kv_cache.device:

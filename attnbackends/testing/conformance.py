@@ -13,7 +13,9 @@
 A case the backend declines (its ``not_supported_reasons`` for the case's spec, or ``CaseNotSupported`` raised by
 the backend itself) is skipped with the backend's reasons under pytest (:func:`check_backend_case`); outside pytest
 it raises ``CaseNotSupported`` (:func:`check_backend_case_or_raise`, :func:`sweep`). Every other mismatch is an
-AssertionError. Outputs are judged against the oracle elementwise and as a whole (relative Frobenius error, see
+AssertionError. Draft steps (:mod:`attnbackends.draft_steps`, the metadata of every step built at once) have their
+own cases and check: :func:`draft_step_cases`, :func:`check_backend_draft_case`. Outputs are judged against the
+oracle elementwise and as a whole (relative Frobenius error, see
 :class:`~attnbackends.testing.tolerances.Tolerance`); fp8 cases against the oracle on the dequantised cache values,
 so a 1% scale error fails them.
 """
@@ -36,6 +38,7 @@ from ..validation import check_device_available
 from .cases import (
     EAGLE_TREE_8, RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes, random_tree_parents,
 )
+from .draft_steps import DraftStepCase, check_backend_draft_case, check_backend_draft_steps, draft_step_cases
 from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
@@ -48,6 +51,10 @@ __all__ = [
     "check_backend_on_batch",
     "check_backend_case",
     "check_backend_case_or_raise",
+    "DraftStepCase",
+    "draft_step_cases",
+    "check_backend_draft_case",
+    "check_backend_draft_steps",
 ]
 
 
