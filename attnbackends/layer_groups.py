@@ -464,11 +464,12 @@ def trim_to_window(
 @dataclass
 class GroupedMetadata:
     """One step's metadata: ``per_group[g]`` is group g's backend metadata, ``per_layer[i]`` that of layer i's
-    group (the same objects), and ``commons[g]`` the common metadata group g was built from."""
+    group (the same objects), and ``commons[g]`` the common metadata group g was built from (None, in both, for a
+    group the step does not run)."""
 
     per_group: list[Any]
     per_layer: list[Any]
-    commons: list[CommonAttentionMetadata] = field(repr=False)
+    commons: list[Optional[CommonAttentionMetadata]] = field(repr=False)
 
 
 class GroupedMetadataBuilder:
@@ -523,10 +524,10 @@ class GroupedMetadataBuilder:
                 )
 
     def group_commons(
-        self, common: "CommonAttentionMetadata | Sequence[CommonAttentionMetadata]"
-    ) -> list[CommonAttentionMetadata]:
+        self, common: "CommonAttentionMetadata | Sequence[Optional[CommonAttentionMetadata]]"
+    ) -> list[Optional[CommonAttentionMetadata]]:
         """The common metadata of every group: ``common`` (or ``common[g]`` where the engine keeps one page table per
-        group), trimmed to the window for sliding-window groups."""
+        group, None for a group the step does not run), trimmed to the window for sliding-window groups."""
         if isinstance(common, CommonAttentionMetadata):
             commons = [common] * len(self.builders)
         else:
@@ -535,6 +536,8 @@ class GroupedMetadataBuilder:
                 raise ValueError(f"got {len(commons)} common metadata; the model has {len(self.builders)} groups")
         for g, window, block_size in self._windows:
             c = commons[g]
+            if c is None:
+                continue
             buffers = self._trim_buffers.get(g)
             if buffers is not None and c.max_query_len > self.cudagraph_max_query_len:
                 buffers = None
@@ -544,10 +547,12 @@ class GroupedMetadataBuilder:
     def _assemble(self, metas: list[Any], commons: list[CommonAttentionMetadata]) -> GroupedMetadata:
         return GroupedMetadata(metas, [metas[g] for g in self._layer_group], commons)
 
-    def build(self, common: "CommonAttentionMetadata | Sequence[CommonAttentionMetadata]") -> GroupedMetadata:
-        """One metadata per group for this batch (see :meth:`group_commons` for ``common``)."""
+    def build(self, common: "CommonAttentionMetadata | Sequence[Optional[CommonAttentionMetadata]]") -> GroupedMetadata:
+        """One metadata per group for this batch (see :meth:`group_commons` for ``common``). A group given None gets
+        None: a step that runs only some groups (an encoder-decoder model's encoder pass, its decoder steps) builds
+        only theirs."""
         commons = self.group_commons(common)
-        return self._assemble([b.build(c) for b, c in zip(self.builders, commons)], commons)
+        return self._assemble([None if c is None else b.build(c) for b, c in zip(self.builders, commons)], commons)
 
     def build_for_cudagraph_capture(
         self, common: "CommonAttentionMetadata | Sequence[CommonAttentionMetadata]"
@@ -560,5 +565,5 @@ class GroupedMetadataBuilder:
         if unsupported:
             raise ValueError(f"groups {unsupported} use backends without CUDA-graph support")
         commons = self.group_commons(common)
-        metas = [b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, commons)]
+        metas = [None if c is None else b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, commons)]
         return self._assemble(metas, commons)
