@@ -34,6 +34,8 @@ __all__ = [
     "HFBertEncoder",
     "HFWhisperModel",
     "WHISPER_SUCCESSOR_LOGIT",
+    "WIDE_MARGIN_BRANCH_SCALE",
+    "WIDE_MARGIN_POSITION_SCALE",
     "add_whisper_successor_bigram",
     "random_mel_features",
     "seed_encoder_weights",
@@ -45,10 +47,16 @@ __all__ = [
     "transformers_whisper_logits",
 ]
 
-# successor_logit of the wide-margin Whisper (tiny_whisper): on the tiny config (d_model 64, vocab 128) the
-# successor beats the runner-up by >= 10 logits over the test prompts, against float16 / bfloat16 logit errors
-# below 0.2 (measured by tests/test_hf_encoders.py::test_wide_margin_whisper_survives_low_precision).
+# successor_logit of the wide-margin Whisper (tiny_whisper). Measured on CPU bfloat16 against float32 (seeds 0-2,
+# 3 inputs, 12 greedy steps): smallest top-2 margin 7-10 logits on d_model 64 and 12-15 on d_model 128, against
+# bfloat16 logit errors <= 0.26; every token the successor of the previous one
+# (tests/test_hf_encoders.py::test_wide_margin_whisper_survives_low_precision keeps it so).
 WHISPER_SUCCESSOR_LOGIT = 40.0
+# The wide-margin Whisper's decoder: residual-branch outputs (attention out_proj, fc2) and learned positions scaled
+# down, so that the token embedding keeps a large share of the last residual stream. Without it the successor's
+# margin drops below 1 logit on d_model 64 (the branches and positions, each as large as the embedding, swamp it).
+WIDE_MARGIN_BRANCH_SCALE = 0.5
+WIDE_MARGIN_POSITION_SCALE = 0.3
 
 
 @torch.no_grad()
@@ -153,8 +161,11 @@ def tiny_whisper(seed: int = 0, successor_logit: float = 0.0, **overrides: Any) 
     32 (d_model 64), 8 mel bins, 16 encoder positions (32 input frames), vocab 128 (pad 0, decoder start 1, end 2),
     no suppressed tokens, an untied LM head.
 
-    successor_logit : > 0 adds the wide-margin successor bigram (:func:`add_whisper_successor_bigram`) so greedy
-        choices survive float16 / bfloat16 rounding (``WHISPER_SUCCESSOR_LOGIT``).
+    successor_logit : > 0 builds the wide-margin model (``WHISPER_SUCCESSOR_LOGIT``): the decoder's residual
+        branches and positions scaled by ``WIDE_MARGIN_BRANCH_SCALE`` / ``WIDE_MARGIN_POSITION_SCALE``, then the
+        successor bigram (:func:`add_whisper_successor_bigram`), so that greedy choices survive float16 / bfloat16
+        rounding. Attention still moves every logit (the logit comparisons check it); identical tokens then rule
+        out gross errors only.
     """
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -170,6 +181,11 @@ def tiny_whisper(seed: int = 0, successor_logit: float = 0.0, **overrides: Any) 
     config._attn_implementation = "eager"
     model = seed_encoder_weights(WhisperForConditionalGeneration(config), seed).eval()
     if successor_logit:
+        with torch.no_grad():
+            for name, p in model.model.decoder.named_parameters():
+                if name.endswith(("out_proj.weight", "fc2.weight")):
+                    p.mul_(WIDE_MARGIN_BRANCH_SCALE)
+            model.model.decoder.embed_positions.weight.mul_(WIDE_MARGIN_POSITION_SCALE)
         add_whisper_successor_bigram(model, successor_logit, seed)
     return model
 
