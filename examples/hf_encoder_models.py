@@ -141,7 +141,8 @@ class HFBertEncoder(nn.Module):
 @torch.inference_mode()
 def transformers_bert_embeddings(hf_model: nn.Module, sequences: Sequence[Sequence[int]],
                                  token_type_ids: Optional[Sequence[Sequence[int]]] = None) -> list[torch.Tensor]:
-    """transformers' own forward over one right-padded batch with an attention mask: [len, hidden] per sequence."""
+    """transformers' own forward over one right-padded batch with an attention mask: [len, hidden] float32 per
+    sequence, on the CPU."""
     n = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), n, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -151,7 +152,9 @@ def transformers_bert_embeddings(hf_model: nn.Module, sequences: Sequence[Sequen
         mask[i, : len(s)] = 1
         if token_type_ids is not None:
             types[i, : len(s)] = torch.tensor(token_type_ids[i])
-    out = hf_model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state.float()
+    device = next(hf_model.parameters()).device
+    out = hf_model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                   token_type_ids=types.to(device)).last_hidden_state.float().cpu()
     return [out[i, : len(s)] for i, s in enumerate(sequences)]
 
 
@@ -358,11 +361,11 @@ def transformers_whisper_generate(hf_model: nn.Module, features: Sequence[torch.
 def transformers_whisper_logits(hf_model: nn.Module, feature: torch.Tensor, decoder_tokens: Sequence[int]
                                 ) -> torch.Tensor:
     """transformers' own forward (no cache) over one input and decoder sequence: logits [len(tokens), vocab]
-    float32 (row i chooses token i + 1)."""
+    float32 on the CPU (row i chooses token i + 1)."""
     param = next(hf_model.parameters())
     out = hf_model(input_features=feature[None].to(device=param.device, dtype=param.dtype),
                    decoder_input_ids=torch.tensor([list(decoder_tokens)], device=param.device), use_cache=False)
-    return out.logits[0].float()
+    return out.logits[0].float().cpu()
 
 
 def transformers_whisper_forward_greedy(hf_model: nn.Module, feature: torch.Tensor, prompt: Sequence[int],
