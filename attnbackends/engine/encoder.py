@@ -37,7 +37,9 @@ class EncoderEngineModel(Protocol):
         """Extra keyword arguments of layer ``layer``'s impl ({} for most models)."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: GroupedStepAttention) -> torch.Tensor:
-        """tokens, positions : [T] int64 (sequences one after another, positions from 0 in each) -> [T, hidden]."""
+        """tokens, positions : [T] int64 (sequences one after another, positions from 0 in each) -> [T, hidden].
+        Layer i calls ``attn(i, q, k, v)`` with q [T, Hq, D], k and v [T, Hkv, D]. A model taking segment ids
+        accepts ``token_type_ids`` [T] too (passed when :meth:`EncoderEngine.encode` is given them)."""
 
 
 def encoder_common_metadata(lengths: Sequence[int], device: "torch.device | str" = "cpu") -> CommonAttentionMetadata:
