@@ -14,6 +14,8 @@ from rich.table import Table
 
 from .cli_tune import COMMANDS as TUNE_COMMANDS
 from .cli_tune import add_parsers as add_tune_parsers
+from .layer_groups import LayerGroupsConfig, read_layer_specs
+from .layer_groups import _explain_groups, _format_layers  # noqa: PLC2701 - the CLI shows groups no backend fits
 from .platform import DeviceInfo, package_available
 from .registry import BackendNotSupportedError, backend_names, explain
 from .registry import _resolve as resolve_backend  # noqa: PLC2701 - the CLI shows import failures as reasons
@@ -152,15 +154,9 @@ def _describe_spec(spec: AttentionSpec) -> str:
     return shape + "; " + ", ".join(extras)
 
 
-def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
-    spec = _spec_from_args(args)
-    device = _device_from_args(args)
-    config = AttentionConfig.from_env(AttentionConfig(
-        backend=args.backend, selection=args.selection, decode_backend=args.decode_backend,
-        prefill_backend=args.prefill_backend, profile_dir=args.profile_dir))
-    result = explain(spec, device, config)
-    table = Table(title=f"layer: {_describe_spec(spec)}\ndevice: {device.describe()}; backend requested: "
-                        f"{result.requested}")
+def _print_explanation(result, console: Console, title: str) -> None:
+    """One explanation's table, notes and measured profile."""
+    table = Table(title=title)
     for col in ("backend", "status", "reasons"):
         table.add_column(col)
     for name, status, reasons in result.as_table():
@@ -171,6 +167,54 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
         console.print(f"note: {note}")
     if result.measured is not None:
         console.print(result.measured.render())
+
+
+#: explain's options that describe one layer; --layers takes every layer's spec from its file instead.
+_SPEC_OPTIONS = ("num_heads", "num_kv_heads", "head_size", "dtype", "kv_cache_dtype", "block_size", "attn_type",
+                 "sliding_window", "soft_cap", "alibi", "sinks", "mla", "kv_lora_rank", "qk_rope_head_dim")
+#: explain's options that choose the backend; with --layers they apply to every group the file does not pin.
+_CHOICE_OPTIONS = ("backend", "selection", "decode_backend", "prefill_backend", "profile_dir")
+
+
+def _cmd_explain_layers(args: argparse.Namespace, console: Console) -> int:
+    """`explain --layers FILE`: the model's layer groups (the file's `layers:`, pins from its `attention:` and
+    `layer_groups:` sections), each with the registry's table."""
+    defaults = _parser().parse_args(["explain"])
+    given = [f"--{o.replace('_', '-')}" for o in _SPEC_OPTIONS if getattr(args, o) != getattr(defaults, o)]
+    if given:
+        raise UsageError(f"--layers takes every layer's spec from the file; drop {', '.join(given)}")
+    specs = read_layer_specs(args.layers)
+    config = LayerGroupsConfig.from_file(args.layers)
+    update = {o: getattr(args, o) for o in _CHOICE_OPTIONS if getattr(args, o) != getattr(defaults, o)}
+    default = AttentionConfig.from_env(AttentionConfig.model_validate({**config.default.model_dump(), **update}))
+    config = config.model_copy(update={"default": default})
+    device = _device_from_args(args)
+    rows, _, _ = _explain_groups(specs, device, config)
+    console.print(f"{len(specs)} layers in {len(rows)} groups; device: {device.describe()}")
+    unserved = []
+    for name, spec, layers, _, result in rows:
+        _print_explanation(result, console, f"group {name}: layers {_format_layers(layers)}\n"
+                                            f"{_describe_spec(spec)}; backend requested: {result.requested}")
+        console.print(f"group {name} chosen: [bold]{result.chosen or 'none'}[/]")
+        if result.chosen is None:
+            unserved.append(name)
+    if unserved:
+        console.print(f"[bold red]no backend (or not the requested one) fits groups {', '.join(unserved)}[/]")
+        return 1
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
+    if args.layers is not None:
+        return _cmd_explain_layers(args, console)
+    spec = _spec_from_args(args)
+    device = _device_from_args(args)
+    config = AttentionConfig.from_env(AttentionConfig(
+        backend=args.backend, selection=args.selection, decode_backend=args.decode_backend,
+        prefill_backend=args.prefill_backend, profile_dir=args.profile_dir))
+    result = explain(spec, device, config)
+    _print_explanation(result, console, f"layer: {_describe_spec(spec)}\ndevice: {device.describe()}; backend "
+                                        f"requested: {result.requested}")
     if result.chosen is None:
         if result.requested != "auto":
             console.print(f"[bold red]the requested backend {result.requested} does not fit this spec on this "
@@ -263,6 +307,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--decode-backend", default=None, help="backend for decodes (a phase composition)")
     ex.add_argument("--prefill-backend", default=None, help="backend for prefills (a phase composition)")
     ex.add_argument("--profile-dir", default=None, help="where `attnbackends tune` profiles live")
+    ex.add_argument("--layers", default=None, metavar="FILE",
+                    help="explain a whole model's layer groups instead of one layer: a YAML/JSON file with a "
+                         "`layers:` list of layer specs (and optional `layer_defaults:`, `attention:`, "
+                         "`layer_groups:` pins); see examples/layer_groups_encdec.yaml")
 
     demo = sub.add_parser("demo", formatter_class=fmt,
                           help="serve a tiny random-weight model through the auto-selected backend")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
 from .metadata import CommonAttentionMetadata
@@ -41,6 +41,7 @@ __all__ = [
     "explain_layers",
     "group_layers",
     "parse_layer_ranges",
+    "read_layer_specs",
     "trim_to_window",
     "window_pages_per_request",
 ]
@@ -136,6 +137,42 @@ class LayerGroupsConfig(BaseModel):
         if not isinstance(groups, dict):
             raise ValueError(f"layer_groups in {path} must be a mapping, got {type(groups).__name__}")
         return cls.model_validate({"default": data.get("attention", {}), **groups})
+
+
+def read_layer_specs(path: "str | os.PathLike") -> list[AttentionSpec]:
+    """A model's per-layer specs from the ``layers:`` list of a ``.yaml``/``.yml``/``.json`` file (the file may
+    also hold the ``attention:`` and ``layer_groups:`` sections :meth:`LayerGroupsConfig.from_file` reads)::
+
+        layer_defaults: {num_heads: 8, num_kv_heads: 8, head_size: 64, dtype: bfloat16}
+        layers:
+          - {attn_type: encoder, count: 4}      # layers 0-3
+          - {attn_type: decoder, count: 4}      # layers 4-7
+          - {attn_type: encoder_decoder, count: 4}
+
+    Each entry is an :class:`~attnbackends.AttentionSpec` mapping over ``layer_defaults`` (its own fields win);
+    ``count`` (default 1) repeats it. ValueError names the entry and the field for anything invalid."""
+    data = read_config_file(path)
+    entries, defaults = data.get("layers"), data.get("layer_defaults") or {}
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path} needs a non-empty `layers:` list of layer specs (mappings)")
+    if not isinstance(defaults, dict):
+        raise ValueError(f"layer_defaults in {path} must be a mapping of AttentionSpec fields")
+    specs: list[AttentionSpec] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"layers[{i}] in {path} must be a mapping of AttentionSpec fields, got {entry!r}")
+        fields = {**defaults, **entry}
+        count = fields.pop("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"layers[{i}].count in {path} must be a positive integer, got {count!r}")
+        try:
+            spec = AttentionSpec.model_validate(fields)
+        except ValidationError as exc:
+            why = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                            if e["loc"] else e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            raise ValueError(f"layers[{i}] in {path}: {why}") from None
+        specs += [spec] * count
+    return specs
 
 
 @dataclass
@@ -464,11 +501,12 @@ def trim_to_window(
 @dataclass
 class GroupedMetadata:
     """One step's metadata: ``per_group[g]`` is group g's backend metadata, ``per_layer[i]`` that of layer i's
-    group (the same objects), and ``commons[g]`` the common metadata group g was built from."""
+    group (the same objects), and ``commons[g]`` the common metadata group g was built from (None, in both, for a
+    group the step does not run)."""
 
     per_group: list[Any]
     per_layer: list[Any]
-    commons: list[CommonAttentionMetadata] = field(repr=False)
+    commons: list[Optional[CommonAttentionMetadata]] = field(repr=False)
 
 
 class GroupedMetadataBuilder:
@@ -523,10 +561,10 @@ class GroupedMetadataBuilder:
                 )
 
     def group_commons(
-        self, common: "CommonAttentionMetadata | Sequence[CommonAttentionMetadata]"
-    ) -> list[CommonAttentionMetadata]:
+        self, common: "CommonAttentionMetadata | Sequence[Optional[CommonAttentionMetadata]]"
+    ) -> list[Optional[CommonAttentionMetadata]]:
         """The common metadata of every group: ``common`` (or ``common[g]`` where the engine keeps one page table per
-        group), trimmed to the window for sliding-window groups."""
+        group, None for a group the step does not run), trimmed to the window for sliding-window groups."""
         if isinstance(common, CommonAttentionMetadata):
             commons = [common] * len(self.builders)
         else:
@@ -535,6 +573,8 @@ class GroupedMetadataBuilder:
                 raise ValueError(f"got {len(commons)} common metadata; the model has {len(self.builders)} groups")
         for g, window, block_size in self._windows:
             c = commons[g]
+            if c is None:
+                continue
             buffers = self._trim_buffers.get(g)
             if buffers is not None and c.max_query_len > self.cudagraph_max_query_len:
                 buffers = None
@@ -544,10 +584,12 @@ class GroupedMetadataBuilder:
     def _assemble(self, metas: list[Any], commons: list[CommonAttentionMetadata]) -> GroupedMetadata:
         return GroupedMetadata(metas, [metas[g] for g in self._layer_group], commons)
 
-    def build(self, common: "CommonAttentionMetadata | Sequence[CommonAttentionMetadata]") -> GroupedMetadata:
-        """One metadata per group for this batch (see :meth:`group_commons` for ``common``)."""
+    def build(self, common: "CommonAttentionMetadata | Sequence[Optional[CommonAttentionMetadata]]") -> GroupedMetadata:
+        """One metadata per group for this batch (see :meth:`group_commons` for ``common``). A group given None gets
+        None: a step that runs only some groups (an encoder-decoder model's encoder pass, its decoder steps) builds
+        only theirs."""
         commons = self.group_commons(common)
-        return self._assemble([b.build(c) for b, c in zip(self.builders, commons)], commons)
+        return self._assemble([None if c is None else b.build(c) for b, c in zip(self.builders, commons)], commons)
 
     def build_for_cudagraph_capture(
         self, common: "CommonAttentionMetadata | Sequence[CommonAttentionMetadata]"
@@ -560,5 +602,5 @@ class GroupedMetadataBuilder:
         if unsupported:
             raise ValueError(f"groups {unsupported} use backends without CUDA-graph support")
         commons = self.group_commons(common)
-        metas = [b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, commons)]
+        metas = [None if c is None else b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, commons)]
         return self._assemble(metas, commons)

@@ -11,7 +11,9 @@ __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
     "build_common_metadata",
+    "build_cross_attention_metadata",
     "decode_first_order",
+    "encoder_slot_mapping",
     "split_decodes_and_prefills",
     "validate_common_metadata",
 ]
@@ -144,11 +146,26 @@ def build_common_metadata(
         seq_lens.append(q + c)
         for pos in range(c, c + q):
             slots.append(table[pos // block_size] * block_size + pos % block_size if has_cache else -1)
+    return _assemble(query_lens, seq_lens, block_tables, slots, causal, num_padded_tokens, max_blocks_per_req, device)
+
+
+def _assemble(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    slots: list[int],
+    causal: bool,
+    num_padded_tokens: Optional[int],
+    max_blocks_per_req: Optional[int],
+    device: "torch.device | str",
+) -> CommonAttentionMetadata:
+    """The metadata tensors of checked per-request lists (slots: one per new token, padding appended here)."""
+    num_reqs = len(query_lens)
     num_actual_tokens = len(slots)
     if num_padded_tokens is not None:
         if num_padded_tokens < num_actual_tokens:
             raise ValueError(f"num_padded_tokens ({num_padded_tokens}) < the batch's {num_actual_tokens} tokens")
-        slots += [-1] * (num_padded_tokens - num_actual_tokens)
+        slots = slots + [-1] * (num_padded_tokens - num_actual_tokens)
     width = max((len(t) for t in block_tables), default=0)
     if max_blocks_per_req is not None:
         if max_blocks_per_req < width:
@@ -175,6 +192,80 @@ def build_common_metadata(
         causal=causal,
         block_table_cpu=table,
     )
+
+
+def _check_encoder_tables(encoder_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int) -> None:
+    if len(block_tables) != len(encoder_lens):
+        raise ValueError(f"encoder_lens and block_tables must have one entry per request; got {len(encoder_lens)} "
+                         f"and {len(block_tables)}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    for i, (s, table) in enumerate(zip(encoder_lens, block_tables)):
+        if s < 1:
+            raise ValueError(f"request {i}: encoder_lens[{i}] must be >= 1, got {s}")
+        need = -(-s // block_size)
+        if len(table) < need:
+            raise ValueError(f"request {i}: block_tables[{i}] has {len(table)} pages, {s} encoder tokens need {need}")
+
+
+def build_cross_attention_metadata(
+    query_lens: Sequence[int],
+    encoder_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: "torch.device | str" = "cpu",
+    *,
+    num_padded_tokens: Optional[int] = None,
+    max_blocks_per_req: Optional[int] = None,
+) -> CommonAttentionMetadata:
+    """The batch as a cross-attention layer (``AttentionType.ENCODER_DECODER``) sees it: each request's decoder
+    queries of this step over ALL of its encoder's keys, which sit in the cross-attention cache (written once per
+    request, at the slots :func:`encoder_slot_mapping` gives, through the impl's ``update_kv_cache``).
+
+    Compared with the decoder self-attention's metadata of the same step, ``query_start_loc`` is the same (the
+    step's decoder tokens) and:
+
+    - ``seq_lens`` [num_reqs] int32 are the encoder lengths: the keys every query of the request sees
+      (non-causal). A request may have more query tokens than encoder keys (a long decoder prompt over a short
+      input); seq_len >= query_len holds for causal batches only;
+    - ``block_table`` [num_reqs, max_blocks_per_req] int32 holds the pages of each request's encoder keys;
+    - ``slot_mapping`` [num_tokens] int64 is -1 everywhere: decoder tokens write nothing into the cross cache, so
+      ``forward`` is called with ``key = value = None``;
+    - ``causal`` is False.
+
+    Parameters
+    ----------
+    query_lens : the step's decoder tokens per request (>= 1).
+    encoder_lens : encoder tokens per request (>= 1).
+    block_tables : per request, the pages of its encoder keys; needs ceil(encoder_len / block_size) pages.
+    block_size, num_padded_tokens, max_blocks_per_req : as for :func:`build_common_metadata`.
+    """
+    if len(query_lens) != len(encoder_lens):
+        raise ValueError(f"query_lens and encoder_lens must have one entry per request; got {len(query_lens)} and "
+                         f"{len(encoder_lens)}")
+    _check_encoder_tables(encoder_lens, block_tables, block_size)
+    for i, q in enumerate(query_lens):
+        if q < 1:
+            raise ValueError(f"request {i}: query_len must be >= 1, got {q}")
+    slots = [-1] * sum(query_lens)
+    return _assemble(query_lens, list(encoder_lens), block_tables, slots, False, num_padded_tokens,
+                     max_blocks_per_req, device)
+
+
+def encoder_slot_mapping(
+    encoder_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: "torch.device | str" = "cpu",
+) -> torch.Tensor:
+    """[sum(encoder_lens)] int64 cache slots of the encoder keys and values, requests one after another: encoder
+    token j of request i goes to slot ``block_tables[i][j // block_size] * block_size + j % block_size``. Pass it to
+    a cross-attention impl's ``update_kv_cache(key, value, kv_cache, slots)`` with key and value
+    [sum(encoder_lens), num_kv_heads, head_size] once per request, before the request's first decoder step."""
+    _check_encoder_tables(encoder_lens, block_tables, block_size)
+    slots = [table[j // block_size] * block_size + j % block_size
+             for s, table in zip(encoder_lens, block_tables) for j in range(s)]
+    return torch.as_tensor(slots, dtype=torch.int64).to(device)
 
 
 def decode_first_order(query_lens: Sequence[int], decode_threshold: int = 1) -> list[int]:
@@ -236,7 +327,7 @@ def validate_common_metadata(common: CommonAttentionMetadata, num_blocks: Option
     if common.seq_lens_cpu.shape != (common.num_reqs,):
         raise ValueError(f"seq_lens has shape {tuple(common.seq_lens_cpu.shape)}, expected ({common.num_reqs},)")
     short = torch.nonzero(common.seq_lens_cpu < steps)
-    if short.numel():
+    if common.causal and short.numel():  # a non-causal (cross-attention) query may see fewer keys than queries
         i = int(short[0])
         raise ValueError(f"seq_lens[{i}] ({int(common.seq_lens_cpu[i])}) < query_len ({int(steps[i])}) of request {i}")
     if common.slot_mapping.shape[0] < common.num_actual_tokens:

@@ -9,7 +9,7 @@ The "checked" rule every impl follows (through :func:`check_forward_inputs`, the
   the token dimension against the batch's ``num_actual_tokens``; anything different runs the full validation
   again, which raises a ValueError naming the argument, or records the new layout when it is valid too;
 - in debug mode every call validates in full and also checks the batch's metadata against the cache:
-  block-table entries inside ``[0, kv_cache.shape[0])``, ``seq_len >= query_len``, a monotonic
+  block-table entries inside ``[0, kv_cache.shape[0])``, ``seq_len >= query_len`` (causal batches), a monotonic
   ``query_start_loc``, slots inside the cache and no slot written twice. These read the block table and the slot
   mapping on the host (a device sync), which is why they are off by default.
 
@@ -235,7 +235,7 @@ def validate_metadata_against_cache(
 ) -> None:
     """Debug-mode checks of one batch against the cache it runs on (reads device tensors on the host).
 
-    query_start_loc monotonic, seq_lens >= query lens, every block-table entry a request uses inside
+    query_start_loc monotonic, seq_lens >= query lens (causal batches), every block-table entry a request uses inside
     ``[0, kv_cache.shape[0])``, every slot of a real token inside the cache (or -1) and no slot given to two
     tokens. Raises ValueError naming the tensor and the first bad index.
     """

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -120,3 +122,46 @@ def test_demo_dtype_on_cpu(capsys, monkeypatch):
     monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
     assert main(["demo", "--device", "cpu", "--dtype", "float16", "--prompts", "2", "--new-tokens", "2"]) in (0, 1)
     assert "(float16)" in capsys.readouterr().out
+
+
+ENCDEC_LAYERS = "examples/layer_groups_encdec.yaml"
+
+
+def test_explain_layer_groups_file(capsys, monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    monkeypatch.setenv("COLUMNS", "250")  # table cells on one line each
+    assert main(["explain", "--layers", ENCDEC_LAYERS, "--cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "18 layers in 3 groups" in out
+    for line in ("group encoder: layers 0-5", "group full: layers 6-11", "group cross: layers 12-17",
+                 "group encoder chosen: triton", "group full chosen: reference", "group cross chosen: triton"):
+        assert line in out
+    assert "attn_type encoder_decoder not supported" in out  # the decoder-only backends' reason in the cross group
+
+
+def test_explain_layer_groups_backend_option_sets_the_default(capsys, monkeypatch):
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    assert main(["explain", "--layers", ENCDEC_LAYERS, "--cpu", "--backend", "flashinfer"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "group full chosen: none" in out and "group encoder chosen: triton" in out  # pins stay
+    assert "no backend (or not the requested one) fits groups full" in out
+
+
+@pytest.mark.parametrize("text, message", [
+    ("layers: []\n", "needs a non-empty `layers:` list"),
+    ("layers: [{num_heads: 4, num_kv_heads: 4, head_size: 32}, {num_heads: 6, num_kv_heads: 4, head_size: 32}]\n",
+     r"layers\[1\] in .*num_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
+    ("layers: [{num_heads: 4, num_kv_heads: 4, head_size: 32, count: 0}]\n", r"layers\[0\].count .* positive integer"),
+    ("layers: [{num_heads: 4, num_kv_heads: 4, head_size: 32, colour: red}]\n", r"layers\[0\] in .*colour"),
+    ("layers: [{num_heads: 4, num_kv_heads: 4, head_size: 32}]\nlayer_groups: {groups: {cross: triton}}\n",
+     "unknown groups \\['cross'\\]"),
+])
+def test_explain_layer_groups_file_errors(capsys, tmp_path, text, message):
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    assert re.search(message, one_line_error(capsys, ["explain", "--layers", str(path), "--cpu"]))
+
+
+def test_explain_layers_refuses_single_layer_options(capsys):
+    text = one_line_error(capsys, ["explain", "--layers", ENCDEC_LAYERS, "--head-size", "64", "--sinks"])
+    assert "--layers takes every layer's spec from the file; drop --head-size, --sinks" in text

@@ -1,9 +1,14 @@
 """A compact paged inference engine over the registry: the integration example behind `attnbackends demo`.
 
 ``PagedEngine`` serves any :class:`EngineModel`: the built-in :class:`TinyLlama`, or a Hugging Face ``transformers``
-model (adapters and seeded fixtures in the checkout's ``examples/engine/hf_models``).
+model (adapters and seeded fixtures in the checkout's ``examples/engine/hf_models``). ``GroupedPagedEngine`` serves
+models whose layers differ (one backend per layer group), ``EncoderEngine`` encoder-only models (BERT-style) and
+``EncoderDecoderEngine`` encoder-decoder models (Whisper-style; adapters in the checkout's
+``examples/hf_encoder_models.py``).
 """
 
+from .encoder import EncoderEngine, EncoderEngineModel
+from .encoder_decoder import EncoderDecoderEngine, EncoderDecoderEngineModel
 from .engine import BlockAllocator, EngineConfig, EngineModel, GenerationResult, PagedEngine, StepAttention
 from .groups import GroupedEngineModel, GroupedPagedEngine, GroupedStepAttention
 from .hybrid_model import TinyHybrid, TinyHybridConfig
@@ -11,6 +16,10 @@ from .model import TinyLlama, TinyLlamaConfig
 
 __all__ = [
     "BlockAllocator",
+    "EncoderDecoderEngine",
+    "EncoderDecoderEngineModel",
+    "EncoderEngine",
+    "EncoderEngineModel",
     "EngineConfig",
     "EngineModel",
     "GenerationResult",

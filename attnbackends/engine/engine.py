@@ -388,6 +388,10 @@ class PagedEngine:
         for req in requests:
             if not req.prompt:
                 raise ValueError(f"prompt {req.index} is empty; every prompt needs at least one token")
+        return self._run(requests)
+
+    def _run(self, requests: list[_Request]) -> GenerationResult:
+        """Serve ``requests`` to the end: admit, step, release the finished, until none is left."""
         self.spec_stats = SpeculativeStats()
         waiting = deque(requests)
         running: list[_Request] = []

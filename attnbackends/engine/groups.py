@@ -21,7 +21,7 @@ from ..layer_groups import GroupedMetadata, GroupedMetadataBuilder, LayerGroupsC
 from ..layer_groups import window_pages_per_request
 from ..metadata import build_common_metadata
 from ..platform import DeviceInfo
-from ..spec import AttentionConfig, AttentionSpec
+from ..spec import AttentionConfig, AttentionSpec, AttentionType
 from .engine import BlockAllocator, EngineConfig, PagedEngine, SpeculativeStats, StepAttention, _Request
 
 __all__ = ["GroupedEngineModel", "GroupedPagedEngine", "GroupedStepAttention"]
@@ -83,6 +83,9 @@ class GroupedPagedEngine(PagedEngine):
         :class:`~attnbackends.AttentionConfig` for every group.
     """
 
+    #: Attention types of the layers this engine serves (a subclass serving encoders widens it).
+    served_attn_types: frozenset[AttentionType] = frozenset({AttentionType.DECODER})
+
     def __init__(
         self,
         model: GroupedEngineModel,
@@ -101,15 +104,22 @@ class GroupedPagedEngine(PagedEngine):
         self.layer_specs = list(model.layer_specs(dtype, config.block_size))
         if len(self.layer_specs) != model.num_layers:
             raise ValueError(f"layer_specs gave {len(self.layer_specs)} specs for {model.num_layers} layers")
-        uncached = [i for i, s in enumerate(self.layer_specs) if not s.attn_type.uses_kv_cache]
-        if uncached:
-            raise NotImplementedError(f"layers {uncached} have no KV cache (encoder attention); the engine serves "
-                                      "decoder layers only")
+        unserved = [i for i, s in enumerate(self.layer_specs) if s.attn_type not in self.served_attn_types]
+        if unserved:
+            kinds = ", ".join(sorted({self.layer_specs[i].attn_type.value for i in unserved}))
+            served = ", ".join(sorted(t.value for t in self.served_attn_types))
+            raise NotImplementedError(f"layers {unserved} are {kinds} layers; {type(self).__name__} serves {served} "
+                                      "layers only (encoders have no KV cache: EncoderEngine serves encoder-only "
+                                      "models, EncoderDecoderEngine encoder-decoder models)")
         self.groups = group_layers(self.layer_specs, DeviceInfo.current(self.device), attention_config)
+        # groups whose pages follow the decoder sequence (self-attention); the first one's table is req.blocks
+        self.sequence_groups = [g.index for g in self.groups.groups if g.spec.attn_type is AttentionType.DECODER]
+        if not self.sequence_groups:
+            raise ValueError("the model has no decoder (causal self-attention) layers; the engine generates with them")
         debug = any(g.config.debug for g in self.groups.groups)
         self.builder = GroupedMetadataBuilder(self.groups, self.device, max_num_reqs=config.max_num_reqs,
                                               max_num_tokens=config.max_num_batched_tokens, debug=debug)
-        self.spec = self.layer_specs[0]
+        self.spec = self.groups.groups[self.sequence_groups[0]].spec
         self.backend = _BackendLabel(",".join(f"{g.name}={g.backend.name}" for g in self.groups.groups))
         self.impls = self.groups.make_impls(model.impl_kwargs)
         # pages per request a group can need at once: all of a sequence's, or a window's worth
@@ -118,19 +128,21 @@ class GroupedPagedEngine(PagedEngine):
             else window_pages_per_request(g.window, config.block_size, config.max_num_batched_tokens)
             for g in self.groups.groups
         ]
-        pool_sizes = [config.num_blocks if cap is None else min(config.num_blocks, config.max_num_reqs * cap)
-                      for cap in self.page_caps]
+        pool_sizes = [0 if not g.spec.attn_type.uses_kv_cache
+                      else config.num_blocks if cap is None else min(config.num_blocks, config.max_num_reqs * cap)
+                      for g, cap in zip(self.groups.groups, self.page_caps)]
         self.pools = [BlockAllocator(n) for n in pool_sizes]
-        self.allocator = self.pools[0]
+        self.allocator = self.pools[self.sequence_groups[0]]
         caches = self.groups.allocate_kv_caches({g.name: n for g, n in zip(self.groups.groups, pool_sizes)},
                                                 self.device)
-        self.kv_caches = [c.zero_() for c in caches]
+        self.kv_caches = [None if c is None else c.zero_() for c in caches]
         self.num_steps = 0
         self.scheduled_tokens: list[int] = []
         self._pages_of: dict[int, list[list[Optional[int]]]] = {}  # request -> per group, page per logical index
 
-    def _group_need(self, g: int, num_tokens: int) -> int:
-        pages, cap = self._pages(num_tokens), self.page_caps[g]
+    def _group_need(self, g: int, req: _Request) -> int:
+        """Pages of group ``g`` that ``req`` can hold at once: all of its longest sequence's, or a window's worth."""
+        pages, cap = self._pages(req.max_len), self.page_caps[g]
         return pages if cap is None else min(pages, cap)
 
     def _live(self, req: _Request, g: int) -> int:
@@ -139,10 +151,10 @@ class GroupedPagedEngine(PagedEngine):
     def _admit(self, waiting: deque, running: list[_Request]) -> None:
         """Like the base engine, per group: a request reserves, in every group's pool, the pages its longest
         sequence can hold at once there."""
-        reserved = [sum(self._group_need(g, r.max_len) - self._live(r, g) for r in running)
+        reserved = [sum(self._group_need(g, r) - self._live(r, g) for r in running)
                     for g in range(len(self.pools))]
         while waiting and len(running) < self.config.max_num_reqs:
-            needs = [self._group_need(g, waiting[0].max_len) for g in range(len(self.pools))]
+            needs = [self._group_need(g, waiting[0]) for g in range(len(self.pools))]
             for g, (need, pool) in enumerate(zip(needs, self.pools)):
                 if need > pool.num_blocks:
                     raise RuntimeError(f"request {waiting[0].index} needs {need} pages of group "
@@ -156,7 +168,8 @@ class GroupedPagedEngine(PagedEngine):
         """Free each sliding group's pages wholly before the window of the request's next query (position
         ``req.num_computed``), then allocate the pages ``num_tokens`` tokens need in every group."""
         tables = self._pages_of.setdefault(req.index, [[] for _ in self.pools])
-        for g, (group, pool, pages) in enumerate(zip(self.groups.groups, self.pools, tables)):
+        for g in self.sequence_groups:
+            group, pool, pages = self.groups.groups[g], self.pools[g], tables[g]
             if group.window is not None:
                 gone = max(0, req.num_computed - group.window + 1) // self.config.block_size
                 freed = [p for p in pages[:gone] if p is not None]
@@ -166,21 +179,27 @@ class GroupedPagedEngine(PagedEngine):
             need = self._pages(num_tokens) - len(pages)
             if need > 0:
                 pages += pool.allocate(need)
-        req.blocks = [0 if p is None else p for p in tables[0]]
+        req.blocks = [0 if p is None else p for p in tables[self.sequence_groups[0]]]
 
     def _release_pages(self, req: _Request) -> None:
         for pool, pages in zip(self.pools, self._pages_of.pop(req.index, [])):
             pool.release([p for p in pages if p is not None])
         req.blocks = []
 
-    def _step_attention(self, batch: list[tuple], common) -> GroupedStepAttention:
-        """One metadata per group: group 0 reads ``common`` (built from its pages), every other group the same
-        batch over its own pages."""
-        commons = [common]
+    def _step_commons(self, batch: list[tuple], common) -> list:
+        """The common metadata of every group for a decoder step: the first sequence group reads ``common`` (built
+        from its pages), every other one the same batch over its own pages; None for the other groups."""
+        commons: list = [None] * len(self.pools)
+        first, *others = self.sequence_groups
+        commons[first] = common
         query_lens = [entry[1] for entry in batch]
         reqs = [entry[0] for entry in batch]
         contexts = [req.num_computed for req in reqs]
-        for g in range(1, len(self.pools)):
+        for g in others:
             tables = [[0 if p is None else p for p in self._pages_of[req.index][g]] for req in reqs]
-            commons.append(build_common_metadata(query_lens, contexts, tables, self.config.block_size, self.device))
-        return GroupedStepAttention(self, self.builder.build(commons))
+            commons[g] = build_common_metadata(query_lens, contexts, tables, self.config.block_size, self.device)
+        return commons
+
+    def _step_attention(self, batch: list[tuple], common) -> GroupedStepAttention:
+        """One metadata per group (:meth:`_step_commons`)."""
+        return GroupedStepAttention(self, self.builder.build(self._step_commons(batch, common)))

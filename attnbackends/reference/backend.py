@@ -41,7 +41,8 @@ class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
 
     def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
         if self.debug:
-            validate_common_metadata(common, block_size=self.spec.block_size)
+            paged = self.spec.attn_type.uses_kv_cache  # encoder batches have no block table to check
+            validate_common_metadata(common, block_size=self.spec.block_size if paged else None)
         trees = None
         if common.spec_tree_mask is not None:
             trees = [request_tree_mask(common, i) for i in range(common.num_reqs)]

@@ -157,7 +157,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if self.debug:
-            validate_common_metadata(common, block_size=self.spec.block_size)
+            paged = self.spec.attn_type.uses_kv_cache  # encoder batches have no block table to check
+            validate_common_metadata(common, block_size=self.spec.block_size if paged else None)
         raise_pending_faults(self.device)
         causal = self.spec.causal and common.causal
         if not self.spec.attn_type.uses_kv_cache:

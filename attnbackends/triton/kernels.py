@@ -95,8 +95,8 @@ def _attn_tile(
     if MASKED:
         if CAUSAL:
             vis = offs_n[None, :] <= pos[:, None]
-        else:
-            vis = n_ok[None, :] & (pos[:, None] >= 0)
+        else:  # every key of the sequence, also for queries past its length (cross-attention: more queries than keys)
+            vis = n_ok[None, :]
         if SLIDING_WINDOW > 0:
             vis = vis & (offs_n[None, :] > pos[:, None] - SLIDING_WINDOW)
         if USE_TREE:
