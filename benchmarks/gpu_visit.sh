@@ -3,8 +3,10 @@
 #   tests  the gpu test suite in three parallel groups, each under its own time limit (one verbose log per group,
 #          so a group that runs out of time still leaves its PASSED/FAILED lines)
 #   bench  every benchmark suite (python -m benchmarks.run)
-#   focus  what the open issues need measured: the Triton prefill kernel's GPU tests, its tile sweep, the Triton
-#          API suite (prefill with the kernel on), the MLA decode exploration
+#   focus  what the open issues need measured first: the GPU tests written since the last full run (the Triton
+#          prefill kernel, speculative MLA / draft steps / CUDA-graph verify, encoders, page containment), the
+#          prefill kernel's tile sweep, the Triton API suite (prefill with the kernel on), the MLA decode
+#          exploration, the speculative engine
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus]
 set -uo pipefail
@@ -42,8 +44,12 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-560}" python3 -m benchmarks.run --outdir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ "$what" = focus ]; then
-  group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py
+  group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py &
+  group spec-enc tests/mla/test_mla_speculative_gpu.py tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
+    tests/test_hf_encoders_gpu.py &
+  wait
   step prefill-sweep 200 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
   step triton-api 240 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
   [ -f benchmarks/mla_explore.py ] && step mla-explore 300 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore"
+  step spec-engine 240 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
 fi
