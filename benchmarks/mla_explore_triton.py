@@ -434,6 +434,9 @@ def build_schedule(seq_lens: list[int], q_len: int, *, splits: Optional[int] = N
     ``head_blocks`` programs per item, never under ``min_keys`` keys per split. ``balanced``: FlashMLA-style,
     the rows' keys are cut into about equal pieces over the whole batch (long rows split more than short ones).
     Split boundaries are multiples of ``align`` (a multiple of every tile width and of the page size)."""
+    if q_len < 1 or any(L < q_len for L in seq_lens):
+        raise ValueError(f"every request needs seq_len >= q_len >= 1 (its new tokens are keys too); q_len {q_len}, "
+                         f"shortest seq_len {min(seq_lens, default=0)}")
     rows_keys = []
     for b, L in enumerate(seq_lens):
         for i in range(q_len):
