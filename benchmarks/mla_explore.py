@@ -780,7 +780,9 @@ def compile_only_main(args, dims: Dims, log: Log) -> int:
                 kernel, _, kargs, kkw = launch.calls[0]
                 rec.update(compile_call(kernel, kargs, kkw))
                 log(f"{cfg.label:44s} regs {rec['regs']:3d} spill stack {rec['stack']:5d} B  smem "
-                    f"{rec['shared']:6d} B  wgmma {rec['wgmma']}  ({rec['compile_s']} s)")
+                    f"{rec['shared']:6d} B{' (OVER THE LIMIT)' if rec['shared_over_limit'] else ''}  "
+                    f"wgmma {rec['wgmma']}  ({rec['compile_s']} s)"
+                    + "".join(f"\n    ptxas: {n}" for n in rec["ptxas_notes"]))
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
                 log(f"{cfg.label}: compile failed: {rec['error']}")

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -66,17 +67,95 @@ def _attend_tile(q_smem, qpe_smem, kv, pe, p_smem, o, l_i, m_i, s_zero, n0, kv_h
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(offs_n < kv_hi, 0)
         s = gl.where(keep, s, gl.full_like(s, float("-inf")))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2((m_i - m_new) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p, l_i, m_new, alpha = _softmax_step(s, l_i, m_i, qk_scale, o_layout)
+    o = o * gl.expand_dims(alpha, 1)
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
     o = warpgroup_mma(p_smem, kv, o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, l_i, m_new
+
+
+@gluon.jit
+def _softmax_step(s, l_i, m_i, qk_scale, o_layout: gl.constexpr):
+    """Online softmax of a score tile (log2 domain, the scale in the exp2's FMA): (p, l_i, m_new, alpha in the
+    output's row layout)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2((m_i - m_new) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, l_i, m_new, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def _plain_tiles(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, kv_desc, pe_desc, bt_row, kv_lo, kv_hi, n_full,
+                 o, l_i, m_i, s_zero, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, LKV: gl.constexpr,
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+    """The n_full whole tiles one after the other (Q.K^T, softmax, P.V), NBUF tiles in flight by TMA."""
+    for i in range(n_full):
+        buf = i % NBUF
+        mbarrier.wait(ready.index(buf), (i // NBUF) & 1)
+        o, l_i, m_i = _attend_tile(q_smem, qpe_smem, kv_bufs.index(buf), pe_bufs.index(buf), p_smem, o, l_i, m_i,
+                                   s_zero, kv_lo + i * BLOCK_N, kv_hi, qk_scale, s_layout, o_layout, BLOCK_N, False)
+        gl.thread_barrier()  # every warp is done with buffer ``buf`` (and with P)
+        if i + NBUF < n_full:
+            _issue_tile(kv_desc, pe_desc, bt_row, kv_lo + (i + NBUF) * BLOCK_N, buf, kv_bufs, pe_bufs, ready, LKV,
+                        PAGE)
+    return o, l_i, m_i
+
+
+@gluon.jit
+def _publish_p_and_issue_next(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, o, p, alpha, s_zero, j, n_full,
+                              NBUF: gl.constexpr):
+    """O *= alpha_j, P_j to shared memory for both warpgroups, then issue S_{j+1} (on whatever buffer
+    (j + 1) % NBUF holds when j is the last tile: that S is discarded)."""
+    o = o * gl.expand_dims(alpha, 1)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # both halves of P_j are in shared memory
+    nb = (j + 1) % NBUF
+    mbarrier.wait(ready.index(nb), ((j + 1) // NBUF) & 1, pred=j + 1 < n_full)
+    s_tok = warpgroup_mma(q_smem, kv_bufs.index(nb).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(qpe_smem, pe_bufs.index(nb).permute((1, 0)), s_tok, is_async=True)
+    return o, s_tok
+
+
+@gluon.jit
+def _pipelined_tiles(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, kv_desc, pe_desc, bt_row, kv_lo, n_full,
+                     o, l_i, m_i, s_zero, qk_scale, o_layout: gl.constexpr, LKV: gl.constexpr, PAGE: gl.constexpr,
+                     BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+    """The n_full whole tiles with P.V of tile j - 1 on the tensor cores while the warps exponentiate tile j.
+
+    Iteration j, with S_j in flight and P_{j-1} in shared memory: wait S_j; issue PV_{j-1}; softmax(S_j); wait
+    PV_{j-1}; barrier (both warpgroups are done with buffer j - 1 and with P); refill buffer j - 1 with tile
+    j - 1 + NBUF; O *= alpha_j; P_j to shared memory; issue S_{j+1}. A wgmma is only ever issued, and its
+    accumulator only ever written by other instructions, while no other wgmma is in flight (ptxas serialises
+    every wgmma of the function otherwise). Tile j + 1 is read while buffer j - 1 is busy: NBUF >= 3."""
+    gl.static_assert(NBUF >= 3, "tile j + 1 is read while buffer j - 1 is still busy")
+    mbarrier.wait(ready.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, kv_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(qpe_smem, pe_bufs.index(0).permute((1, 0)), s_tok, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    p, l_i, m_i, alpha = _softmax_step(s, l_i, m_i, qk_scale, o_layout)
+    o, s_tok = _publish_p_and_issue_next(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, o, p, alpha, s_zero, 0,
+                                         n_full, NBUF)
+    for j in range(1, n_full):
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        o_tok = warpgroup_mma(p_smem, kv_bufs.index((j - 1) % NBUF), o, is_async=True)
+        p, l_i, m_i, alpha = _softmax_step(s, l_i, m_i, qk_scale, o_layout)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        gl.thread_barrier()  # both warpgroups are done with P_{j-1} and with buffer j - 1
+        refill = j - 1 + NBUF
+        if refill < n_full:
+            _issue_tile(kv_desc, pe_desc, bt_row, kv_lo + refill * BLOCK_N, (j - 1) % NBUF, kv_bufs, pe_bufs, ready,
+                        LKV, PAGE)
+        o, s_tok = _publish_p_and_issue_next(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, o, p, alpha, s_zero,
+                                             j, n_full, NBUF)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))  # the last, discarded S (buffer n_full % NBUF)
+    o = warpgroup_mma(p_smem, kv_bufs.index((n_full - 1) % NBUF), o)
+    gl.thread_barrier()
+    return o, l_i, m_i
 
 
 @gluon.jit
@@ -90,7 +169,7 @@ def _mla_gluon_kernel(
     stride_o_t, stride_o_h, stride_lse_t, stride_op_s, stride_op_h, stride_lp_s,
     qk_scale,  # softmax scale * log2(e)
     H: gl.constexpr, LKV: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (H // BLOCK_H, num_items), 8 warps (two warpgroups)."""
     gl.static_assert(num_warps == 8, "two warpgroups split every product")
@@ -145,15 +224,15 @@ def _mla_gluon_kernel(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
     o = gl.zeros([BLOCK_H, LKV], gl.float32, layout=o_layout)
-    for i in range(n_full):
-        buf = i % NBUF
-        mbarrier.wait(ready.index(buf), (i // NBUF) & 1)
-        o, l_i, m_i = _attend_tile(q_smem, qpe_smem, kv_bufs.index(buf), pe_bufs.index(buf), p_smem, o, l_i, m_i,
-                                   s_zero, kv_lo + i * BLOCK_N, kv_hi, qk_scale, s_layout, o_layout, BLOCK_N, False)
-        gl.thread_barrier()  # every warp is done with buffer ``buf`` (and with P)
-        if i + NBUF < n_full:
-            _issue_tile(kv_desc, pe_desc, bt_row, kv_lo + (i + NBUF) * BLOCK_N, buf, kv_bufs, pe_bufs, ready, LKV,
-                        PAGE)
+    if PIPELINE:
+        if n_full > 0:
+            o, l_i, m_i = _pipelined_tiles(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, kv_desc, pe_desc,
+                                           bt_row, kv_lo, n_full, o, l_i, m_i, s_zero, qk_scale, o_layout, LKV,
+                                           PAGE, BLOCK_N, NBUF)
+    else:
+        o, l_i, m_i = _plain_tiles(q_smem, qpe_smem, kv_bufs, pe_bufs, p_smem, ready, kv_desc, pe_desc, bt_row,
+                                   kv_lo, kv_hi, n_full, o, l_i, m_i, s_zero, qk_scale, s_layout, o_layout, LKV,
+                                   PAGE, BLOCK_N, NBUF)
 
     tail = kv_lo + n_full * BLOCK_N
     if tail < kv_hi:
@@ -211,12 +290,15 @@ class GluonConfig:
     block_h: int = 64
     block_n: int = 64
     nbuf: int = 2
+    pipeline: bool = False
     schedule: str = "split"
     num_warps: int = 8
 
     @property
     def label(self) -> str:
         s = f"{self.family} gluon h{self.block_h} n{self.block_n} buf{self.nbuf}"
+        if self.pipeline:
+            s += " pipelined"
         if self.schedule != "split":
             s += f" {self.schedule}"
         return s
@@ -230,7 +312,8 @@ class GluonConfig:
 
 def family_configs(quick: bool) -> list[GluonConfig]:
     """Candidate F's sweep, best guess first."""
-    cs = [GluonConfig(), GluonConfig(schedule="balanced"), GluonConfig(block_n=32, nbuf=4)]
+    cs = [GluonConfig(), GluonConfig(block_n=32, nbuf=4, pipeline=True), GluonConfig(block_n=32, nbuf=4),
+          GluonConfig(schedule="balanced")]
     return cs[:1] if quick else cs
 
 
@@ -251,6 +334,8 @@ def make_gluon_launch(cfg: GluonConfig, q_nope, q_pe, cache, block_table, sched:
         raise ValueError("the Gluon kernel runs 64 heads on 8 warps")
     if page % cfg.block_n:
         raise ValueError(f"page {page} must be a multiple of block_n {cfg.block_n}")
+    if cfg.pipeline and cfg.nbuf < 3:
+        raise ValueError(f"the pipelined loop needs nbuf >= 3, got {cfg.nbuf}")
     rows = cache.view(nb * page, width)
     gdt = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
     kv_desc = TensorDescriptor.from_tensor(rows, [cfg.block_n, lkv],
@@ -266,6 +351,6 @@ def make_gluon_launch(cfg: GluonConfig, q_nope, q_pe, cache, block_table, sched:
                 cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
                 o_part.stride(0), o_part.stride(1), lse_part.stride(0), scale * LOG2E),
                dict(H=H, LKV=lkv, R=rope, PAGE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NBUF=cfg.nbuf,
-                    num_warps=cfg.num_warps))
+                    PIPELINE=cfg.pipeline, num_warps=cfg.num_warps))
     add_combine(launch, sched, o_part, lse_part, out, lse)
     return launch

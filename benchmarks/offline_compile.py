@@ -20,6 +20,7 @@ from typing import Any
 __all__ = ["compile_call", "sm90_target"]
 
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+SHARED_LIMIT = {90: 232448}  # bytes of shared memory one block may use (H100 / H200)
 
 
 def sm90_target():
@@ -64,12 +65,27 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     return signature, constexprs, options
 
 
+def _ptxas_notes(ptx: str, arch: int) -> list[str]:
+    """ptxas's "Potential Performance Loss" and similar notes for this PTX (Triton's own ptxas call hides them)."""
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([_tool("ptxas"), f"-arch=sm_{arch}{suffix}", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    return [line.split("info    : ", 1)[-1].strip() for line in text.splitlines()
+            if "Performance Loss" in line or "injected" in line]
+
+
 def compile_call(kernel, args: tuple, kwargs: dict, target=None, keep_asm: bool = False) -> dict[str, Any]:
     """Compile one launch for ``target`` (default sm_90) and report its resources.
 
     Returns {"kernel", "regs", "stack" (bytes of spill stack per thread), "local", "shared" (bytes, static +
-    Triton's), "wgmma" {instruction shape: count in the SASS-bound PTX}, "compile_s"} and, with ``keep_asm``,
-    "asm" (ttgir, ptx)."""
+    Triton's), "shared_over_limit" (above what one block may use on the target), "wgmma" {instruction shape:
+    count in the PTX}, "ptxas_notes" (ptxas's performance notes, e.g. wgmma serialised), "compile_s"} and, with
+    ``keep_asm``, "asm" (ttgir, ptx)."""
     import time
 
     import triton
@@ -100,6 +116,8 @@ def compile_call(kernel, args: tuple, kwargs: dict, target=None, keep_asm: bool 
         m = re.search(rf"\b{field}:(\d+)", usage)
         report[key] = int(m.group(1)) if m else None
     ptx = compiled.asm["ptx"]
+    report["shared_over_limit"] = compiled.metadata.shared > SHARED_LIMIT.get(target.arch, 1 << 30)
+    report["ptxas_notes"] = _ptxas_notes(ptx, target.arch)
     report["wgmma"] = dict(Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.[\w.]+)", ptx)))
     report["mma_sync"] = len(re.findall(r"\bmma\.sync\.aligned", ptx))
     if keep_asm:

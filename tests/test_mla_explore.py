@@ -183,3 +183,26 @@ def test_gluon_candidate_imports_and_refuses_the_interpreter():
     out, lse = b.new_output()
     with pytest.raises(NotImplementedError, match="interpreter"):
         me.make_launch(cfgs[0], b, out, lse, num_sms=8)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["plain", "pipelined"])
+def test_gluon_candidate_compiles_for_sm90(index):
+    """The Gluon kernel is compiled for Hopper here (no GPU needed): it must fit the shared memory one block may
+    use, and ptxas must not serialise its wgmma (which a register written during an in-flight wgmma causes)."""
+    mg = pytest.importorskip("benchmarks.mla_explore_gluon")
+    from benchmarks.offline_compile import compile_call
+
+    cfg = mg.family_configs(quick=False)[index]
+    d = me.DEEPSEEK
+    B, L = 2, 1024
+    cache = torch.empty(B * L // d.page, d.page, d.lkv + d.rope, dtype=torch.bfloat16)
+    q_nope = torch.empty(B, d.heads, d.lkv, dtype=torch.bfloat16)
+    q_pe = torch.empty(B, d.heads, d.rope, dtype=torch.bfloat16)
+    sched = mt.build_schedule([L] * B, 1, splits=2)
+    launch = mg.make_gluon_launch(cfg, q_nope, q_pe, cache, torch.zeros(B, L // d.page, dtype=torch.int32), sched,
+                                  torch.empty_like(q_nope), torch.empty(B, d.heads), scale=d.scale)
+    kernel, _, args, kwargs = launch.calls[0]
+    rep = compile_call(kernel, args, kwargs)
+    assert not rep["shared_over_limit"], rep
+    assert not [n for n in rep["ptxas_notes"] if "serialized" in n], rep["ptxas_notes"]
+    assert rep["wgmma"], "no wgmma in the compiled kernel"
