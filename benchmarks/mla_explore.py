@@ -20,7 +20,13 @@ Candidates (kernels in ``mla_explore_triton.py`` and ``mla_explore_gluon.py``):
 - **E** fp8 e4m3 latent pages: dequantised to bf16 in the kernel (TMA or pointers), and fp8 tensor cores for
   Q.K^T (queries quantised per row) or both products (P rounded to e4m3: a coarser accuracy class);
 - **F** Gluon: two warpgroups split S along the keys and O along the columns (no Q.K^T computed twice, which
-  plain Triton's layout for 64-row attention does), P exchanged through shared memory, TMA + mbarriers.
+  plain Triton's layout for 64-row attention does), P exchanged through shared memory, TMA + mbarriers; one
+  variant keeps P.V of the previous tile on the tensor cores while the warps exponentiate the current one;
+- **G** Triton with P and alpha passed through a per-program global scratch, so Triton no longer sees a chained
+  dot and splits Q.K^T across the warpgroups like F (at the price of a round trip through L2 per tile, and Triton
+  3.6 then leaves the loop's loads unpipelined: see the compile report).
+
+F runs first (the likeliest winner), then A (today's formulation, improved) and G; ``--families`` reorders.
 
 Every candidate takes a work list built once per batch on the host (row, key range, partial slot), so split-KV,
 q_len > 1 (each row's causal end) and the LSE output come from one code path; split rows are merged by LSE.
@@ -74,7 +80,7 @@ DRY_SHAPES = [(2, 130, 1), (1, 300, 2)]
 # Accuracy classes: (relative Frobenius error of the output, max |LSE - oracle|).
 TOL_BF16 = (1e-2, 2e-2)
 TOL_FP8_MMA = (0.1, 0.2)  # fp8 queries (and P): quantisation, not a bug, sets this error
-FAMILIES = "A,B,C,D,E,F"
+FAMILIES = "F,A,G,B,C,D,E"
 K_SCALE_CHECK = 0.5  # the fp8 scale of the probe's check batch (timed batches use 1, as FlashInfer reads no scale)
 
 
@@ -201,6 +207,9 @@ def family_configs(family: str, quick: bool, best: Optional[dict] = None) -> lis
               replace(base, family="D", schedule="balanced", programs_per_sm=1)]
     elif family == "E":
         cs = [TC("E", fp8="dequant"), TC("E", fp8="dequant", load=0), TC("E", fp8="qk"), TC("E", fp8="qkpv")]
+    elif family == "G":
+        cs = [TC("G", p_via_mem=True), TC("G", p_via_mem=True, load=0),
+              TC("G", p_via_mem=True, block_n=32, loop_stages=3)]
     elif family == "F":
         from benchmarks.mla_explore_gluon import family_configs as gluon_configs
 
@@ -439,15 +448,10 @@ def probe_main(args, dims: Dims) -> int:
 
 
 def warm_flashinfer_main(args, dims: Dims) -> int:
-    """Child process: JIT-build (or load) FlashInfer's MLA modules for bf16 and fp8 pages."""
-    for fp8 in (False, True):
-        try:
-            b = DecodeBatch([300, 64], 1, dims=dims, kv_fp8=fp8, device="cuda")
-            fn, _, backend = flashinfer_launch(b)
-            print(f"flashinfer MLA ready ({backend}, {'fp8' if fp8 else 'bf16'} pages)", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"flashinfer MLA with {'fp8' if fp8 else 'bf16'} pages: {type(e).__name__}: {str(e)[:300]}",
-                  flush=True)
+    """Child process: JIT-build (or load) FlashInfer's MLA module for bf16 pages, or fp8 pages (``--warm-fp8``)."""
+    b = DecodeBatch([300, 64], 1, dims=dims, kv_fp8=args.warm_fp8, device="cuda")
+    _, _, backend = flashinfer_launch(b)
+    print(f"flashinfer MLA ready ({backend}, {'fp8' if args.warm_fp8 else 'bf16'} pages)", flush=True)
     return 0
 
 
@@ -464,7 +468,7 @@ class Runner:
         self.refs: dict[tuple, tuple] = {}
         self.peer_us: dict[tuple, float] = {}  # (peer, shape, fp8) -> us
         self.results: list[dict] = []
-        self.fi_proc: Optional[subprocess.Popen] = None
+        self.fi_procs: dict[bool, subprocess.Popen] = {}  # fp8 pages? -> warm-up child
 
     def batch(self, shape, fp8: bool) -> DecodeBatch:
         key = (shape, fp8)
@@ -498,8 +502,9 @@ class Runner:
         proc.wait()
 
     def probe(self, configs: list, timeout: float) -> dict[str, dict]:
-        """Check configs in child processes until each has a verdict; a child that dies takes only the config it
-        was on with it. Returns label -> record."""
+        """Check configs in child processes until each has a verdict; a child that dies, or spends more than
+        ``--config-timeout-s`` on one config (a kernel that hangs), takes only the config it was on with it and
+        a new child goes on with the rest. Returns label -> record."""
         verdicts: dict[str, dict] = {}
         pending = list(configs)
         end = time.time() + timeout
@@ -508,11 +513,17 @@ class Runner:
                 path = tmp.name
             proc = self._spawn(["--probe-configs", json.dumps([config_to_json(c) for c in pending]),
                                 "--probe-out", path], f"probe {pending[0].family}")
-            try:
-                rc = proc.wait(timeout=max(1.0, end - time.time()))
-            except subprocess.TimeoutExpired:
-                self._kill(proc)
-                rc = "timeout"
+            rc, seen, last_progress = None, 0, time.time()
+            while rc is None:
+                rc = proc.poll()
+                lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+                if len(lines) > seen:
+                    seen, last_progress = len(lines), time.time()
+                if rc is None and (time.time() > end or time.time() - last_progress > self.args.config_timeout_s):
+                    self._kill(proc)
+                    rc = "timeout"
+                elif rc is None:
+                    time.sleep(0.2)
             recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
             os.unlink(path)
             started = None
@@ -527,8 +538,6 @@ class Runner:
                                      "error": f"child process ended ({rc}) while on this config"}
             progressed = any(c.label in verdicts for c in pending)
             pending = [c for c in pending if c.label not in verdicts]
-            if rc == "timeout":
-                break
             if not progressed:
                 for c in pending:
                     verdicts[c.label] = {"label": c.label, "status": "error",
@@ -560,37 +569,43 @@ class Runner:
                     self.log(f"  triton (current) {name}: failed: {type(e).__name__}: {str(e)[:300]}")
 
     def run_flashinfer(self, wait_s: float) -> None:
-        if self.fi_proc is None:
-            return
-        try:
-            rc = self.fi_proc.wait(timeout=max(0.0, wait_s))
-        except subprocess.TimeoutExpired:
-            if wait_s > 0:
-                self.log("  flashinfer warm-up still running past its time; not timing flashinfer")
-                self._kill(self.fi_proc)
-                self.fi_proc = None
-            return
-        self.fi_proc = None
-        if rc != 0:
-            self.log(f"  flashinfer warm-up failed (rc {rc}); not timing flashinfer")
-            return
-        for fp8 in (False, True):
-            for shape in self.shapes:
-                name = shape_name(shape) + (" fp8" if fp8 else "")
-                try:
-                    b = self.batch(shape, fp8)
-                    fn, out, backend = flashinfer_launch(b)
-                    fn()
-                    sync()
-                    ref = self.refs[(shape, fp8)][0]
-                    diff = out.float() - ref
-                    rel = float(diff.norm() / ref.norm()) if torch.isfinite(diff).all() else float("inf")
-                    us, timer = bench_us(fn, self.args.timer)
-                    self.peer_us[("flashinfer", shape, fp8)] = us
-                    self.log(f"  flashinfer MLA ({backend}) {name}: {us:9.1f} us {b.flops() / us / 1e6:6.1f} "
-                             f"TFLOP/s [{timer}] rel {rel:.1e}" + ("" if rel < TOL_BF16[0] else "  ** WRONG **"))
-                except Exception as e:  # noqa: BLE001
-                    self.log(f"  flashinfer MLA {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+        """Time FlashInfer for each page dtype whose warm-up child has finished (waiting up to ``wait_s``)."""
+        for fp8 in sorted(self.fi_procs):
+            proc = self.fi_procs[fp8]
+            kind = "fp8" if fp8 else "bf16"
+            try:
+                rc = proc.wait(timeout=max(0.0, wait_s))
+            except subprocess.TimeoutExpired:
+                if wait_s > 0:
+                    self.log(f"  flashinfer {kind} warm-up still running past its time; not timing it")
+                    self._kill(proc)
+                    del self.fi_procs[fp8]
+                continue
+            del self.fi_procs[fp8]
+            if rc != 0:
+                self.log(f"  flashinfer MLA with {kind} pages unavailable (warm-up rc {rc}); no FlashInfer {kind} "
+                         "column")
+                continue
+            self._time_flashinfer(fp8)
+
+    def _time_flashinfer(self, fp8: bool) -> None:
+        for shape in self.shapes:
+            name = shape_name(shape) + (" fp8" if fp8 else "")
+            try:
+                b = self.batch(shape, fp8)
+                fn, out, backend = flashinfer_launch(b)
+                fn()
+                sync()
+                ref = self.refs[(shape, fp8)][0]
+                diff = out.float() - ref
+                rel = float(diff.norm() / ref.norm()) if torch.isfinite(diff).all() else float("inf")
+                us, timer = bench_us(fn, self.args.timer)
+                self.peer_us[("flashinfer", shape, fp8)] = us
+                self.log(f"  flashinfer MLA ({backend}) {name}: {us:9.1f} us {b.flops() / us / 1e6:6.1f} "
+                         f"TFLOP/s [{timer}] rel {rel:.1e}" + ("" if rel < TOL_BF16[0] else "  ** WRONG **"))
+            except Exception as e:  # noqa: BLE001
+                self.log(f"  flashinfer MLA {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+        self.write()
 
     # ---------------- candidates ----------------
     def best_configs(self) -> dict:
@@ -685,10 +700,12 @@ class Runner:
                      ("triton_current", self.peer_us.get(("triton_current", shape, fp8)))]
             if fp8:
                 peers.append(("best_bf16_candidate", self.best_bf16_us(shape)))
+            peers = [(peer, p) for peer, p in peers if p and peer != backend]
             for peer, p in peers:
-                if p and backend != peer:
-                    rows.append({**base, "peer": peer, "peer_us": round(p, 2), "ratio": round(us / p, 4),
-                                 "peer_TFLOPs": round(flops / p / 1e6, 1)})
+                rows.append({**base, "peer": peer, "peer_us": round(p, 2), "ratio": round(us / p, 4),
+                             "peer_TFLOPs": round(flops / p / 1e6, 1)})
+            if not peers:
+                rows.append({**base, "peer": None})
         for (peer, shape, fp8), us in self.peer_us.items():
             add("flashinfer_mla" if peer == "flashinfer" else peer, shape, fp8, us, {})
         for r in self.results:
@@ -800,6 +817,8 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=FAMILIES, help="candidates to run, in order")
     ap.add_argument("--shapes", default=None, help="BxL[xq_len],... (default: the five target shapes)")
     ap.add_argument("--budget-s", type=float, default=290.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--config-timeout-s", type=float, default=60.0,
+                    help="longest a probe may spend on one config (compile, checks, one run per shape)")
     ap.add_argument("--timer", choices=("eager", "graph"), default="eager",
                     help="eager: triton.testing.do_bench (L2 flushed before each call, as benchmarks/mla.py); "
                          "graph: CUDA graph replay (no flush)")
@@ -812,6 +831,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-configs", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--warm-flashinfer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-fp8", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     dims = DRY_DIMS if args.dry_run_cpu else DEEPSEEK
@@ -851,7 +871,8 @@ def main(argv=None) -> int:
     if not args.no_flashinfer:
         try:
             import flashinfer  # noqa: F401
-            run.fi_proc = run._spawn(["--warm-flashinfer"], "flashinfer warm-up")
+            run.fi_procs[False] = run._spawn(["--warm-flashinfer"], "flashinfer bf16 warm-up")
+            run.fi_procs[True] = run._spawn(["--warm-flashinfer", "--warm-fp8"], "flashinfer fp8 warm-up")
         except Exception as e:  # noqa: BLE001
             log(f"flashinfer unavailable ({type(e).__name__}: {e}); no FlashInfer column")
     log("== oracle and today's attnbackends kernel")
@@ -862,7 +883,7 @@ def main(argv=None) -> int:
     families = [f.strip().upper() for f in args.families.split(",") if f.strip()]
     if args.dry_run_cpu:
         families = [f for f in families if f != "F"]
-    reserve = 25.0 if run.fi_proc is not None else 0.0
+    reserve = 25.0 if run.fi_procs else 0.0
     for i, fam in enumerate(families):
         run.run_flashinfer(wait_s=0)
         left = run.deadline - time.time() - reserve

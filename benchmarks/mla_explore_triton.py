@@ -76,13 +76,18 @@ def _as_mma(x, dtype, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _tile_step(acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, n0, kv_hi, row, bt_row, CACHE,
-               kv_desc, pe_desc, stride_c_blk, stride_c_tok, qk_scale,
+               kv_desc, pe_desc, p_scr, a_scr, stride_c_blk, stride_c_tok, qk_scale,
                LKV: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                NCHUNK: tl.constexpr, LOAD: tl.constexpr, ACC_INPLACE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-               KV_FP8: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr, MASKED: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               KV_FP8: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr, P_VIA_MEM: tl.constexpr,
+               MASKED: tl.constexpr, INTERPRET: tl.constexpr):
     """Keys n0 .. n0 + BLOCK_N - 1 (masked at kv_hi when MASKED): scores over the chunks and the rope part, then
-    the online-softmax update of every accumulator chunk. ``row`` is the tile's first cache row (whole tiles)."""
+    the online-softmax update of every accumulator chunk. ``row`` is the tile's first cache row (whole tiles).
+
+    P_VIA_MEM: P and alpha go to the program's global scratch (``p_scr`` [BLOCK_H, BLOCK_N], ``a_scr``
+    [BLOCK_H]) and are read back, so no value of P.V derives from Q.K^T in SSA form. Triton then no longer sees
+    a "chained dot" and gives Q.K^T the warps layout [4, 2] (each warpgroup computes half of the keys) instead of
+    [8, 1] (with 64 rows, both warpgroups compute all of S)."""
     CW: tl.constexpr = LKV // NCHUNK
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, CW)
@@ -153,6 +158,15 @@ def _tile_step(acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, n0
         pv = p.to(q_pe.dtype) if not QK_FP8 else p.to(tl.bfloat16)
         if INTERPRET:
             pv = pv.to(tl.float32)
+    if P_VIA_MEM:
+        offs_h = tl.arange(0, pv.shape[0])
+        offs_p = offs_h[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(p_scr + offs_p, pv)
+        tl.store(a_scr + offs_h, alpha)
+        tl.debug_barrier()  # every thread's part of P is written
+        pv = tl.load(p_scr + offs_p)
+        alpha = tl.load(a_scr + offs_h)
+        tl.debug_barrier()  # every thread has read P before the next tile overwrites it
     if PV_FP8:
         v0 = k0.to(tl.float32) if INTERPRET else k0
     else:
@@ -197,15 +211,15 @@ def _store_chunk(acc, inv, O_ROW, OP_ROW, direct, col0, offs_w, h_mask):
 
 
 @triton.jit
-def _work_item(Q_NOPE, Q_PE, CACHE, kv_desc, pe_desc, BLOCK_TABLE, WORK, O, LSE, O_PART, LSE_PART, w, hb,
+def _work_item(Q_NOPE, Q_PE, CACHE, kv_desc, pe_desc, BLOCK_TABLE, WORK, O, LSE, O_PART, LSE_PART, p_scr, a_scr, w, hb,
                num_blocks, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_c_blk, stride_c_tok, stride_bt,
                stride_o_t, stride_o_h, stride_lse_t, stride_op_s, stride_op_h, stride_lp_s,
                qk_scale, v_scale,
                H: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_N: tl.constexpr, NCHUNK: tl.constexpr, LOAD: tl.constexpr, ACC_INPLACE: tl.constexpr,
                FOLD_SCALE: tl.constexpr, KV_FP8: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
-               LOOP_STAGES: tl.constexpr, LOOP_WS: tl.constexpr, NO_ACC_MULTIBUF: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               P_VIA_MEM: tl.constexpr, LOOP_STAGES: tl.constexpr, LOOP_WS: tl.constexpr,
+               NO_ACC_MULTIBUF: tl.constexpr, INTERPRET: tl.constexpr):
     """One work item (query row, key range) for heads hb * BLOCK_H .. + BLOCK_H."""
     CW: tl.constexpr = LKV // NCHUNK
     t = tl.load(WORK + w * 5)
@@ -275,36 +289,36 @@ def _work_item(Q_NOPE, Q_PE, CACHE, kv_desc, pe_desc, BLOCK_TABLE, WORK, O, LSE,
             row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
             acc0, acc1, acc2, acc3, l_i, m_i = _tile_step(
                 acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, n0, kv_hi, row, bt_row, CACHE,
-                kv_d, pe_d, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
-                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, False, INTERPRET)
+                kv_d, pe_d, p_scr, a_scr, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
+                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, False, INTERPRET)
             n0 += BLOCK_N
     elif LOOP_WS:
         for n0 in tl.range(kv_lo, full_hi, BLOCK_N, warp_specialize=True):
             row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
             acc0, acc1, acc2, acc3, l_i, m_i = _tile_step(
                 acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, n0, kv_hi, row, bt_row, CACHE,
-                kv_d, pe_d, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
-                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, False, INTERPRET)
+                kv_d, pe_d, p_scr, a_scr, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
+                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, False, INTERPRET)
     elif LOOP_STAGES > 0:
         for n0 in tl.range(kv_lo, full_hi, BLOCK_N, num_stages=LOOP_STAGES,
                            disallow_acc_multi_buffer=NO_ACC_MULTIBUF):
             row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
             acc0, acc1, acc2, acc3, l_i, m_i = _tile_step(
                 acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, n0, kv_hi, row, bt_row, CACHE,
-                kv_d, pe_d, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
-                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, False, INTERPRET)
+                kv_d, pe_d, p_scr, a_scr, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
+                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, False, INTERPRET)
     else:
         for n0 in tl.range(kv_lo, full_hi, BLOCK_N, disallow_acc_multi_buffer=NO_ACC_MULTIBUF):
             row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
             acc0, acc1, acc2, acc3, l_i, m_i = _tile_step(
                 acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, n0, kv_hi, row, bt_row, CACHE,
-                kv_d, pe_d, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
-                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, False, INTERPRET)
+                kv_d, pe_d, p_scr, a_scr, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
+                ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, False, INTERPRET)
     if full_hi < kv_hi:  # the last, partial tile: masked pointer loads (rows past the end may hold anything)
         acc0, acc1, acc2, acc3, l_i, m_i = _tile_step(
             acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pe, q_mul, full_hi, kv_hi, 0, bt_row, CACHE,
-            kv_d, pe_d, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
-            ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, True, INTERPRET)
+            kv_d, pe_d, p_scr, a_scr, stride_c_blk, stride_c_tok, qk_scale, LKV, R, PAGE, BLOCK_N, NCHUNK, LOAD,
+            ACC_INPLACE, FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, True, INTERPRET)
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -338,6 +352,7 @@ def _mla_candidate_kernel(
     WORK,  # [num_items, 5] int32
     O, LSE,  # [T, H, LKV] query dtype, [T, H] float32
     O_PART, LSE_PART,  # [S, H, LKV] float32, [S, H] float32
+    P_SCR, A_SCR,  # P_VIA_MEM: per program [BLOCK_H * BLOCK_N] P and [BLOCK_H] float32 alpha scratch
     num_items, num_blocks,
     stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_c_blk, stride_c_tok, stride_bt,
     stride_o_t, stride_o_h, stride_lse_t, stride_op_s, stride_op_h, stride_lp_s,
@@ -346,27 +361,31 @@ def _mla_candidate_kernel(
     H: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NCHUNK: tl.constexpr, LOAD: tl.constexpr, ACC_INPLACE: tl.constexpr,
     FOLD_SCALE: tl.constexpr, KV_FP8: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, LOOP_WS: tl.constexpr, NO_ACC_MULTIBUF: tl.constexpr, PERSISTENT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    P_VIA_MEM: tl.constexpr, LOOP_STAGES: tl.constexpr, LOOP_WS: tl.constexpr, NO_ACC_MULTIBUF: tl.constexpr,
+    PERSISTENT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid (H // BLOCK_H, num_items) (head blocks fastest, so both read a tile while it is in L2), or
     (H // BLOCK_H, programs) walking the work list when PERSISTENT."""
     hb = tl.program_id(0)
+    prog = (tl.program_id(1) * tl.num_programs(0) + hb).to(tl.int64)
+    p_scr = P_SCR + prog * (BLOCK_H * BLOCK_N)
+    a_scr = A_SCR + prog * BLOCK_H
     if PERSISTENT:
         w = tl.program_id(1)
         while w < num_items:
-            _work_item(Q_NOPE, Q_PE, CACHE, KV_DESC, PE_DESC, BLOCK_TABLE, WORK, O, LSE, O_PART, LSE_PART, w, hb,
+            _work_item(Q_NOPE, Q_PE, CACHE, KV_DESC, PE_DESC, BLOCK_TABLE, WORK, O, LSE, O_PART, LSE_PART, p_scr,
+                       a_scr, w, hb,
                        num_blocks, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_c_blk, stride_c_tok,
                        stride_bt, stride_o_t, stride_o_h, stride_lse_t, stride_op_s, stride_op_h, stride_lp_s,
                        qk_scale, v_scale, H, LKV, R, PAGE, BLOCK_H, BLOCK_N, NCHUNK, LOAD, ACC_INPLACE, FOLD_SCALE,
-                       KV_FP8, QK_FP8, PV_FP8, LOOP_STAGES, LOOP_WS, NO_ACC_MULTIBUF, INTERPRET)
+                       KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, LOOP_STAGES, LOOP_WS, NO_ACC_MULTIBUF, INTERPRET)
             w += tl.num_programs(1)
     else:
-        _work_item(Q_NOPE, Q_PE, CACHE, KV_DESC, PE_DESC, BLOCK_TABLE, WORK, O, LSE, O_PART, LSE_PART,
+        _work_item(Q_NOPE, Q_PE, CACHE, KV_DESC, PE_DESC, BLOCK_TABLE, WORK, O, LSE, O_PART, LSE_PART, p_scr, a_scr,
                    tl.program_id(1), hb, num_blocks, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_c_blk,
                    stride_c_tok, stride_bt, stride_o_t, stride_o_h, stride_lse_t, stride_op_s, stride_op_h,
                    stride_lp_s, qk_scale, v_scale, H, LKV, R, PAGE, BLOCK_H, BLOCK_N, NCHUNK, LOAD, ACC_INPLACE,
-                   FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, LOOP_STAGES, LOOP_WS, NO_ACC_MULTIBUF, INTERPRET)
+                   FOLD_SCALE, KV_FP8, QK_FP8, PV_FP8, P_VIA_MEM, LOOP_STAGES, LOOP_WS, NO_ACC_MULTIBUF, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -492,6 +511,7 @@ class TritonConfig:
     loop_stages: int = 0
     loop_ws: bool = False
     no_acc_multibuf: bool = False
+    p_via_mem: bool = False
     schedule: str = "split"
     programs_per_sm: int = 0
 
@@ -511,6 +531,8 @@ class TritonConfig:
             s += " ws"
         if self.no_acc_multibuf:
             s += " nomb"
+        if self.p_via_mem:
+            s += " pmem"
         if self.schedule != "split":
             s += f" {self.schedule}"
         if self.programs_per_sm:
@@ -536,6 +558,8 @@ def validate_config(cfg: TritonConfig, lkv: int, rope: int, page: int) -> None:
         raise ValueError(f"TMA tiles lie in one page: page {page} must be a multiple of block_n {cfg.block_n}")
     if cfg.fp8 not in ("", "dequant", "qk", "qkpv"):
         raise ValueError(f"fp8 must be '', 'dequant', 'qk' or 'qkpv', got {cfg.fp8!r}")
+    if cfg.p_via_mem and cfg.fp8 == "qkpv":
+        raise ValueError("p_via_mem keeps P in 16 bits: not with fp8 P (fp8='qkpv')")
     if cfg.schedule not in ("split", "balanced"):
         raise ValueError(f"schedule must be 'split' or 'balanced', got {cfg.schedule!r}")
 
@@ -578,16 +602,21 @@ def make_triton_launch(cfg: TritonConfig, q_nope, q_pe, cache, block_table, sche
         grid = (head_blocks, max(1, min(num_items, cfg.programs_per_sm * num_sms // head_blocks)))
     else:
         grid = (head_blocks, num_items)
+    programs = grid[0] * grid[1] if cfg.p_via_mem else 1
+    p_scr = torch.empty(programs, cfg.block_h * cfg.block_n, device=device,
+                        dtype=torch.float32 if interpret else (torch.bfloat16 if cfg.fp8 else q_nope.dtype))
+    a_scr = torch.empty(programs, cfg.block_h, dtype=torch.float32, device=device)
     launch = Launch()
     launch.add(_mla_candidate_kernel, grid,
-               (q_nope, q_pe, cache, kv_desc, pe_desc, block_table, sched.work, out, lse, o_part, lse_part,
-                num_items, nb, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+               (q_nope, q_pe, cache, kv_desc, pe_desc, block_table, sched.work, out, lse, o_part, lse_part, p_scr,
+                a_scr, num_items, nb, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
                 cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
                 o_part.stride(0), o_part.stride(1), lse_part.stride(0),
                 scale * LOG2E * (k_scale if is_fp8 else 1.0), k_scale if is_fp8 else 1.0),
                dict(H=H, LKV=lkv, R=rope, PAGE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NCHUNK=cfg.nchunk,
                     LOAD=cfg.load, ACC_INPLACE=cfg.acc_inplace, FOLD_SCALE=cfg.fold_scale, KV_FP8=is_fp8,
-                    QK_FP8=cfg.fp8 in ("qk", "qkpv"), PV_FP8=cfg.fp8 == "qkpv", LOOP_STAGES=cfg.loop_stages,
+                    QK_FP8=cfg.fp8 in ("qk", "qkpv"), PV_FP8=cfg.fp8 == "qkpv", P_VIA_MEM=cfg.p_via_mem,
+                    LOOP_STAGES=cfg.loop_stages,
                     LOOP_WS=cfg.loop_ws, NO_ACC_MULTIBUF=cfg.no_acc_multibuf, PERSISTENT=cfg.programs_per_sm > 0,
                     INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     add_combine(launch, sched, o_part, lse_part, out, lse)

@@ -28,7 +28,7 @@ SEQS_TWO = [65, 130]
 
 def _triton_configs():
     cfgs = []
-    for fam in "ABCDE":
+    for fam in "ABCDEG":
         cfgs += me.family_configs(fam, quick=False)
     return cfgs
 
@@ -141,7 +141,7 @@ def test_schedule_rejects_requests_shorter_than_their_queries():
 
 
 def test_family_configs_are_distinct_and_quick_is_first():
-    for fam in "ABCDE":
+    for fam in "ABCDEG":
         full = me.family_configs(fam, quick=False)
         assert len({c.label for c in full}) == len(full)
         assert me.family_configs(fam, quick=True) == full[:1]
@@ -155,6 +155,7 @@ def test_family_configs_are_distinct_and_quick_is_first():
     (mt.TritonConfig("A", block_n=128, load=1), "page"),
     (mt.TritonConfig("A", fp8="int8"), "fp8"),
     (mt.TritonConfig("A", schedule="greedy"), "schedule"),
+    (mt.TritonConfig("A", fp8="qkpv", p_via_mem=True), "p_via_mem"),
 ])
 def test_bad_configs_are_rejected(cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -206,3 +207,20 @@ def test_gluon_candidate_compiles_for_sm90(index):
     assert not rep["shared_over_limit"], rep
     assert not [n for n in rep["ptxas_notes"] if "serialized" in n], rep["ptxas_notes"]
     assert rep["wgmma"], "no wgmma in the compiled kernel"
+
+
+def test_driver_dry_run_checks_times_and_writes_rows(tmp_path):
+    """The whole driver through the interpreter: child-process probes, the checks on the timed shapes, JSON rows
+    and the markdown table (timings meaningless)."""
+    import json
+
+    rc = me.main(["--dry-run-cpu", "--quick", "--families", "A,E", "--out", str(tmp_path), "--budget-s", "200"])
+    assert rc == 0
+    data = json.loads((tmp_path / "mla_explore.json").read_text())
+    assert [p["status"] for p in data["probes"]] == ["ok", "ok"]
+    backends = {(r["backend"], r["kv_dtype"], r["q_len"]) for r in data["rows"]}
+    for q_len in (1, 2):
+        assert ("triton_A", "auto", q_len) in backends and ("triton_E", "fp8_e4m3", q_len) in backends
+    assert all(r["rel_err"] < me.TOL_BF16[0] for r in data["rows"] if r["backend"] == "triton_A")
+    table = (tmp_path / "mla_explore.md").read_text()
+    assert "A h64" in table and "E h64" in table
