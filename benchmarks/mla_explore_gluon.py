@@ -14,7 +14,9 @@ product along N, FlashMLA-style:
 - the cache tile [BLOCK_N, LKV] + [BLOCK_N, R] arrives by TMA (one page = one tile) into NBUF buffers tracked by
   mbarriers, and the latent part serves as K (transposed view) and as V;
 - the last, partial tile of a work item is filled by masked pointer loads (rows past the end of the sequence
-  may hold anything, NaN included, and must read as zero for P.V).
+  may hold anything, NaN included, and must read as zero for P.V);
+- PIPELINE: P.V of tile j - 1 runs on the tensor cores while the warps exponentiate tile j (needs NBUF >= 3,
+  so 32-key tiles: see :func:`_pipelined_tiles` for the order and why it is not FlashAttention-3's).
 
 Work items, partials and the log-sum-exp merge are those of ``benchmarks/mla_explore_triton.py``.
 

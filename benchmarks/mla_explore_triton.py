@@ -15,6 +15,8 @@ One kernel, :func:`_mla_candidate_kernel`, with the candidates' choices as const
 - fp8 pages: KV_FP8 reads e4m3 and converts the tile to the query dtype (exact) for bf16 tensor-core products;
   QK_FP8 also quantises the query rows to e4m3 (one scale per row) and runs Q.K^T on fp8 tensor cores; PV_FP8
   runs P.V on fp8 tensor cores (P rounded to e4m3);
+- P_VIA_MEM: P and alpha round-trip through a per-program global scratch, so Triton's layout heuristic no
+  longer sees Q.K^T feeding P.V and splits Q.K^T across the two warpgroups instead of computing it twice;
 - a work list built once per batch on the host (:func:`build_schedule`): each item is one query row over one key
   range [kv_lo, kv_hi) (the causal end of that row already applied, so q_len > 1 needs nothing more), written
   to the output directly when the row has one item, else to float32 partials that :func:`_combine_kernel`
