@@ -4,6 +4,7 @@ with FlashInfer MLA and today's attnbackends kernel, in one process.
     python -m benchmarks.mla_explore --out DIR [--quick]      # on the H100: DIR/mla_explore.{json,log,md}
     python -m benchmarks.mla_explore --compile-only --out DIR  # any machine: sm_90 registers / spills / smem
     TRITON_INTERPRET=1 python -m benchmarks.mla_explore --dry-run-cpu --out DIR   # the driver on the CPU
+    pytest -m gpu tests/test_mla_explore_gpu.py                # every candidate vs the oracle, no timing
 
 DeepSeek-V3 decode: 128 heads, latent LKV 512 + rope R 64, page 64, bf16, pages in random order; absorbed
 queries ``q_nope [T, H, LKV]``, ``q_pe [T, H, R]`` (T = B * q_len); the project's cache layout
