@@ -17,7 +17,8 @@ Candidates (kernels in ``mla_explore_triton.py`` and ``mla_explore_gluon.py``):
 - **B** the cache tile loaded once as [BLOCK_N, LKV] and used as K and V, pointer loads, one or two chunks;
 - **C** TMA pipelining: deeper ``tl.range`` stages on 32-key tiles, device-side descriptors, the scale multiply
   kept (isolates the exp2 fold);
-- **D** scheduling: FlashMLA-style balanced split-KV pieces, and a persistent grid, on A's best config;
+- **D** scheduling on A's best config: FlashMLA-style balanced split-KV pieces (the same work list as the default
+  one when every request has the same length, as in the default shapes), and a persistent grid;
 - **E** fp8 e4m3 latent pages: dequantised to bf16 in the kernel (TMA or pointers), and fp8 tensor cores for
   Q.K^T (queries quantised per row) or both products (P rounded to e4m3: a coarser accuracy class);
 - **F** Gluon: two warpgroups split S along the keys and O along the columns (no Q.K^T computed twice, which

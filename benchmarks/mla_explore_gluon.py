@@ -314,8 +314,7 @@ class GluonConfig:
 
 def family_configs(quick: bool) -> list[GluonConfig]:
     """Candidate F's sweep, best guess first."""
-    cs = [GluonConfig(), GluonConfig(block_n=32, nbuf=4, pipeline=True), GluonConfig(block_n=32, nbuf=4),
-          GluonConfig(schedule="balanced")]
+    cs = [GluonConfig(), GluonConfig(block_n=32, nbuf=4, pipeline=True), GluonConfig(block_n=32, nbuf=4)]
     return cs[:1] if quick else cs
 
 

@@ -451,8 +451,8 @@ def build_schedule(seq_lens: list[int], q_len: int, *, splits: Optional[int] = N
     """Work items for requests of ``seq_lens`` keys (new tokens included) with ``q_len`` query rows each: row
     ``b * q_len + i`` sees keys [0, seq_len - q_len + i + 1).
 
-    ``splits`` fixes the split count per row; None picks the fewest splits that fill ``num_sms`` with
-    ``head_blocks`` programs per item, never under ``min_keys`` keys per split. ``balanced``: FlashMLA-style,
+    ``splits`` fixes the split count per row; None picks the most splits whose programs (``head_blocks`` per
+    item) still fit one wave of ``num_sms``, never under ``min_keys`` keys per split. ``balanced``: FlashMLA-style,
     the rows' keys are cut into about equal pieces over the whole batch (long rows split more than short ones).
     Split boundaries are multiples of ``align`` (a multiple of every tile width and of the page size)."""
     if q_len < 1 or any(L < q_len for L in seq_lens):
@@ -474,7 +474,7 @@ def build_schedule(seq_lens: list[int], q_len: int, *, splits: Optional[int] = N
         elif splits is not None:
             n = max(1, min(splits, math.ceil(keys / align)))
         else:
-            want = math.ceil(num_sms / max(1, n_rows * head_blocks))
+            want = num_sms // max(1, n_rows * head_blocks)  # the most splits that still fit one wave
             n = max(1, min(want, keys // min_keys if keys >= min_keys else 1))
         per = align * math.ceil(math.ceil(keys / n) / align)
         bounds = [(lo, min(lo + per, keys)) for lo in range(0, keys, per)]
