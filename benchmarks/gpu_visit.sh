@@ -46,10 +46,10 @@ fi
 if [ "$what" = focus ]; then
   group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py &
   group spec-enc tests/mla/test_mla_speculative_gpu.py tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
-    tests/test_hf_encoders_gpu.py &
+    tests/test_hf_encoders_gpu.py tests/test_mla_explore_gpu.py &
   wait
   step prefill-sweep 200 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
   step triton-api 240 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
-  [ -f benchmarks/mla_explore.py ] && step mla-explore 300 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore"
+  step mla-explore 320 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 290
   step spec-engine 240 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
 fi
