@@ -14,8 +14,9 @@ import triton.language as tl
 
 from ..ops.kv_cache_write import round_to_fp8_grid
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache, fp8_max, quantize_for_cache
-from ..ops.launch_math import next_power_of_2
-from ..ops.page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
+from ..ops.launch_math import cdiv, next_power_of_2
+from ..ops.page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault, safe_page
+from ..platform import is_triton_interpreted
 
 __all__ = [
     "MLA_KV_CACHE_LAYOUT",
@@ -182,6 +183,32 @@ def context_slots(
     return pages * block_size + pos % block_size
 
 
+_GATHER_TOKENS = 8  # tokens per program of the gather kernel
+
+
+@triton.jit
+def _gather_mla_cache_kernel(
+    CACHE, SLOTS, OUT, stride_cache_blk, stride_cache_tok, stride_out_t, n, num_blocks, block_size, scale,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, TOKENS: tl.constexpr, DEQUANT: tl.constexpr,
+):
+    """Grid: (cdiv(n, TOKENS),). Tokens t of the program: the latent vector in cache slot ``SLOTS[t]`` (page
+    ``floor(slot / block_size)``, offset ``slot mod block_size``) to ``OUT[t]`` (times ``scale`` when DEQUANT); a
+    page outside ``[0, num_blocks)`` is read as page 0."""
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    t_mask = t < n
+    slot = tl.load(SLOTS + t, mask=t_mask, other=0)
+    off = slot % block_size
+    off = tl.where(off < 0, off + block_size, off)  # a floor remainder for negative slots too
+    page = safe_page((slot - off) // block_size, num_blocks)
+    src = CACHE + page * stride_cache_blk + off * stride_cache_tok
+    offs = tl.arange(0, BLOCK_W)
+    mask = t_mask[:, None] & (offs < WIDTH)[None, :]
+    x = tl.load(src[:, None] + offs[None, :], mask=mask)
+    if DEQUANT:
+        x = x.to(tl.float32) * scale
+    tl.store(OUT + t.to(tl.int64)[:, None] * stride_out_t + offs[None, :], x.to(OUT.dtype.element_ty), mask=mask)
+
+
 def gather_mla_cache(
     kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, k_scale: float = 1.0
 ) -> torch.Tensor:
@@ -189,10 +216,24 @@ def gather_mla_cache(
 
     kv_cache : [num_blocks, block_size, Lkv + R]; slots : [n] int64; out : [>= n, Lkv + R] in the compute dtype.
     Returns out[:n].
+
+    On CUDA (and under the interpreter) one kernel reads a slot of a page outside the cache (from a bad block table:
+    the page guard reports it) at the same offset of page 0, so it never reads outside the cache. The CPU's torch path
+    raises an IndexError instead (its block tables are range-checked on the host before it runs).
     """
     n = slots.shape[0]
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
     dst = out[:n]
+    if n == 0:
+        return dst
+    if kv_cache.is_cuda or is_triton_interpreted():
+        num_blocks, block_size, width = kv_cache.shape
+        _gather_mla_cache_kernel[(cdiv(n, _GATHER_TOKENS),)](
+            kv_cache, slots, dst, kv_cache.stride(0), kv_cache.stride(1), dst.stride(0), n, num_blocks, block_size,
+            float(k_scale),
+            WIDTH=width, BLOCK_W=next_power_of_2(width), TOKENS=_GATHER_TOKENS, DEQUANT=kv_cache.dtype in FP8_DTYPES,
+        )
+        return dst
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
     if kv_cache.dtype == out.dtype:
         torch.index_select(flat, 0, slots, out=dst)
     else:

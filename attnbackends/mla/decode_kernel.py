@@ -3,6 +3,8 @@
 Every query head attends to the same latent "KV head" c = [kv_c ; k_pe] (Lkv + R wide); the value is kv_c. One
 program handles BLOCK_H heads of one request over one KV split, so each cache tile is loaded once for BLOCK_H heads
 and both products run on tensor cores (M = BLOCK_H). Splits are merged by their log-sum-exp in a second kernel.
+A page id outside the cache is read as page 0 (:func:`attnbackends.ops.page_guard.safe_page`; the page guard
+reports it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton.language as tl
 
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.lse_merge import merge_by_lse
+from ..ops.page_guard import safe_page
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache
 
 __all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
@@ -58,14 +61,14 @@ def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: in
 
 @triton.jit
 def _decode_tile(
-    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+    acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
     offs_c, offs_r, c_mask, r_mask,
     KV_LORA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
-    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    page = safe_page(tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0), num_blocks).to(tl.int64)
     row = page * stride_c_blk + (offs_n % PAGE_SIZE) * stride_c_tok
     kv = tl.load(CACHE + row[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
     k_pe = tl.load(CACHE + row[:, None] + KV_LORA + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
@@ -134,7 +137,7 @@ def _mla_decode_kernel(
     O,  # one split: [B, H, KV_LORA] output; else [B, H, num_splits, KV_LORA] float32 partials
     LSE,  # one split: [B, H] float32 (optional); else [B, H, num_splits] float32
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,  # Q_NOPE, Q_PE
-    stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
+    stride_c_blk, stride_c_tok, stride_bt_b, num_blocks,  # CACHE, BLOCK_TABLE
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,  # O, LSE
     num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e) * k_scale
@@ -173,14 +176,14 @@ def _mla_decode_kernel(
         n0 = start
         while n0 < end:
             acc, l_i, m_i = _decode_tile(
-                acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
+                acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+                qk_scale_log2, offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             acc, l_i, m_i = _decode_tile(
-                acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
+                acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+                qk_scale_log2, offs_c, offs_r, c_mask, r_mask, KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, INTERPRET)
 
     norm = _split_epilogue(l_i, m_i, v_scale, LSE, b, split, heads, h_mask, stride_lse_b, stride_lse_h, STORE_LSE)
     o_ptr = O + b * stride_o_b + heads[:, None] * stride_o_h + split * stride_o_s + offs_c[None, :]
@@ -259,7 +262,7 @@ def _mla_decode_tma_kernel(
     CACHE,  # the last, partial tile is read through pointers
     BLOCK_TABLE, SEQ_LENS, O, LSE,  # as in _mla_decode_kernel
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,  # Q_NOPE, Q_PE
-    stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
+    stride_c_blk, stride_c_tok, stride_bt_b, num_blocks,  # CACHE, BLOCK_TABLE
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,  # O, LSE
     num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e)
@@ -296,21 +299,21 @@ def _mla_decode_tma_kernel(
     if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
         n0 = start
         while n0 < full_end:
-            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            row = safe_page(tl.load(bt_row + n0 // PAGE_SIZE), num_blocks) * PAGE_SIZE + n0 % PAGE_SIZE
             acc0, acc1, l_i, m_i = _online_softmax_step(
                 acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
                 PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, INTERPRET)
             n0 += BLOCK_N
     else:
         for n0 in range(start, full_end, BLOCK_N):
-            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            row = safe_page(tl.load(bt_row + n0 // PAGE_SIZE), num_blocks) * PAGE_SIZE + n0 % PAGE_SIZE
             acc0, acc1, l_i, m_i = _online_softmax_step(
                 acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
                 PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, INTERPRET)
     if full_end < end:  # the last, partial tile: masked pointer loads (rows past the end may hold anything)
         n = full_end + offs_n
         n_mask = n < end
-        page = tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        page = safe_page(tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0), num_blocks).to(tl.int64)
         row_ptr = CACHE + page * stride_c_blk + (n % PAGE_SIZE) * stride_c_tok
         kv0 = tl.load(row_ptr[:, None] + offs_h[None, :], mask=n_mask[:, None], other=0.0)
         kv1 = tl.load(row_ptr[:, None] + HALF + offs_h[None, :], mask=n_mask[:, None], other=0.0)
@@ -361,7 +364,7 @@ def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, stride_
     _mla_decode_tma_kernel[grid](
         q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, out, lse if lse is not None else seq_lens,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
         out.stride(0), out.stride(1), stride_o_s,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         q_nope.shape[1], num_splits, qk_scale_log2,
@@ -394,7 +397,8 @@ def mla_decode(
     q_nope : [B, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
     q_pe : [B, H, R] rotary part of the queries.
     kv_cache : [num_blocks, block_size, Lkv + R] in the model dtype or fp8 (read as stored * k_scale).
-    block_table : [B, W] int32; seq_lens : [B] int32 (keys per request, the new token included).
+    block_table : [B, W] int32 page ids (one outside ``[0, num_blocks)`` is read as page 0); seq_lens : [B] int32
+        (keys per request, the new token included).
     output : [B, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
     num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
     lse : [B, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
@@ -443,7 +447,7 @@ def mla_decode(
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, output, lse_t,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
             output.stride(0), output.stride(1), 0,
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
             num_heads, 1, qk_scale_log2, v_scale,
@@ -463,7 +467,7 @@ def mla_decode(
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, o_part, lse_part,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
             num_heads, num_splits, qk_scale_log2, v_scale,
