@@ -188,7 +188,8 @@ def test_cuda_graph_buffers_are_contained_too(fake_flashinfer, monkeypatch):
     builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024, max_num_reqs=4, max_model_len=512)
     shapes = [S(1, c) for c in (5, 40, 17)]
     batch = _batch(5, shapes=shapes, bad=((1, 2),))
-    meta, out = _forward(builder, batch, build=lambda c: builder.build_for_cudagraph_capture(_device_only(monkeypatch, c)))
+    capture = builder.build_for_cudagraph_capture
+    meta, out = _forward(builder, batch, build=lambda common: capture(_device_only(monkeypatch, common)))
     assert meta.cuda_graph and meta.page_ids_bound == NUM_BLOCKS
     assert builder._graph_buffers[1][: meta.plan_inputs.num_pages].max() < NUM_BLOCKS
     _clear_faults("cpu")

@@ -17,6 +17,7 @@ from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode, tma_deco
 from attnbackends.mla.testing import make_random_mla_batch, run_mla_backend  # noqa: E402
 from attnbackends.ops import page_guard  # noqa: E402
 from attnbackends.ops.page_guard import PageTableError, raise_pending_faults  # noqa: E402
+from attnbackends.ops.quant import dequantize_from_cache  # noqa: E402
 from attnbackends.spec import AttentionSpec  # noqa: E402
 from attnbackends.testing import SequenceShape as S  # noqa: E402
 
@@ -69,18 +70,21 @@ def test_decode_kernels_read_page_zero_for_a_page_outside_the_cache(use_tma, bad
     assert not torch.equal(out, good_out)  # page 0 really stood in for page 2 / 6
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_context_gather_reads_page_zero_for_a_slot_outside_the_cache(cache_dtype):
+@pytest.mark.parametrize("cache_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn,
+                                                                                      torch.bfloat16),
+                                                     (torch.float8_e5m2, torch.float16)])
+def test_context_gather_reads_page_zero_for_a_slot_outside_the_cache(cache_dtype, out_dtype):
+    """The gather equals the torch read of the same slots (dequantised like dequantize_from_cache, bit for bit),
+    with page 0 at the same offset in place of a page outside the cache."""
     g = torch.Generator().manual_seed(4)
     cache = _poisoned_cache(g, torch.float32).to(cache_dtype)
     num_slots = NUM_BLOCKS * BS
-    slots = torch.tensor([3, num_slots, 17, -1, num_slots + BS + 5, -PAD * BS, 100], dtype=torch.int64)
-    out = torch.full((len(slots) + 2, L + R), float("nan"), dtype=torch.bfloat16)
-    got = gather_mla_cache(cache, slots, out, k_scale=0.5)
+    slots = torch.tensor([3, num_slots, 17, -1, num_slots + BS + 5, -PAD * BS, 100, 127], dtype=torch.int64)
+    out = torch.full((len(slots) + 2, L + R), float("nan"), dtype=out_dtype)
+    got = gather_mla_cache(cache, slots, out, k_scale=0.0137)
     assert got.data_ptr() == out.data_ptr() and got.shape[0] == len(slots)
-    scale = 0.5 if cache_dtype == torch.float8_e4m3fn else 1.0
-    flat = cache.view(-1, L + R).float() * scale
-    want = flat[torch.where((slots >= 0) & (slots < num_slots), slots, slots.remainder(BS))].bfloat16()
+    read = torch.where((slots >= 0) & (slots < num_slots), slots, slots.remainder(BS))
+    want = dequantize_from_cache(cache.view(-1, L + R)[read], out_dtype, 0.0137)
     assert torch.equal(got, want)
     assert torch.isnan(out[len(slots):].float()).all()
 
