@@ -12,8 +12,9 @@ if not torch.cuda.is_available():
 from attnbackends import AttentionSpec  # noqa: E402
 from attnbackends.metadata import build_common_metadata  # noqa: E402
 from attnbackends.ops.kv_cache_write import reshape_and_cache  # noqa: E402
+from attnbackends.ops import page_guard  # noqa: E402
 from attnbackends.ops.page_guard import (  # noqa: E402
-    PageTableError, _scan_block_table_kernel, fault_record, guard_block_table, raise_pending_faults,
+    PageTableError, _scan_block_table_kernel, contain_page_ids, fault_record, guard_block_table, raise_pending_faults,
 )
 from attnbackends.reference.backend import ReferenceBackend  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
@@ -112,6 +113,18 @@ def test_kernel_never_reads_outside_the_cache():
     unified_attention(q, cache[:, 0], cache[:, 1], out_page0, common.query_start_loc, common.seq_lens, table,
                       common.max_query_len, common.max_seq_len, SPEC.softmax_scale)
     assert torch.equal(out_bad, out_page0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_contain_page_ids_puts_page_zero_in_place_of_ids_outside_the_cache(dtype, impl, monkeypatch):
+    if impl == "torch":
+        monkeypatch.setattr(page_guard, "is_triton_interpreted", lambda: False)
+    ids = torch.tensor([3, NUM_BLOCKS, 7, -1, 0, 1 << 30, NUM_BLOCKS - 1, -(1 << 20)] * 300, dtype=dtype)
+    want = torch.where((ids >= 0) & (ids < NUM_BLOCKS), ids, 0)
+    assert contain_page_ids(ids, NUM_BLOCKS) is ids
+    assert torch.equal(ids, want)
+    assert contain_page_ids(ids[:0], NUM_BLOCKS).numel() == 0
 
 
 @pytest.mark.gpu

@@ -15,6 +15,11 @@ into FlashInfer's page table (:mod:`.plan_inputs`), then plans
 
 Every layer's :class:`FlashInferImpl` then runs those planned wrappers into slices of the caller's output.
 
+Page ids FlashInfer reads never point outside the cache. A block table with a host copy is range-checked before any
+kernel runs (:mod:`attnbackends.ops.page_guard`). From a device-only table the page ids are gathered on the GPU and
+contained there (an id outside the cache becomes page 0 and is recorded as a fault, :mod:`.page_ids`), against the
+builder's ``num_blocks``: given, or learned from the first batch, whose first ``forward`` contains them instead.
+
 Plans fix the softmax scale, the window and the soft-cap, so all layers sharing a builder must agree on them. A
 disagreement is caught twice: at builder construction when the engine passes ``layer_specs`` (a ValueError that
 names the layer and the fields), and in every ``forward`` (the impl compares its own :class:`PlanKey` with the one
@@ -44,6 +49,7 @@ from .cascade import CascadePolicy, cascade_prefix_blocks
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .lse_forward import forward_with_lse
 from ..ops.kv_cache_write import reshape_and_cache
+from ..ops.page_guard import contain_page_ids, has_host_table
 from .page_ids import DECODE_TABLE_MAX_REQS
 from .plan_inputs import DEFAULT_HOST_GATHER_MAX_PAGES, DevicePlanBuffer, PagedKVPlanInputs, paged_kv_plan_inputs
 from .workspace import DEFAULT_WORKSPACE_BYTES
@@ -146,6 +152,10 @@ class FlashInferMetadata:
     cuda_graph : the decode wrapper (or a verify batch's prefill wrapper) runs on the builder's persistent CUDA-graph
         buffers.
     plan_inputs : the page table the wrappers were planned with (None with cascade).
+    page_ids_bound : the cache size (pages) the page ids gathered from a device-only block table were contained to;
+        None when there are none, or not yet (then ``unchecked_page_ids`` lists them).
+    unchecked_page_ids : page-id arrays the wrappers read, gathered from a device-only block table before the cache
+        size was known; the first ``forward`` contains them in place.
     """
 
     plan_key: PlanKey
@@ -160,6 +170,8 @@ class FlashInferMetadata:
     cascade_shared_blocks: int = 0
     cuda_graph: bool = False
     plan_inputs: Optional[PagedKVPlanInputs] = None
+    page_ids_bound: Optional[int] = None
+    unchecked_page_ids: tuple[torch.Tensor, ...] = ()
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
     common: Optional[CommonAttentionMetadata] = None  # the batch (read by the debug-mode checks only)
 
@@ -181,6 +193,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         tested version; ``decode_replan_status`` says whether it is in use and why not. False: always ``plan()``.
     host_gather_max_pages : batches of up to this many pages gather their page ids on the host (from
         ``block_table_cpu``), larger ones on the GPU (:mod:`.page_ids`).
+    num_blocks : pages of the KV caches of this builder's layers; page ids gathered from a device-only block table
+        are contained to them in ``build()``. Default: learned from the first batch's ``forward``.
     """
 
     reorder_batch_threshold = 1
@@ -205,8 +219,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         use_tensor_cores: Optional[bool] = None,
         fast_plan: bool = True,
         host_gather_max_pages: int = DEFAULT_HOST_GATHER_MAX_PAGES,
+        num_blocks: Optional[int] = None,
     ) -> None:
         super().__init__(spec, device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug)
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks must be None or a positive int (the KV cache's pages), got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._last_meta: Optional[FlashInferMetadata] = None
         _check_spec(spec)
         self.plan_key = PlanKey.of(spec)
         for i, layer in enumerate(layer_specs or ()):
@@ -440,6 +460,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         else:
             verify = False
         graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 and step_wrapper is None else None
+        contain = not has_host_table(common)
+        bound = self._page_id_bound() if contain else None
         meta = FlashInferMetadata(
             plan_key=self.plan_key,
             num_actual_tokens=common.num_actual_tokens,
@@ -448,9 +470,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_prefills=num_prefills,
             slot_mapping=common.slot_mapping,
             cuda_graph=graph_wrapper is not None,
+            page_ids_bound=bound,
             debug=self.debug,
             common=common,
         )
+        self._last_meta = meta
         captured_verify = verify and (num_reqs, common.num_actual_tokens, tree) in self._graph_verify
         if common_prefix_len > 0 and graph_wrapper is None and not tree and step_wrapper is None and not captured_verify:
             blocks = cascade_prefix_blocks(
@@ -464,7 +488,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 fp8_kv_cache=spec.is_fp8_kv_cache,
             )
             if blocks:
-                self._plan_cascade(common, blocks, meta)
+                self._plan_cascade(common, blocks, meta, contain)
                 return meta
 
         decode_wrapper = None
@@ -475,10 +499,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 and common.block_table.is_cuda and common.seq_lens.is_cuda):
             # the common decode step: the page table is built on the GPU, the host computes kv_indptr alone
             inputs = (buffer or self._device_buffer()).decode_table(
-                common.seq_lens_cpu, common.seq_lens, common.block_table, spec.block_size, common.max_seq_len)
+                common.seq_lens_cpu, common.seq_lens, common.block_table, spec.block_size, common.max_seq_len, bound)
         else:
-            inputs = self._plan_inputs(common, buffer=buffer)
+            inputs = self._plan_inputs(common, buffer=buffer, bound=bound)
         meta.plan_inputs = inputs
+        if contain and bound is None:
+            # CUDA-graph wrappers read a copy of the page ids in the builder's persistent buffer
+            graph_ids = (self._graph_buffers[1][: inputs.num_pages],) if graph_wrapper is not None else ()
+            meta.unchecked_page_ids = (inputs.kv_indices, *graph_ids)
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
                              max_kv_len=common.max_seq_len if num_prefills == 0 else None)
@@ -531,10 +559,18 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._device_plan_buffer = DevicePlanBuffer(self.device)
         return self._device_plan_buffer
 
+    def _page_id_bound(self) -> Optional[int]:
+        """``num_blocks``: given, or learned from the cache size the previous batch's first ``forward`` contained
+        its page ids to (None until then)."""
+        if self.num_blocks is None and self._last_meta is not None:
+            self.num_blocks = self._last_meta.page_ids_bound
+        return self.num_blocks
+
     def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0,
-                     buffer: Optional[DevicePlanBuffer] = None) -> PagedKVPlanInputs:
+                     buffer: Optional[DevicePlanBuffer] = None, bound: Optional[int] = None) -> PagedKVPlanInputs:
         """The batch's page table (without each request's first ``skip_pages`` pages), on the host and in the
-        builder's device buffer (or ``buffer``)."""
+        builder's device buffer (or ``buffer``); page ids gathered on the device are contained to ``bound`` pages
+        when given."""
         return paged_kv_plan_inputs(
             common.query_start_loc_cpu,
             common.seq_lens_cpu,
@@ -546,18 +582,26 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             max_seq_len=common.max_seq_len,
             device_buffer=buffer or self._device_buffer(),
             host_gather_max_pages=self.host_gather_max_pages,
+            num_blocks=bound,
         )
 
-    def _plan_cascade(self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata) -> None:
+    def _plan_cascade(self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata,
+                      contain: bool) -> None:
         """Two levels: every query over the shared pages (one pseudo-request, no mask: they are all cached context),
-        then each request over its own remaining pages (causal)."""
+        then each request over its own remaining pages (causal). ``contain``: the block table is device-only."""
         spec = self.spec
         bs = spec.block_size
-        unique = self._plan_inputs(common, skip_pages=shared_blocks)
+        unique = self._plan_inputs(common, skip_pages=shared_blocks, bound=meta.page_ids_bound)
         top_qo = torch.tensor([0, common.num_actual_tokens], dtype=torch.int32)
         top_kv = torch.tensor([0, shared_blocks], dtype=torch.int32)
         top_last = torch.tensor([bs], dtype=torch.int32)
         top_indices = common.block_table[0, :shared_blocks]
+        if contain:  # a copy: containment must not write the engine's block table
+            top_indices = top_indices.to(torch.int32, copy=True)
+            if meta.page_ids_bound is None:
+                meta.unchecked_page_ids = (top_indices, unique.kv_indices)
+            else:
+                contain_page_ids(top_indices, meta.page_ids_bound)
         wrapper = self._cascade_wrapper()
         wrapper.plan(
             [top_qo, unique.qo_indptr],
@@ -619,6 +663,14 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             raise ValueError("the flashinfer backend needs a paged kv_cache (decoder self-attention)")
         check_forward_inputs(self, metadata, metadata.common, query, key, value, kv_cache, output,
                              backend=FlashInferBackend)
+        if metadata.unchecked_page_ids:
+            _contain_unchecked_page_ids(metadata, kv_cache.shape[0])
+        elif metadata.page_ids_bound is not None and metadata.page_ids_bound != kv_cache.shape[0]:
+            raise ValueError(
+                f"this batch's page ids were contained to {metadata.page_ids_bound} KV-cache pages (the builder's "
+                f"num_blocks, given or learned from its first batch), but this layer's kv_cache has "
+                f"{kv_cache.shape[0]}: the layers of one FlashInferMetadataBuilder must share one cache size"
+            )
         if key is not None:
             if value is None:
                 raise ValueError("key and value must be given together (or both None when the cache holds them)")
@@ -636,6 +688,14 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         if metadata.prefill_wrapper is not None:
             metadata.prefill_wrapper.run(query[nd:n], kv_cache, out=output[nd:n], **self._run_scales)
         return output
+
+
+def _contain_unchecked_page_ids(metadata: FlashInferMetadata, num_blocks: int) -> None:
+    """Contain the page ids ``build()`` gathered before the cache size was known, once per batch (the first layer)."""
+    for page_ids in metadata.unchecked_page_ids:
+        contain_page_ids(page_ids, num_blocks)
+    metadata.unchecked_page_ids = ()
+    metadata.page_ids_bound = num_blocks
 
 
 class FlashInferBackend(AttentionBackend):

@@ -6,6 +6,12 @@
   skip a shared prefix). For request ``r`` the page ids are ``block_table[r, skip_pages : skip_pages + n_r]`` with
   ``n_r = kv_indptr[r + 1] - kv_indptr[r]``, written to ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``.
 
+Given the cache's page count ``num_blocks``, both contain the page ids they copy (:mod:`attnbackends.ops.page_guard`):
+an id outside ``[0, num_blocks)`` is written as page 0, so FlashInfer never reads outside the cache, and the first
+one is recorded in the device's fault record (request, block-table column, page id), raised as a PageTableError at
+the next check point. Without it (a block table with a host copy, which the guard checks before any kernel) they
+copy the ids as they are.
+
 The host's cost is one launch whatever the number of pages (benchmarks/NOTES-host-and-tiles.md).
 On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; other CPU tensors use torch.
 """
@@ -16,9 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import Optional
+
 from ..compat import DirectLauncher
 from ..platform import is_triton_interpreted
 from ..ops.launch_math import cdiv, next_power_of_2
+from ..ops.page_guard import contain_page_ids, fault_record, record_first_bad_page, safe_page
 
 __all__ = ["DECODE_TABLE_MAX_REQS", "decode_page_table", "gather_page_ids"]
 
@@ -31,30 +40,46 @@ DECODE_TABLE_MAX_REQS = 4096
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
 # and later calls can launch it directly (compat.DirectLauncher).
 @triton.jit
-def _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, BLOCK: tl.constexpr):
+def _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, num_blocks, fault_ptr,
+                   fault_flag_ptr, BLOCK: tl.constexpr, CONTAIN: tl.constexpr):
     """Block ``tl.program_id(1)`` of request ``req``'s page ids: ``table[req, skip_pages + c]`` to
-    ``out[start + c]`` for the columns ``c < count`` of that block."""
+    ``out[start + c]`` for the columns ``c < count`` of that block; CONTAIN: ids outside ``[0, num_blocks)`` are
+    recorded and written as page 0."""
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < count
     row = table_ptr + req.to(tl.int64) * table_row_stride + skip_pages
-    tl.store(out_ptr + start + cols, tl.load(row + cols, mask=mask), mask=mask)
+    page = tl.load(row + cols, mask=mask)
+    if CONTAIN:
+        record_first_bad_page(page, skip_pages + cols, mask, num_blocks, req, fault_ptr, fault_flag_ptr)
+        page = safe_page(page, num_blocks)
+    tl.store(out_ptr + start + cols, page, mask=mask)
 
 
 @triton.jit(
-    do_not_specialize=["table_row_stride", "skip_pages"],
-    do_not_specialize_on_alignment=["table_ptr", "kv_indptr_ptr", "out_ptr"],
+    do_not_specialize=["table_row_stride", "skip_pages", "num_blocks"],
+    do_not_specialize_on_alignment=["table_ptr", "kv_indptr_ptr", "out_ptr", "fault_ptr", "fault_flag_ptr"],
 )
-def _gather_page_ids_kernel(table_ptr, table_row_stride, kv_indptr_ptr, out_ptr, skip_pages, BLOCK: tl.constexpr):
+def _gather_page_ids_kernel(table_ptr, table_row_stride, kv_indptr_ptr, out_ptr, skip_pages, num_blocks, fault_ptr,
+                            fault_flag_ptr, BLOCK: tl.constexpr, CONTAIN: tl.constexpr):
     """Grid: (num_reqs, cdiv(table columns, BLOCK)). Program (r, j) copies request r's page ids j*BLOCK.. (j+1)*BLOCK
     - 1, those that exist."""
     req = tl.program_id(0)
     start = tl.load(kv_indptr_ptr + req)
     count = tl.load(kv_indptr_ptr + req + 1) - start
-    _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, BLOCK)
+    _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, num_blocks, fault_ptr,
+                   fault_flag_ptr, BLOCK, CONTAIN)
+
+
+def _fault_args(device: torch.device, num_blocks: Optional[int]) -> tuple:
+    """The kernels' (num_blocks, fault record, host flag) arguments, then CONTAIN (whether ``num_blocks`` is
+    given; without it the kernels read neither)."""
+    rec = fault_record(device)
+    return (0 if num_blocks is None else int(num_blocks)), rec.record, rec.host_flag, num_blocks is not None
 
 
 def gather_page_ids(
-    block_table: torch.Tensor, kv_indptr: torch.Tensor, out: torch.Tensor, *, skip_pages: int = 0
+    block_table: torch.Tensor, kv_indptr: torch.Tensor, out: torch.Tensor, *, skip_pages: int = 0,
+    num_blocks: Optional[int] = None,
 ) -> torch.Tensor:
     """Fill ``out`` with the page ids of every request, in request order, and return it.
 
@@ -65,6 +90,8 @@ def gather_page_ids(
         from column ``skip_pages`` on. The caller guarantees ``skip_pages + count <= width`` (the host checks it
         from its copy of the lengths: reading this device array back would synchronise).
     out : [kv_indptr[-1]] int32 on the same device; written, not read.
+    num_blocks : pages of the KV cache the ids index: ids outside ``[0, num_blocks)`` are recorded and written as
+        page 0 (module docstring). None: copied as they are.
     """
     if block_table.device != kv_indptr.device or out.device != kv_indptr.device:
         raise ValueError(
@@ -83,24 +110,26 @@ def gather_page_ids(
         return out
     if block_table.is_cuda or is_triton_interpreted():
         grid = (num_reqs, cdiv(max(block_table.shape[1] - skip_pages, 1), _BLOCK), 1)
-        args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages)
-        _gather_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype), grid, args,
-                                   (_BLOCK,))
+        *fault_args, contain = _fault_args(block_table.device, num_blocks)
+        args = (block_table, block_table.stride(0), kv_indptr, out, skip_pages, *fault_args)
+        _gather_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype, contain), grid,
+                                   args, (_BLOCK, contain))
         return out
     counts = (kv_indptr[1:] - kv_indptr[:-1]).long()
     rows = torch.repeat_interleave(torch.arange(num_reqs), counts)
     cols = torch.arange(out.shape[0]) - kv_indptr[:-1].long()[rows] + skip_pages
     out.copy_(block_table[rows, cols])
-    return out
+    return out if num_blocks is None else contain_page_ids(out, num_blocks)
 
 
 @triton.jit(
-    do_not_specialize=["table_row_stride", "num_reqs", "page_size"],
+    do_not_specialize=["table_row_stride", "num_reqs", "page_size", "num_blocks"],
     do_not_specialize_on_alignment=["seq_lens_ptr", "table_ptr", "kv_indptr_ptr", "last_page_len_ptr",
-                                    "kv_indices_ptr"],
+                                    "kv_indices_ptr", "fault_ptr", "fault_flag_ptr"],
 )
 def _decode_page_table_kernel(seq_lens_ptr, table_ptr, table_row_stride, kv_indptr_ptr, last_page_len_ptr,
-                              kv_indices_ptr, num_reqs, page_size, BLOCK: tl.constexpr, REQS: tl.constexpr):
+                              kv_indices_ptr, num_reqs, page_size, num_blocks, fault_ptr, fault_flag_ptr,
+                              BLOCK: tl.constexpr, REQS: tl.constexpr, CONTAIN: tl.constexpr):
     """Grid: (num_reqs, cdiv(table columns, BLOCK)). Program (r, j) finds request r's first page in the CSR layout
     (the pages of requests 0..r-1, summed over all REQS >= num_reqs lengths), writes kv_indptr[r + 1] and
     kv_last_page_len[r] (j == 0; kv_indptr[0] too for r == 0) and copies request r's page ids j*BLOCK ..."""
@@ -115,12 +144,13 @@ def _decode_page_table_kernel(seq_lens_ptr, table_ptr, table_row_stride, kv_indp
         tl.store(last_page_len_ptr + req, seq_len - (count - 1) * page_size)
         if req == 0:
             tl.store(kv_indptr_ptr, start)  # 0
-    _copy_page_ids(table_ptr, table_row_stride, req, 0, kv_indices_ptr, start, count, BLOCK)
+    _copy_page_ids(table_ptr, table_row_stride, req, 0, kv_indices_ptr, start, count, num_blocks, fault_ptr,
+                   fault_flag_ptr, BLOCK, CONTAIN)
 
 
 def decode_page_table(
     seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, kv_indptr: torch.Tensor,
-    kv_last_page_len: torch.Tensor, kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor, kv_indices: torch.Tensor, *, num_blocks: Optional[int] = None,
 ) -> None:
     """FlashInfer's whole page table for B requests, built on their device by one kernel from the KV lengths.
 
@@ -132,6 +162,7 @@ def decode_page_table(
     kv_indptr : [B + 1] int32, written: request r's pages are ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
     kv_last_page_len : [B] int32, written: tokens in request r's last page.
     kv_indices : [>= sum of pages] int32, written.
+    num_blocks : as in :func:`gather_page_ids`.
 
     The caller checks on the host, from its copy of the lengths, that ``width`` columns hold every request's pages
     (reading ``seq_lens`` here would synchronise). Requests are one program row each, and every program sums the page
@@ -156,9 +187,10 @@ def decode_page_table(
         kv_indptr.zero_()
         return
     grid = (num_reqs, cdiv(block_table.shape[1], _BLOCK), 1)
+    *fault_args, contain = _fault_args(block_table.device, num_blocks)
     args = (seq_lens, block_table, block_table.stride(0), kv_indptr, kv_last_page_len, kv_indices, num_reqs,
-            page_size)
-    constexprs = (_BLOCK, next_power_of_2(num_reqs))
+            page_size, *fault_args)
+    constexprs = (_BLOCK, next_power_of_2(num_reqs), contain)
     if block_table.is_cuda or is_triton_interpreted():
         _decode_table_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype, constexprs),
                                          grid, args, constexprs)
@@ -168,8 +200,8 @@ def decode_page_table(
         torch.cumsum(pages, 0, out=kv_indptr[1:])
         kv_last_page_len.copy_(seq_lens[:num_reqs] - (pages - 1) * page_size)
         total = int(kv_indptr[-1])
-        gather_page_ids(block_table, kv_indptr, kv_indices[:total])
+        gather_page_ids(block_table, kv_indptr, kv_indices[:total], num_blocks=num_blocks)
 
 
-_gather_launcher = DirectLauncher(_gather_page_ids_kernel, ("BLOCK",))
-_decode_table_launcher = DirectLauncher(_decode_page_table_kernel, ("BLOCK", "REQS"))
+_gather_launcher = DirectLauncher(_gather_page_ids_kernel, ("BLOCK", "CONTAIN"))
+_decode_table_launcher = DirectLauncher(_decode_page_table_kernel, ("BLOCK", "REQS", "CONTAIN"))

@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from ..ops.page_guard import contain_page_ids
 from .page_ids import decode_page_table, gather_page_ids
 
 __all__ = [
@@ -157,7 +158,7 @@ class DevicePlanBuffer:
 
     def decode_table(
         self, seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
-        max_seq_len: int,
+        max_seq_len: int, num_blocks: Optional[int] = None,
     ) -> PagedKVPlanInputs:
         """The page table of a pure-decode batch (one query token per request), built here by one kernel
         (:func:`.page_ids.decode_page_table`) from the device copy of the KV lengths; the host computes only
@@ -167,6 +168,7 @@ class DevicePlanBuffer:
 
         seq_lens_cpu : [B] int32 CPU; seq_lens : the same on this device (entries past B ignored);
         block_table : [>= B, width] on this device; max_seq_len : max(seq_lens_cpu).
+        num_blocks : the cache's pages: page ids outside them are contained (:func:`.page_ids.gather_page_ids`).
         """
         num_reqs = seq_lens_cpu.shape[0]
         b = num_reqs + 1
@@ -187,7 +189,7 @@ class DevicePlanBuffer:
         self._grow(3 * b + total)
         _, kv_indptr, last = self._views_for(b)
         kv_indices = self._buffer[3 * b : 3 * b + total]
-        decode_page_table(seq_lens, block_table, block_size, kv_indptr, last, kv_indices)
+        decode_page_table(seq_lens, block_table, block_size, kv_indptr, last, kv_indices, num_blocks=num_blocks)
         qo_indptr = self._aranges.get(b)
         if qo_indptr is None:
             qo_indptr = self._aranges[b] = torch.arange(b, dtype=torch.int32, device=self.device)
@@ -196,10 +198,11 @@ class DevicePlanBuffer:
 
     def stage(
         self, host_buffer: torch.Tensor, num_reqs: int, num_pages: int, *, host_gathered: bool,
-        block_table: Optional[torch.Tensor] = None, skip_pages: int = 0,
+        block_table: Optional[torch.Tensor] = None, skip_pages: int = 0, num_blocks: Optional[int] = None,
     ) -> PlanArrays:
         """Copy a whole batch's host buffer (layout in the module docstring) here, and gather the page ids from
-        ``block_table`` (on this device) when they were not gathered on the host. Returns views of this buffer."""
+        ``block_table`` (on this device) when they were not gathered on the host, contained to ``num_blocks``
+        pages when given. Returns views of this buffer."""
         b = num_reqs + 1
         self._grow(3 * b + num_pages)
         copied = 3 * b + num_pages if host_gathered else 3 * b
@@ -207,7 +210,7 @@ class DevicePlanBuffer:
         qo, kv_indptr, last = self._views_for(b)
         kv_indices = self._buffer[3 * b : 3 * b + num_pages]
         if not host_gathered:
-            gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages)
+            gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages, num_blocks=num_blocks)
         return PlanArrays(qo, kv_indptr, last, kv_indices)
 
 
@@ -232,6 +235,7 @@ def paged_kv_plan_inputs(
     max_seq_len: Optional[int] = None,
     device_buffer: Optional[DevicePlanBuffer] = None,
     host_gather_max_pages: int = DEFAULT_HOST_GATHER_MAX_PAGES,
+    num_blocks: Optional[int] = None,
 ) -> PagedKVPlanInputs:
     """FlashInfer's page-table arrays for a batch.
 
@@ -250,6 +254,9 @@ def paged_kv_plan_inputs(
     max_seq_len : ``max(seq_lens_cpu)`` when the caller knows it (CommonAttentionMetadata does); saves a reduction.
     device_buffer : when given, the page table is also copied there (``on_device`` of the result).
     host_gather_max_pages : with a GPU block table and its host copy, gather on the host up to this many pages.
+    num_blocks : the cache's pages: page ids outside them are written as page 0 (on the device also recorded as a
+        fault, :func:`.page_ids.gather_page_ids`). None: copied as they are (the page guard checks a host table
+        before any kernel runs).
 
     Returns
     -------
@@ -300,17 +307,19 @@ def paged_kv_plan_inputs(
         # the table's first columns selects them, in row-major order, which is kv_indices' order.
         table = block_table_cpu.numpy()[:num_reqs, skip_pages : skip_pages + width]
         host[3 * b :] = table[_columns(width) < num_pages[:, None]]  # (numpy casts a wider integer table)
+        if num_blocks is not None:
+            contain_page_ids(host_buffer[3 * b :], num_blocks)
     on_device = None
     if device_buffer is not None:
         on_device = device_buffer.stage(host_buffer, num_reqs, total, host_gathered=host_gather,
-                                        block_table=block_table, skip_pages=skip_pages)
+                                        block_table=block_table, skip_pages=skip_pages, num_blocks=num_blocks)
         kv_indices = on_device.kv_indices
     elif host_gather:
         kv_indices = host_buffer[3 * b :]
     else:
         kv_indptr = host_buffer[:b].to(block_table.device, non_blocking=pin_memory)
         kv_indices = torch.empty(total, dtype=torch.int32, device=block_table.device)
-        gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages)
+        gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages, num_blocks=num_blocks)
     return PagedKVPlanInputs(num_reqs, total, kv_indices, host_buffer=host_buffer, on_device=on_device)
 
 

@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.kv_cache_write import round_to_fp8_grid
-from ..ops.quant import FP8_DTYPES, dequantize_from_cache, fp8_max, quantize_for_cache
-from ..ops.launch_math import next_power_of_2
-from ..ops.page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
+from ..ops.launch_math import cdiv, next_power_of_2
+from ..ops.page_guard import (
+    FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault, safe_page,
+)
+from ..ops.quant import (
+    FP8_DTYPES, dequantize_from_cache, fp8_grid, fp8_max, quantize_for_cache, round_to_bf16_grid, saturate_to_fp8,
+)
+from ..platform import is_triton_interpreted
 
 __all__ = [
     "MLA_KV_CACHE_LAYOUT",
@@ -45,7 +49,6 @@ def _concat_and_cache_mla_kernel(
     stride_cache_blk,
     stride_cache_tok,
     scale,
-    fp8_limit,
     block_size,
     num_slots,
     fault_ptr,
@@ -55,6 +58,7 @@ def _concat_and_cache_mla_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     FP8_MANT_BITS: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -72,11 +76,8 @@ def _concat_and_cache_mla_kernel(
     c = tl.load(KV_C + t * stride_kvc_t + offs_c, mask=offs_c < KV_LORA, other=0.0).to(tl.float32)
     r = tl.load(K_PE + t * stride_kpe_t + offs_r, mask=offs_r < ROPE, other=0.0).to(tl.float32)
     if IS_FP8:
-        c = tl.clamp(c / scale, -fp8_limit, fp8_limit)
-        r = tl.clamp(r / scale, -fp8_limit, fp8_limit)
-        if INTERPRET:  # the interpreter's fp8 cast does not round to nearest even
-            c = round_to_fp8_grid(c, FP8_MANT_BITS, FP8_MIN_EXP)
-            r = round_to_fp8_grid(r, FP8_MANT_BITS, FP8_MIN_EXP)
+        c = saturate_to_fp8(c, scale, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
+        r = saturate_to_fp8(r, scale, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
     tl.store(base + offs_c, c.to(CACHE.dtype.element_ty), mask=offs_c < KV_LORA)
     tl.store(base + KV_LORA + offs_r, r.to(CACHE.dtype.element_ty), mask=offs_r < ROPE)
 
@@ -140,7 +141,6 @@ def concat_and_cache_mla(
         kv_cache.stride(0),
         kv_cache.stride(1),
         float(k_scale),
-        fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
         kv_cache.shape[1],
         kv_cache.shape[0] * kv_cache.shape[1],
         faults.record,
@@ -150,8 +150,9 @@ def concat_and_cache_mla(
         BLOCK_C=next_power_of_2(kv_lora),
         BLOCK_R=next_power_of_2(rope),
         IS_FP8=is_fp8,
-        FP8_MANT_BITS=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,
-        FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14,
+        FP8_MAX=fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
+        FP8_MANT_BITS=fp8_grid(kv_cache.dtype)[0],
+        FP8_MIN_EXP=fp8_grid(kv_cache.dtype)[1],
         INTERPRET=not kv_cache.is_cuda,
     )
     if not kv_cache.is_cuda:  # interpreted: the fault record is already written, and reading it costs no sync
@@ -182,6 +183,35 @@ def context_slots(
     return pages * block_size + pos % block_size
 
 
+_GATHER_TOKENS = 8  # tokens per program of the gather kernel
+
+
+@triton.jit
+def _gather_mla_cache_kernel(
+    CACHE, SLOTS, OUT, stride_cache_blk, stride_cache_tok, stride_out_t, n, num_blocks, block_size, scale,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, TOKENS: tl.constexpr, DEQUANT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Grid: (cdiv(n, TOKENS),). Tokens t of the program: the latent vector in cache slot ``SLOTS[t]`` (page
+    ``floor(slot / block_size)``, offset ``slot mod block_size``) to ``OUT[t]`` (times ``scale`` when DEQUANT); a
+    page outside ``[0, num_blocks)`` is read as page 0."""
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    t_mask = t < n
+    slot = tl.load(SLOTS + t, mask=t_mask, other=0)
+    off = slot % block_size
+    off = tl.where(off < 0, off + block_size, off)  # a floor remainder for negative slots too
+    page = safe_page((slot - off) // block_size, num_blocks)
+    src = CACHE + page * stride_cache_blk + off * stride_cache_tok
+    offs = tl.arange(0, BLOCK_W)
+    mask = t_mask[:, None] & (offs < WIDTH)[None, :]
+    x = tl.load(src[:, None] + offs[None, :], mask=mask)
+    if DEQUANT:
+        x = x.to(tl.float32) * scale
+        if ROUND_BF16:
+            x = round_to_bf16_grid(x)
+    tl.store(OUT + t.to(tl.int64)[:, None] * stride_out_t + offs[None, :], x.to(OUT.dtype.element_ty), mask=mask)
+
+
 def gather_mla_cache(
     kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, k_scale: float = 1.0
 ) -> torch.Tensor:
@@ -189,10 +219,27 @@ def gather_mla_cache(
 
     kv_cache : [num_blocks, block_size, Lkv + R]; slots : [n] int64; out : [>= n, Lkv + R] in the compute dtype.
     Returns out[:n].
+
+    On CUDA (and under the interpreter) one kernel reads a slot of a page outside the cache (from a bad block table:
+    the page guard reports it) at the same offset of page 0, so it never reads outside the cache. The CPU's torch path
+    raises an IndexError instead (its block tables are range-checked on the host before it runs).
     """
     n = slots.shape[0]
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
     dst = out[:n]
+    if n == 0:
+        return dst
+    if kv_cache.is_cuda or is_triton_interpreted():
+        if kv_cache.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError("gather_mla_cache needs unit stride in the last dimension of kv_cache and out")
+        num_blocks, block_size, width = kv_cache.shape
+        _gather_mla_cache_kernel[(cdiv(n, _GATHER_TOKENS),)](
+            kv_cache, slots, dst, kv_cache.stride(0), kv_cache.stride(1), dst.stride(0), n, num_blocks, block_size,
+            float(k_scale),
+            WIDTH=width, BLOCK_W=next_power_of_2(width), TOKENS=_GATHER_TOKENS, DEQUANT=kv_cache.dtype in FP8_DTYPES,
+            ROUND_BF16=not kv_cache.is_cuda and out.dtype == torch.bfloat16,
+        )
+        return dst
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
     if kv_cache.dtype == out.dtype:
         torch.index_select(flat, 0, slots, out=dst)
     else:

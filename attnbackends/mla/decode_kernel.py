@@ -9,6 +9,9 @@ Speculative decoding: a request may decode several query tokens (verify 1 + k dr
 query token t sits at position L - q_len + t and sees keys up to it (causal), and inside a tree-verify request's
 draft segment only its ancestors (the packed tree mask of :attr:`CommonAttentionMetadata.spec_tree_mask`). Only the
 tiles reaching past the keys every row sees are masked per row.
+
+A page id outside the cache is read as page 0 (:func:`attnbackends.ops.page_guard.safe_page`; the page guard
+reports it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import triton.language as tl
 
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.lse_merge import merge_by_lse
+from ..ops.page_guard import safe_page
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache
 
 __all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
@@ -79,14 +83,14 @@ def _visible(offs_n, pos, draft_start, draft_len, tree_ptr, USE_TREE: tl.constex
 
 @triton.jit
 def _decode_tile(
-    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
+    acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
     offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
     KV_LORA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
     ROW_MASK: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
-    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    page = safe_page(tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0), num_blocks).to(tl.int64)
     row = page * stride_c_blk + (offs_n % PAGE_SIZE) * stride_c_tok
     kv = tl.load(CACHE + row[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
     k_pe = tl.load(CACHE + row[:, None] + KV_LORA + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
@@ -191,7 +195,7 @@ def _mla_decode_kernel(
     O,  # one split: [T, H, KV_LORA] output; else [T, H, num_splits, KV_LORA] float32 partials
     LSE,  # one split: [T, H] float32 (optional); else [T, H, num_splits] float32
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,  # Q_NOPE, Q_PE
-    stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
+    stride_c_blk, stride_c_tok, stride_bt_b, num_blocks,  # CACHE, BLOCK_TABLE
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,  # O, LSE
     num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e) * k_scale
@@ -239,8 +243,8 @@ def _mla_decode_kernel(
         n0 = start
         while n0 < mid:
             acc, l_i, m_i = _decode_tile(
-                acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+                qk_scale_log2, offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
                 KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, False, USE_TREE, INTERPRET)
             n0 += BLOCK_N
         if MAX_Q > 1 or USE_TREE:
@@ -253,14 +257,14 @@ def _mla_decode_kernel(
     else:
         for n0 in range(start, mid, BLOCK_N):
             acc, l_i, m_i = _decode_tile(
-                acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+                qk_scale_log2, offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
                 KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, False, USE_TREE, INTERPRET)
         if MAX_Q > 1 or USE_TREE:
             for n0 in range(mid, end, BLOCK_N):
                 acc, l_i, m_i = _decode_tile(
-                    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                    offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                    acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+                    qk_scale_log2, offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
                     KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, True, USE_TREE, INTERPRET)
 
     norm = _split_epilogue(l_i, m_i, v_scale, LSE, tok, split, heads, h_mask, stride_lse_t, stride_lse_h, STORE_LSE)
@@ -339,15 +343,15 @@ def _online_softmax_step(
 
 @triton.jit
 def _pointer_tail_tile(
-    acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-    offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
+    acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+    qk_scale_log2, offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
     KV_LORA: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_MASK: tl.constexpr,
     USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """A tile of the TMA kernel read through masked pointer loads (rows past ``end`` may hold anything)."""
     n = n0 + offs_n
     n_mask = n < end
-    page = tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    page = safe_page(tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0), num_blocks).to(tl.int64)
     row_ptr = CACHE + page * stride_c_blk + (n % PAGE_SIZE) * stride_c_tok
     kv0 = tl.load(row_ptr[:, None] + offs_h[None, :], mask=n_mask[:, None], other=0.0)
     kv1 = tl.load(row_ptr[:, None] + HALF + offs_h[None, :], mask=n_mask[:, None], other=0.0)
@@ -367,7 +371,7 @@ def _mla_decode_tma_kernel(
     CACHE,  # the tiles past the fully visible ones are read through pointers
     BLOCK_TABLE, SEQ_LENS, QUERY_START, TREE_MASK, TREE_INDPTR, O, LSE,  # as in _mla_decode_kernel
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,  # Q_NOPE, Q_PE
-    stride_c_blk, stride_c_tok, stride_bt_b,  # CACHE, BLOCK_TABLE
+    stride_c_blk, stride_c_tok, stride_bt_b, num_blocks,  # CACHE, BLOCK_TABLE
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,  # O, LSE
     num_heads, num_splits,
     qk_scale_log2,  # softmax scale * log2(e)
@@ -411,7 +415,7 @@ def _mla_decode_tma_kernel(
     if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
         n0 = start
         while n0 < full_end:
-            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            row = safe_page(tl.load(bt_row + n0 // PAGE_SIZE), num_blocks) * PAGE_SIZE + n0 % PAGE_SIZE
             acc0, acc1, l_i, m_i = _online_softmax_step(
                 acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
                 PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, False, INTERPRET)
@@ -424,14 +428,14 @@ def _mla_decode_tma_kernel(
             n0 += BLOCK_N
     else:
         for n0 in range(start, full_end, BLOCK_N):
-            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            row = safe_page(tl.load(bt_row + n0 // PAGE_SIZE), num_blocks) * PAGE_SIZE + n0 % PAGE_SIZE
             acc0, acc1, l_i, m_i = _online_softmax_step(
                 acc0, acc1, l_i, m_i, q0, q1, q_pe, KV_DESC.load([row, 0]), KV_DESC.load([row, HALF]),
                 PE_DESC.load([row, KV_LORA]), all_keys, qk_scale_log2, False, False, INTERPRET)
         # the partial last tile, and with several query tokens or a tree the tiles each row sees in part
         for n0 in range(full_end, end, BLOCK_N):
             acc0, acc1, l_i, m_i = _pointer_tail_tile(
-                acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok,
+                acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
                 qk_scale_log2, offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
                 KV_LORA, HALF, PAGE_SIZE, MAX_Q > 1 or USE_TREE, USE_TREE, INTERPRET)
 
@@ -480,7 +484,7 @@ def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, out,
         q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, query_start, tree_mask, tree_indptr, out,
         lse if lse is not None else seq_lens,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
         out.stride(0), out.stride(1), stride_o_s,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         q_nope.shape[1], num_splits, qk_scale_log2,
@@ -518,7 +522,8 @@ def mla_decode(
     q_nope : [T, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
     q_pe : [T, H, R] rotary part of the queries.
     kv_cache : [num_blocks, block_size, Lkv + R] in the model dtype or fp8 (read as stored * k_scale).
-    block_table : [B, W] int32; seq_lens : [B] int32 (keys per request, its new tokens included).
+    block_table : [B, W] int32 page ids (one outside ``[0, num_blocks)`` is read as page 0); seq_lens : [B] int32
+        (keys per request, its new tokens included).
     output : [T, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
     num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
     lse : [T, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
@@ -589,7 +594,7 @@ def mla_decode(
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, *speculative[:3], output, lse_t,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
             output.stride(0), output.stride(1), 0,
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
             num_heads, 1, qk_scale_log2, v_scale,
@@ -609,7 +614,7 @@ def mla_decode(
         _mla_decode_kernel[grid](
             q_nope, q_pe, kv_cache, block_table, seq_lens, *speculative[:3], o_part, lse_part,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
             num_heads, num_splits, qk_scale_log2, v_scale,

@@ -20,33 +20,21 @@ import triton.language as tl
 
 from ..compat import DirectLauncher
 from ..platform import is_triton_interpreted
+from ..validation import check_tensor
 from .launch_math import cdiv, next_power_of_2
 from .page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
-from .quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
+from .quant import (
+    FP8_DTYPES, dequantize_from_cache, fp8_grid, load_kv_scales, quantize_for_cache, saturate_to_fp8,
+)
 
 __all__ = [
     "check_reshape_and_cache_args",
     "gather_kv_torch",
     "reshape_and_cache",
     "reshape_and_cache_torch",
-    "round_to_fp8_grid",
 ]
 
 Scale = Union[float, torch.Tensor]
-
-
-@triton.jit
-def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Round-to-nearest-even onto the fp8 grid in float32. Only for the interpreter, whose float32 -> fp8 cast
-    does not round to nearest even like the GPU's (and torch's); afterwards the cast is exact."""
-    e = tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30)))
-    ulp = tl.exp2(tl.maximum(e, MIN_EXP) - MANT_BITS)
-    r = x / ulp
-    f = tl.floor(r)
-    d = r - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    up = (d > 0.5) | ((d == 0.5) & odd)
-    return (f + tl.where(up, 1.0, 0.0)) * ulp
 
 
 @triton.jit(do_not_specialize=["num_slots"],
@@ -76,17 +64,9 @@ def _reshape_and_cache_kernel(
         k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
         if FP8:
-            if SCALES_ARE_PTRS:
-                ks = tl.load(k_scale).to(tl.float32)
-                vs = tl.load(v_scale).to(tl.float32)
-            else:
-                ks = k_scale
-                vs = v_scale
-            k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
-            v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
-            if INTERPRET:
-                k = round_to_fp8_grid(k, FP8_MANT_BITS, FP8_MIN_EXP)
-                v = round_to_fp8_grid(v, FP8_MANT_BITS, FP8_MIN_EXP)
+            ks, vs = load_kv_scales(k_scale, v_scale, SCALES_ARE_PTRS)
+            k = saturate_to_fp8(k, ks, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
+            v = saturate_to_fp8(v, vs, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
         dst = cache_ptr + blk * stride_cb + off * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -106,11 +86,7 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
         raise ValueError("kv_cache must be contiguous in its last dimension")
     _, _, _, num_kv_heads, head_size = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
-        if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_size):
-            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] to match kv_cache, got "
-                             f"{tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
+        check_tensor(name, t, shape=(None, num_kv_heads, head_size), names=("num_tokens", "num_kv_heads", "head_size"))
         if t.device != kv_cache.device:
             raise ValueError(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
         if not t.is_floating_point():
@@ -229,10 +205,9 @@ def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtyp
     head_pad = next_power_of_2(head_size)
     heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
     fp8 = cache_dtype in FP8_DTYPES
-    e4m3 = cache_dtype == torch.float8_e4m3fn
     constexprs = (
         head_size, head_pad, heads_per_program, block_size, fp8, float(torch.finfo(cache_dtype).max) if fp8 else 0.0,
-        scales_are_ptrs, 3 if e4m3 else 2, -6 if e4m3 else -14, is_triton_interpreted(),
+        scales_are_ptrs, *fp8_grid(cache_dtype), is_triton_interpreted(),
     )
     return constexprs, heads_per_program, 4 if heads_per_program * head_pad >= 1024 else 2
 

@@ -9,10 +9,12 @@ Detection, once per step (per :class:`CommonAttentionMetadata` and cache size, :
   device's :class:`FaultRecord` without a host-device sync. The next check point raises it: the next step's guard,
   a builder's ``build`` (:func:`raise_pending_faults`) or the engine calling :func:`raise_pending_faults` itself.
 
-Containment, always: the attention kernels replace a page id outside ``[0, num_blocks)`` by page 0 before loading
-(:func:`safe_page`), and the KV-cache write skips a slot outside the cache and records it in the same fault record.
-So a bad table can give one step of wrong output before its error is raised (device detection only), but never an
-illegal memory access.
+Containment, always: every kernel that turns a page id into a cache address replaces an id outside
+``[0, num_blocks)`` by page 0 first (:func:`safe_page`: the Triton attention and MLA decode kernels, the MLA context
+gather, the FlashInfer page-id builders, which also record it with :func:`record_first_bad_page`;
+:func:`contain_page_ids` for page ids already gathered), and the KV-cache writes skip a slot outside the cache and
+record it in the same fault record. So a bad table can give one step of wrong output before its error is raised
+(device detection only), but never an illegal memory access.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_math import next_power_of_2
+from ..platform import is_triton_interpreted
+from .launch_math import cdiv, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +39,11 @@ __all__ = [
     "fault_record",
     "guard_block_table",
     "check_slots_host",
+    "contain_page_ids",
+    "has_host_table",
     "raise_pending_faults",
     "record_fault",
+    "record_first_bad_page",
     "safe_page",
 ]
 
@@ -69,6 +75,19 @@ def record_fault(record_ptr, host_flag_ptr, kind, a, b, c):
 
 
 @triton.jit
+def record_first_bad_page(page, cols, used, num_blocks, req, record_ptr, host_flag_ptr):
+    """Record the first of ``page`` [BLOCK] (block-table columns ``cols`` of request ``req``, where ``used``) that
+    lies outside ``[0, num_blocks)``, unless one is already recorded; returns whether there was one."""
+    bad = used & ((page < 0) | (page >= num_blocks))
+    first = tl.min(tl.where(bad, cols, 2147483647), 0)
+    found = first < 2147483647
+    if found:
+        bad_page = tl.sum(tl.where(cols == first, page, 0), 0)
+        record_fault(record_ptr, host_flag_ptr, FAULT_PAGE, req, first, bad_page)
+    return found
+
+
+@triton.jit
 def _scan_block_table_kernel(block_table_ptr, stride_bt, seq_lens_ptr, num_blocks, block_size, record_ptr,
                              host_flag_ptr, BLOCK: tl.constexpr):
     """Grid: (num_reqs,). Request r's used entries ``block_table[r, :cdiv(seq_lens[r], block_size)]``; records the
@@ -81,14 +100,19 @@ def _scan_block_table_kernel(block_table_ptr, stride_bt, seq_lens_ptr, num_block
         cols = start + tl.arange(0, BLOCK)
         used = cols < n_pages
         page = tl.load(row + cols, mask=used, other=0)
-        bad = used & ((page < 0) | (page >= num_blocks))
-        first = tl.min(tl.where(bad, cols, 2147483647), 0)
-        if first < 2147483647:
-            bad_page = tl.sum(tl.where(cols == first, page, 0), 0)
-            record_fault(record_ptr, host_flag_ptr, FAULT_PAGE, req, first, bad_page)
+        if record_first_bad_page(page, cols, used, num_blocks, req, record_ptr, host_flag_ptr):
             start = n_pages
         else:
             start += BLOCK
+
+
+@triton.jit
+def _contain_page_ids_kernel(page_ids_ptr, count, num_blocks, BLOCK: tl.constexpr):
+    """Grid: (cdiv(count, BLOCK),). ``page_ids[:count]`` through :func:`safe_page`, in place."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < count
+    page = tl.load(page_ids_ptr + offs, mask=mask)
+    tl.store(page_ids_ptr + offs, safe_page(page, num_blocks), mask=mask)
 
 
 @dataclass
@@ -181,6 +205,31 @@ def _host_table(common) -> Optional[torch.Tensor]:
     if common.block_table.device.type == "cpu":
         return common.block_table
     return None
+
+
+def has_host_table(common) -> bool:
+    """Whether the batch's block table is on the host (a CPU table, or its host copy ``block_table_cpu``): then
+    :func:`guard_block_table` checks it before any kernel runs, and page ids gathered from it need no containment."""
+    return _host_table(common) is not None
+
+
+def contain_page_ids(page_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Replace every page id of ``page_ids`` outside ``[0, num_blocks)`` by page 0, in place, and return it.
+
+    For page ids gathered from a device-only block table before the cache size was known (the guard's scan of that
+    table records the fault). One kernel on CUDA (and under the interpreter), no host sync.
+
+    page_ids : [n] int32 or int64, contiguous.
+    """
+    count = page_ids.numel()
+    if count == 0:
+        return page_ids
+    if page_ids.is_cuda or is_triton_interpreted():
+        block = min(next_power_of_2(count), 1024)
+        _contain_page_ids_kernel[(cdiv(count, block),)](page_ids, count, num_blocks, BLOCK=block)
+    else:
+        page_ids.masked_fill_((page_ids < 0) | (page_ids >= num_blocks), 0)
+    return page_ids
 
 
 def _check_host(table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_blocks: int, block_size: int) -> None:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
+from ..ops.quant import load_kv_scales
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -319,12 +320,7 @@ def _unified_attention_kernel(
     segm = tl.program_id(2)
 
     if KV_FP8:
-        if SCALES_ARE_PTRS:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALES_ARE_PTRS)
     else:
         ks = 1.0
         vs = 1.0
