@@ -44,7 +44,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-560}" python3 -m benchmarks.run --outdir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ "$what" = focus ]; then
-  group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py &
+  group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py \
+    tests/mla/test_mla_page_containment.py tests/flashinfer_backend/test_flashinfer_page_containment.py &
   group spec-enc tests/mla/test_mla_speculative_gpu.py tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
     tests/test_hf_encoders_gpu.py tests/test_mla_explore_gpu.py &
   wait

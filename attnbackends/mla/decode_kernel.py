@@ -250,8 +250,8 @@ def _mla_decode_kernel(
         if MAX_Q > 1 or USE_TREE:
             while n0 < end:
                 acc, l_i, m_i = _decode_tile(
-                    acc, l_i, m_i, q, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok, qk_scale_log2,
-                    offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
+                    acc, l_i, m_i, q, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
+                    qk_scale_log2, offs_c, offs_r, c_mask, r_mask, pos, draft_start, draft_len, tree_ptr,
                     KV_LORA, PAGE_SIZE, BLOCK_N, IS_FP8, True, USE_TREE, INTERPRET)
                 n0 += BLOCK_N
     else:
@@ -422,7 +422,7 @@ def _mla_decode_tma_kernel(
             n0 += BLOCK_N
         while n0 < end:
             acc0, acc1, l_i, m_i = _pointer_tail_tile(
-                acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, CACHE, stride_c_blk, stride_c_tok,
+                acc0, acc1, l_i, m_i, q0, q1, q_pe, n0, end, bt_row, num_blocks, CACHE, stride_c_blk, stride_c_tok,
                 qk_scale_log2, offs_h, offs_r, offs_n, pos, draft_start, draft_len, tree_ptr,
                 KV_LORA, HALF, PAGE_SIZE, MAX_Q > 1 or USE_TREE, USE_TREE, INTERPRET)
             n0 += BLOCK_N
