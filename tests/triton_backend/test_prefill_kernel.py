@@ -135,3 +135,21 @@ def test_prefill_kernel_gpu(head_size, num_heads, num_kv_heads, dtype):
 def test_prefill_kernel_gpu_pages_and_fused_views(block_size):
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=block_size)
     check(spec, GPU_SHAPES, seed=block_size, key_strided=True)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
+def test_default_config_compiles_for_sm90_without_spills():
+    """An offline sm_90 compile (no GPU): the default tiles fit the registers and shared memory at head 64 and 128."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_compile_report"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    reports = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [r["head_size"] for r in reports] == [64, 128]
+    for r in reports:
+        assert r["stack"] == 0 and r["shared"] <= r["shared_limit"] and r["wgmma"], r
