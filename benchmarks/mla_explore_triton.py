@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnbackends.ops.kv_cache_write import round_to_fp8_grid
+from attnbackends.ops.quant import round_to_fp8_grid
 
 LOG2E = 1.4426950408889634
 FP8_E4M3_MAX = 448.0
