@@ -151,9 +151,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             return "encoder attention"
         return prefill_new_kv_unsupported_reason(
             head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
-            sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-            use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, device=self.device,
-            deterministic=self.deterministic)
+            use_alibi=spec.alibi_slopes is not None, device=self.device, deterministic=self.deterministic)
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if self.debug:
@@ -203,7 +201,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
-            max_query_len=common.max_query_len)
+            max_query_len=common.max_query_len, sliding_window=self.spec.sliding_window,
+            use_softcap=bool(self.spec.logits_soft_cap), use_sinks=self.spec.has_sinks)
         return decode_plan, prefill_plan
 
 
@@ -275,7 +274,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                                  common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
                                  self.k_scale, self.v_scale, cache_key=cache_key)
             launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
-                                  common.block_table, common.seq_lens, common.query_start_loc, self.scale)
+                                  common.block_table, common.seq_lens, common.query_start_loc, self.scale,
+                                  self._soft_cap, sinks)
             return output
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,

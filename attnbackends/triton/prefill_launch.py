@@ -21,7 +21,8 @@ from .prefill_kernel import prefill_new_kv_kernel
 __all__ = ["PrefillConfig", "PrefillPlan", "launch_prefill_new_kv", "plan_prefill_new_kv",
            "prefill_new_kv_unsupported_reason", "tma_compatible"]
 
-PREFILL_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "INTERPRET")
+PREFILL_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "SLIDING_WINDOW",
+                      "USE_SOFTCAP", "USE_SINKS", "INTERPRET")
 HEAD_SIZES = (64, 128)
 _LOG2E = 1.4426950408889634
 
@@ -36,9 +37,15 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-def default_prefill_config(interpreted: bool = False) -> PrefillConfig:
-    """The launch config (tiny tiles under the interpreter)."""
-    return PrefillConfig(16, 16, 4, 1) if interpreted else PrefillConfig()
+def default_prefill_config(interpreted: bool = False, head_size: int = 128,
+                           sliding_window: Optional[int] = None) -> PrefillConfig:
+    """The launch config (tiny tiles under the interpreter). A window masks every tile it visits, which at head
+    size 128 spills registers with 64-key tiles: 32-key tiles there (see benchmarks/prefill_compile_report.py)."""
+    if interpreted:
+        return PrefillConfig(16, 16, 4, 1)
+    if sliding_window and head_size > 64:
+        return PrefillConfig(block_n=32)
+    return PrefillConfig()
 
 
 @dataclass(frozen=True)
@@ -53,15 +60,14 @@ class PrefillPlan:
 
 
 def prefill_new_kv_unsupported_reason(
-    *, head_size: int, dtype: torch.dtype, kv_fp8: bool, causal: bool, sliding_window: Optional[int], logits_soft_cap: Optional[float],
-    use_alibi: bool, use_sinks: bool, device: torch.device, deterministic: bool = False,
+    *, head_size: int, dtype: torch.dtype, kv_fp8: bool, causal: bool, use_alibi: bool, device: torch.device,
+    deterministic: bool = False,
 ) -> Optional[str]:
     """Why the prefill kernel cannot run a layer of this shape on ``device`` (None: it can). Under the Triton
     interpreter any power-of-two head size from 16 runs, on any device, but not bfloat16 (the interpreter's
     descriptor loads of bfloat16 return wrong values)."""
-    for bad, what in ((kv_fp8, "an fp8 KV cache"), (not causal, "non-causal attention"),
-                      (bool(sliding_window), "a sliding window"), (bool(logits_soft_cap), "a logits soft-cap"),
-                      (use_alibi, "ALiBi"), (use_sinks, "sinks"), (deterministic, "deterministic mode")):
+    for bad, what in ((kv_fp8, "an fp8 KV cache"), (not causal, "non-causal attention"), (use_alibi, "ALiBi"),
+                      (deterministic, "deterministic mode")):
         if bad:
             return f"does not take {what}"
     if is_triton_interpreted():
@@ -78,12 +84,15 @@ def prefill_new_kv_unsupported_reason(
 
 
 def plan_prefill_new_kv(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, num_seqs: int,
-                        first_seq: int, max_query_len: int, config: Optional[PrefillConfig] = None) -> PrefillPlan:
+                        first_seq: int, max_query_len: int, sliding_window: Optional[int] = None,
+                        use_softcap: bool = False, use_sinks: bool = False,
+                        config: Optional[PrefillConfig] = None) -> PrefillPlan:
     """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` whose longest query is ``max_query_len``."""
     interpreted = is_triton_interpreted()
-    config = config or default_prefill_config(interpreted)
+    config = config or default_prefill_config(interpreted, head_size, sliding_window)
     grid = (num_heads, cdiv(max(max_query_len, 1), config.block_m), num_seqs - first_seq)
-    constexprs = (num_heads, num_kv_heads, head_size, block_size, config.block_m, config.block_n, interpreted)
+    constexprs = (num_heads, num_kv_heads, head_size, block_size, config.block_m, config.block_n,
+                  int(sliding_window or 0), bool(use_softcap), bool(use_sinks), interpreted)
     return PrefillPlan(grid, first_seq, constexprs, config.num_warps, config.num_stages)
 
 
@@ -104,17 +113,21 @@ _launcher = DirectLauncher(prefill_new_kv_kernel, PREFILL_CONSTEXPRS)
 def launch_prefill_new_kv(plan: PrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           output: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                          softmax_scale: float) -> torch.Tensor:
+                          softmax_scale: float, soft_cap: float = 0.0,
+                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run ``plan`` (no checks). query/output [num_tokens, num_heads, head_size]; key/value [num_tokens,
     num_kv_heads, head_size] (the step's new tokens, rows as in query); key_cache/value_cache [num_blocks,
-    block_size, num_kv_heads, head_size] views; block_table [num_seqs, max_pages] int32."""
+    block_size, num_kv_heads, head_size] views; block_table [num_seqs, max_pages] int32; ``soft_cap`` for a plan
+    made with ``use_softcap``; sinks [num_heads] float32 for one made with ``use_sinks``."""
     if plan.grid[2] <= 0:
         return output
     ensure_triton_scratch_allocator()
+    use_softcap = plan.constexprs[7]
     args = (query, key, value, output, key_cache, value_cache, block_table, key_cache.shape[0], seq_lens,
-            query_start_loc, plan.first_seq, query.stride(0), key.stride(0), value.stride(0), output.stride(0),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
-            value_cache.stride(1), value_cache.stride(2), block_table.stride(0), softmax_scale * _LOG2E)
+            query_start_loc, sinks if sinks is not None else output, plan.first_seq, query.stride(0), key.stride(0),
+            value.stride(0), output.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+            softmax_scale if use_softcap else softmax_scale * _LOG2E, float(soft_cap or 1.0))
     launch_key = (plan.constexprs, plan.num_warps, plan.num_stages, query.dtype, key_cache.dtype,
                   block_table.dtype, key_cache.data_ptr() % 16 == 0, value_cache.data_ptr() % 16 == 0)
     _launcher(launch_key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)

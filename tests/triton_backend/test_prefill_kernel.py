@@ -84,9 +84,36 @@ def test_without_new_keys_the_unified_plan_runs():
     assert_close_to_oracle(out, oracle_attention(batch), tolerance_for(spec.torch_dtype), what="unified")
 
 
+FEATURES = {
+    "window": dict(sliding_window=20),  # ends inside the context of some requests, inside the new tokens of others
+    "window_small": dict(sliding_window=5),  # shorter than a tile: rows see nothing in their block's first tiles
+    "softcap": dict(logits_soft_cap=2.0),  # small enough to change the scores of the random data
+    "sinks": dict(has_sinks=True),
+    "window_sinks": dict(sliding_window=20, has_sinks=True),
+}
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreted shapes")
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features_match_oracle_interpreted(feature):
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16,
+                         **FEATURES[feature])
+    batch = make_random_batch(spec, MIXED, seed=7, device=DEVICE, pad_tokens=2)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
+    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
+    meta = builder.build(batch.common)
+    assert meta.prefill_split is not None
+    out = batch.new_output()
+    out.fill_(float("nan"))
+    impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
+    n = batch.num_actual_tokens
+    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype),
+                           what=f"prefill kernel, {feature}")
+
+
 @pytest.mark.parametrize("feature, reason", [
-    (dict(logits_soft_cap=30.0), "soft-cap"), (dict(sliding_window=8), "sliding window"),
     (dict(kv_cache_dtype="fp8_e4m3"), "fp8"), (dict(attn_type="encoder_only"), "encoder"),
+    (dict(alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), "ALiBi"),
 ])
 def test_features_the_kernel_does_not_take_keep_the_unified_path(feature, reason):
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16, **feature)
@@ -105,8 +132,7 @@ def test_turned_off_on_request_and_by_default_on_gpus():
 
 
 def test_gpu_reasons():
-    kw = dict(dtype=torch.bfloat16, kv_fp8=False, causal=True, sliding_window=None, logits_soft_cap=None,
-              use_alibi=False, use_sinks=False)
+    kw = dict(dtype=torch.bfloat16, kv_fp8=False, causal=True, use_alibi=False)
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU to ask its compute capability")
     cuda = torch.device("cuda")
@@ -131,6 +157,26 @@ def test_prefill_kernel_gpu(head_size, num_heads, num_kv_heads, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("feature", ["window_sinks", "softcap", "window_small"])
+def test_prefill_kernel_gpu_features(head_size, feature):
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=head_size, dtype="bfloat16", block_size=16,
+                         **{"window_sinks": dict(sliding_window=128, has_sinks=True),
+                            "softcap": dict(logits_soft_cap=30.0), "window_small": dict(sliding_window=5)}[feature])
+    batch = make_random_batch(spec, GPU_SHAPES, seed=head_size, device=DEVICE, pad_tokens=3)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
+    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
+    meta = builder.build(batch.common)
+    assert meta.prefill_split is not None
+    out = batch.new_output()
+    out.fill_(float("nan"))
+    impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
+    n = batch.num_actual_tokens
+    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what=feature)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_prefill_kernel_gpu_pages_and_fused_views(block_size):
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=block_size)
@@ -139,17 +185,19 @@ def test_prefill_kernel_gpu_pages_and_fused_views(block_size):
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
 def test_default_config_compiles_for_sm90_without_spills():
-    """An offline sm_90 compile (no GPU): the default tiles fit the registers and shared memory at head 64 and 128."""
+    """An offline sm_90 compile (no GPU): the default tiles fit the registers and shared memory at head 64 and 128,
+    plain, with window + sinks, and with a soft-cap."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_compile_report"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_compile_report", "--features"],
+                         capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2], env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     reports = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert [r["head_size"] for r in reports] == [64, 128]
+    assert [r["head_size"] for r in reports] == [64] * 3 + [128] * 3
     for r in reports:
         assert r["stack"] == 0 and r["shared"] <= r["shared_limit"] and r["wgmma"], r
