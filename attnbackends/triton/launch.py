@@ -191,8 +191,8 @@ def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, 
     else:
         tile_n = 64
     if has_generic_path and has_decode_path and block_m >= 128 and not big_head:
-        # One launch for decodes + prefills: 4 warps and 32-key prefill steps suit both paths
-        # (H100, 60 decodes x 4096 + 4 x 512 on 2k: 564 µs vs 605-618 with 8 warps and 128-key steps).
+        # One launch for decodes + prefills: 4 warps and 32-key prefill steps suit both paths (the mixed-batch
+        # sweep in benchmarks/NOTES-triton.md).
         tile_n, num_warps, num_stages = 32, 4, 3
     elif has_generic_path and block_m >= 128 and long_seqs:
         num_warps, num_stages = 8, 3
