@@ -3,12 +3,13 @@
 #   tests  the gpu test suite in three parallel groups, each under its own time limit (one verbose log per group,
 #          so a group that runs out of time still leaves its PASSED/FAILED lines)
 #   bench  every benchmark suite (python -m benchmarks.run)
-#   focus  what the open issues need measured first: the GPU tests written since the last full run (the Triton
-#          prefill kernel, speculative MLA / draft steps / CUDA-graph verify, encoders, page containment), the
-#          prefill kernel's tile sweep, the Triton API suite (prefill with the kernel on), the MLA decode
-#          exploration, the speculative engine
+#   focus-tests  the GPU tests written since the last full run (the Triton prefill kernel, speculative MLA /
+#          draft steps / CUDA-graph verify, encoders, page containment), then the speculative engine benchmark
+#   focus-bench  the prefill kernel's tile sweep, the Triton API suite (prefill with the kernel on), the MLA
+#          decode exploration
+#          (each focus mode fits one 10-minute device call)
 #   all    tests then bench
-# Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus]
+# Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
 OUT=${OUT:-/tmp/attnbackends-out}
 mkdir -p "$OUT"
@@ -43,14 +44,17 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-560}" python3 -m benchmarks.run --outdir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
-if [ "$what" = focus ]; then
+if [ "$what" = focus-tests ]; then  # ~9 min: one device call
+  limit=300
   group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py \
     tests/mla/test_mla_page_containment.py tests/flashinfer_backend/test_flashinfer_page_containment.py &
   group spec-enc tests/mla/test_mla_speculative_gpu.py tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
     tests/test_hf_encoders_gpu.py tests/test_mla_explore_gpu.py &
   wait
-  step prefill-sweep 200 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
-  step triton-api 240 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
-  step mla-explore 320 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 290
-  step spec-engine 240 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+  step spec-engine 220 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+fi
+if [ "$what" = focus-bench ]; then  # ~9 min: one device call
+  step prefill-sweep 150 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
+  step triton-api 200 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+  step mla-explore 190 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 170
 fi
