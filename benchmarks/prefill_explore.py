@@ -32,6 +32,9 @@ masked):
 - **G** sequences without cached context only: K/V from the contiguous key/value, one key loop with every tile
   masked, 4 warps: the one attention shape Triton 3.6 warp-specialises on sm_90 (two-loop causal kernels fail
   to compile with 4 warps and are left alone with 8).
+- **H** sequences without cached context only: the Gluon kernel of ``benchmarks/prefill_explore_gluon.py``
+  (FlashAttention-3 style, two consumer warpgroups, explicit async wgmma; ``num_stages`` is its K/V buffer
+  count). Not part of the default ``--families``; it cannot run under the interpreter.
 
 Every program's query block comes from a work list built once per batch on the host (what a metadata builder
 would do): (sequence, query block) pairs sorted by the number of keys they see, heaviest first, so the longest
@@ -417,6 +420,7 @@ class Config:
     kv_tma: bool = False
     new_kv: bool = False
     single_loop: bool = False
+    gluon: bool = False
     loop_ws: bool = False
     loop_stages: int = 0
     programs_per_sm: int = 0
@@ -432,6 +436,8 @@ class Config:
             s += " newKV"
         if self.single_loop:
             s += " oneloop"
+        if self.gluon:
+            s += " gluon"
         if self.loop_ws:
             s += " ws"
         if self.loop_stages:
@@ -468,13 +474,17 @@ def family_configs(family: str, quick: bool, best_a: Optional[Config] = None) ->
               Config("G", 128, 64, 4, 2, single_loop=True, loop_ws=True),
               Config("G", 64, 64, 4, 3, single_loop=True, loop_ws=True),
               Config("G", 128, 64, 4, 3, single_loop=True), Config("G", 128, 64, 8, 3, single_loop=True)]
+    elif family == "H":
+        cs = [Config("H", 128, 128, 8, 3, single_loop=True, gluon=True),
+              Config("H", 128, 64, 8, 4, single_loop=True, gluon=True),
+              Config("H", 128, 128, 8, 2, single_loop=True, gluon=True)]
     elif family == "E":
         base = best_a or Config("A", 128, 64, 8, 3)
         cs = [replace(base, family="E", programs_per_sm=1), replace(base, family="E", programs_per_sm=2)]
         if best_a is None or (best_a.block_n, best_a.num_stages) != (128, 2):
             cs.append(Config("E", 128, 128, 8, 2, programs_per_sm=1))
     else:
-        raise ValueError(f"unknown candidate family {family!r}; allowed: A, B, C, D, E, F, G")
+        raise ValueError(f"unknown candidate family {family!r}; allowed: A, B, C, D, E, F, G, H")
     return cs[:1] if quick else cs
 
 
@@ -563,6 +573,8 @@ def make_launch(cfg: Config, b: PagedBatch, out: torch.Tensor):
             raise ValueError("query, kv cache and output must be contiguous")
     if cfg.kv_tma and cfg.block_n % b.block_size:
         raise ValueError(f"block_n {cfg.block_n} must be a multiple of block_size {b.block_size} for per-page TMA")
+    if cfg.gluon:
+        return _gluon_launch(cfg, b, out)
     work = b.work_list(block_m // rows)
     num_work = work.shape[0]
     qk_scale = b.scale * RCP_LN2
@@ -593,6 +605,21 @@ def make_launch(cfg: Config, b: PagedBatch, out: torch.Tensor):
     def fn():
         kernel(*args, **kw)
     return fn
+
+
+def _gluon_launch(cfg: Config, b: PagedBatch, out: torch.Tensor):
+    """Candidate H: the Gluon kernel on the new tokens' contiguous K/V (no cached context)."""
+    from benchmarks.prefill_explore_gluon import _prefill_new_kernel, launch_args
+
+    if any(s != q for s, q in zip(b.seq_lens_host, b.q_lens)):
+        raise ValueError("the Gluon kernel (H) takes sequences without cached context only")
+    if INTERPRET:
+        raise NotImplementedError("the Gluon kernel (H) does not run under the Triton interpreter")
+    key, value = b.new_kv()
+    grid, args, kw = launch_args(b.query, key, value, out, b.qsl, max(b.q_lens), b.scale, block_n=cfg.block_n,
+                                 nbuf=cfg.num_stages)
+    kernel = _prefill_new_kernel[grid]
+    return lambda: kernel(*args, **kw)
 
 
 def set_tma_allocator(device) -> None:

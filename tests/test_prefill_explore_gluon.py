@@ -118,3 +118,18 @@ def test_gluon_prefill_matches_float64_reference(cfg, dtype, heads, kv_heads, le
     diff = out.double() - ref
     rel = float(diff.norm() / ref.norm())
     assert rel < rel_tol and float(diff.abs().max()) < abs_tol, (cfg, lengths, rel, float(diff.abs().max()))
+
+
+def test_family_h_of_the_prefill_driver_is_this_kernel():
+    from benchmarks import prefill_explore as pe
+
+    full = pe.family_configs("H", quick=False)
+    assert len({c.label for c in full}) == len(full) and pe.family_configs("H", quick=True) == full[:1]
+    assert [dict(block_n=c.block_n, nbuf=c.num_stages) for c in full] == pg.CONFIGS
+    with_context = pe.PagedBatch([(8, 5)], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, device="cpu")
+    out = torch.empty_like(with_context.query)
+    with pytest.raises(ValueError, match="without cached context"):
+        pe.make_launch(full[0], with_context, out)
+    new_only = pe.PagedBatch([(8, 0)], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, device="cpu")
+    with pytest.raises(NotImplementedError, match="interpreter"):
+        pe.make_launch(full[0], new_only, torch.empty_like(new_only.query))
