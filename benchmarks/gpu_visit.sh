@@ -5,8 +5,8 @@
 #   bench  every benchmark suite (python -m benchmarks.run)
 #   focus-tests  the GPU tests written since the last full run (the Triton prefill kernel, speculative MLA /
 #          draft steps / CUDA-graph verify, encoders, page containment), then the speculative engine benchmark
-#   focus-bench  the prefill kernel's tile sweep, the Triton API suite (prefill with the kernel on), the MLA
-#          decode exploration
+#   focus-bench  the prefill kernel's tile sweep, the Triton API suite (prefill with the kernel on), the Gluon
+#          prefill candidate, the MLA decode exploration
 #          (each focus mode fits one 10-minute device call)
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -49,12 +49,13 @@ if [ "$what" = focus-tests ]; then  # ~9 min: one device call
   group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py \
     tests/mla/test_mla_page_containment.py tests/flashinfer_backend/test_flashinfer_page_containment.py &
   group spec-enc tests/mla/test_mla_speculative_gpu.py tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
-    tests/test_hf_encoders_gpu.py tests/test_mla_explore_gpu.py &
+    tests/test_hf_encoders_gpu.py tests/test_mla_explore_gpu.py tests/test_prefill_explore_gluon.py &
   wait
   step spec-engine 220 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
-  step prefill-sweep 150 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
-  step triton-api 200 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
-  step mla-explore 190 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 170
+  step prefill-sweep 130 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
+  step triton-api 180 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+  step prefill-gluon 90 python3 -m benchmarks.prefill_explore_gluon
+  step mla-explore 160 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 140
 fi
