@@ -64,19 +64,27 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, n, pos, kv_end, qk_scale, soft_ca
 
 
 @triton.jit
-def _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, pos, qk_scale, soft_cap, offs_n,
-                  offs_d, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
-    """Cached keys j*BLOCK_N .. j*BLOCK_N + BLOCK_N - 1 (all before the new tokens), through the block table."""
+def _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, key_lo, pos, qk_scale, soft_cap,
+                  offs_n, offs_d, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                  USE_SOFTCAP: tl.constexpr):
+    """Cached keys j*BLOCK_N .. j*BLOCK_N + BLOCK_N - 1 (all before the new tokens), through the block table.
+    A masked tile reads only keys in ``[key_lo, ctx)`` (zeros elsewhere): pages past the context or before every
+    row's window may hold anything, NaN included, and a zero weight times NaN is NaN."""
     n = j * BLOCK_N + offs_n
     if MASKED:
-        page = tl.load(bt_row + n // BLOCK_SIZE, mask=n < ctx, other=0)
+        ok = (n < ctx) & (n >= key_lo)
+        page = safe_page(tl.load(bt_row + n // BLOCK_SIZE, mask=ok, other=0), num_blocks).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)
     else:
-        page = tl.load(bt_row + n // BLOCK_SIZE)
-    page = safe_page(page, num_blocks).to(tl.int64)
-    slot = n % BLOCK_SIZE
-    k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :])
-    v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :])
+        page = safe_page(tl.load(bt_row + n // BLOCK_SIZE), num_blocks).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :])
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :])
     qk = tl.dot(q, tl.trans(k))
     return _online_softmax_step(acc, l_i, m_i, qk, v, n, pos, ctx, qk_scale, soft_cap, MASKED, SLIDING_WINDOW,
                                 USE_SOFTCAP)
@@ -154,40 +162,43 @@ def prefill_new_kv_kernel(
     k_base = key_cache_ptr + kv_head * stride_kh
     v_base = value_cache_ptr + kv_head * stride_vh
     if SLIDING_WINDOW > 0:
-        ctx_lo = tl.maximum(ctx + tok0 - SLIDING_WINDOW + 1, 0) // BLOCK_N
+        key_lo = ctx + tok0 - SLIDING_WINDOW + 1  # the first key any row of the block sees
+        ctx_lo = tl.maximum(key_lo, 0) // BLOCK_N
         ctx_full = ctx_lo  # no unmasked tiles
         ctx_hi = tl.cdiv(ctx, BLOCK_N)
     else:
+        key_lo = 0
         ctx_lo = 0
         ctx_full = ctx // BLOCK_N
         ctx_hi = tl.cdiv(ctx, BLOCK_N)
     if INTERPRET:
         j = ctx_lo
         while j < ctx_full:
-            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, pos,
+            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, key_lo, pos,
                                           qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
                                           stride_vs, BLOCK_N, BLOCK_SIZE, False, SLIDING_WINDOW, USE_SOFTCAP)
             j += 1
         j = ctx_full
         while j < ctx_hi:
-            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, pos,
+            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, key_lo, pos,
                                           qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
                                           stride_vs, BLOCK_N, BLOCK_SIZE, True, SLIDING_WINDOW, USE_SOFTCAP)
             j += 1
     else:
         for j in range(ctx_lo, ctx_full):
-            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, pos,
+            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, key_lo, pos,
                                           qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
                                           stride_vs, BLOCK_N, BLOCK_SIZE, False, SLIDING_WINDOW, USE_SOFTCAP)
         if SLIDING_WINDOW > 0:
             for j in range(ctx_full, ctx_hi):
-                acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, pos,
-                                              qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
+                acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, j, k_base, v_base, bt_row, num_blocks, ctx, key_lo,
+                                              pos, qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
                                               stride_vs, BLOCK_N, BLOCK_SIZE, True, SLIDING_WINDOW, USE_SOFTCAP)
         elif ctx_full < ctx_hi:  # the partial last context tile
-            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, ctx_full, k_base, v_base, bt_row, num_blocks, ctx, pos,
-                                          qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks, stride_vb,
-                                          stride_vs, BLOCK_N, BLOCK_SIZE, True, SLIDING_WINDOW, USE_SOFTCAP)
+            acc, l_i, m_i = _context_tile(acc, l_i, m_i, q, ctx_full, k_base, v_base, bt_row, num_blocks, ctx,
+                                          key_lo, pos, qk_scale, soft_cap, offs_n, offs_d, stride_kb, stride_ks,
+                                          stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, True, SLIDING_WINDOW,
+                                          USE_SOFTCAP)
 
     # New tokens: tiles wholly at or before this block's first row unmasked, the causal diagonal masked.
     k_desc = tl.make_tensor_descriptor(key_ptr, shape=[q_end, NUM_KV_HEADS * HEAD_SIZE], strides=[stride_kt, 1],

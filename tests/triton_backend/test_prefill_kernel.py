@@ -23,6 +23,20 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 MIXED = [S(1, 20), S(1, 3), S(40, 23), S(33, 0), S(2, 17), S(20, 48)]
 
 
+def poison_unread_slots(cache: torch.Tensor, batch) -> torch.Tensor:
+    """NaN in every cache slot that holds no request's cached context (other pages, slots past a request's context,
+    the step's own slots before the write): an allocator's pages may hold anything, and nothing may leak from them."""
+    common, bs = batch.common, batch.spec.block_size
+    used = torch.zeros(cache.shape[0], bs, dtype=torch.bool)
+    table = common.block_table.cpu()
+    for r, shape in enumerate(batch.shapes):
+        for p in range(shape.context_len):
+            used[int(table[r, p // bs]), p % bs] = True
+    by_slot = cache.permute(0, 2, 1, 3, 4)  # [num_blocks, block_size, 2, kv_heads, head_size]
+    by_slot[~used.to(cache.device)] = float("nan")
+    return cache
+
+
 def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int = 0, key_strided: bool = False):
     """One forward with the step's key/value on fresh random data; returns (output, batch, metadata)."""
     batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
@@ -35,7 +49,7 @@ def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int =
         key, value = fused[:, 0], fused[:, 1]
     out = batch.new_output()
     out.fill_(float("nan"))
-    impl.forward(batch.query, key, value, batch.kv_cache.clone(), meta, out)
+    impl.forward(batch.query, key, value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
     return out, batch, meta
 
 
@@ -105,7 +119,7 @@ def test_features_match_oracle_interpreted(feature):
     assert meta.prefill_split is not None
     out = batch.new_output()
     out.fill_(float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
+    impl.forward(batch.query, batch.key, batch.value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
     n = batch.num_actual_tokens
     assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype),
                            what=f"prefill kernel, {feature}")
@@ -170,7 +184,7 @@ def test_prefill_kernel_gpu_features(head_size, feature):
     assert meta.prefill_split is not None
     out = batch.new_output()
     out.fill_(float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
+    impl.forward(batch.query, batch.key, batch.value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
     n = batch.num_actual_tokens
     assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what=feature)
 
