@@ -297,8 +297,10 @@ def main(argv=None) -> int:
     return 0
 
 
-PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 64, 8, 2), (128, 32, 8, 3),
-                 (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2)]
+# (block_m, block_n, warps, stages): the spill-free configs of an offline sm_90 compile at head 128
+# (python -m benchmarks.prefill_compile_report --configs ...), default first, and two that spill for contrast.
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 3),
+                 (64, 64, 4, 3), (128, 128, 8, 2)]
 
 
 def prefill_sweep(row, diff) -> int:
