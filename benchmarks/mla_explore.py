@@ -46,17 +46,17 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from benchmarks.explore_common import Log, kill_child, run_families, spawn_child
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -315,19 +315,6 @@ def current_kernel_launch(b: DecodeBatch, out, lse, num_sms: int):
 # ==============================================================================================================
 # Driver
 # ==============================================================================================================
-class Log:
-    def __init__(self, path: Optional[str]):
-        self.f = open(path, "a") if path else None
-        self.t0 = time.time()
-
-    def __call__(self, msg: str = "") -> None:
-        line = f"[{time.time() - self.t0:6.1f}s] {msg}"
-        print(line, flush=True)
-        if self.f:
-            self.f.write(line + "\n")
-            self.f.flush()
-
-
 def bench_us(fn, timer: str) -> tuple[float, str]:
     """(median microseconds, timer used): ``do_bench`` (eager), or CUDA graph replay when asked and capturable."""
     import triton.testing
@@ -485,23 +472,9 @@ class Runner:
         cmd = [sys.executable, "-u", "-m", "benchmarks.mla_explore", "--shapes", self.args.shapes, *extra]
         if self.args.dry_run_cpu:
             cmd.append("--dry-run-cpu")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True)
+        return spawn_child(cmd, self.log, prefix, cwd=str(Path(__file__).resolve().parents[1]))
 
-        def pump():
-            for line in proc.stdout:
-                self.log(f"[{prefix}] {line.rstrip()}")
-        threading.Thread(target=pump, daemon=True).start()
-        return proc
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+    _kill = staticmethod(kill_child)
 
     def probe(self, configs: list, timeout: float) -> dict[str, dict]:
         """Check configs in child processes until each has a verdict; a child that dies, or spends more than
@@ -886,16 +859,8 @@ def main(argv=None) -> int:
     if args.dry_run_cpu:
         families = [f for f in families if f != "F"]
     reserve = 25.0 if run.fi_procs else 0.0
-    for i, fam in enumerate(families):
-        run.run_flashinfer(wait_s=0)
-        left = run.deadline - time.time() - reserve
-        if left < 10:
-            log(f"== budget spent: skipping candidates {families[i:]}")
-            break
-        try:
-            run.run_family(fam, budget_s=left / (len(families) - i))
-        except Exception as e:  # noqa: BLE001
-            log(f"== candidate {fam} failed: {type(e).__name__}: {str(e)[:400]}")
+    run_families(families, lambda fam, budget: run.run_family(fam, budget_s=budget), run.deadline, log,
+                 reserve_s=reserve, min_left_s=10, between=lambda: run.run_flashinfer(wait_s=0))
     log("== flashinfer")
     run.run_flashinfer(wait_s=max(5.0, run.deadline - time.time()))
     run.write()

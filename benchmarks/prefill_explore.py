@@ -52,11 +52,9 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -65,6 +63,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+if __name__ == "__main__":  # run as a script (so are its child processes): the repository's packages
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.explore_common import Log, kill_child, run_families, spawn_child  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 RCP_LN2 = 1.4426950408889634
@@ -662,21 +664,6 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 # ==============================================================================================================
 # Benchmark driver
 # ==============================================================================================================
-class Log:
-    def __init__(self, path: Optional[str]):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a") if path else None
-        self.t0 = time.time()
-
-    def __call__(self, msg: str = "") -> None:
-        line = f"[{time.time() - self.t0:6.1f}s] {msg}"
-        print(line, flush=True)
-        if self.f:
-            self.f.write(line + "\n")
-            self.f.flush()
-
-
 def bench_us(fn) -> float:
     if DEVICE != "cuda":  # dry run: one timed call is enough to exercise the driver
         t0 = time.perf_counter()
@@ -819,23 +806,9 @@ class Runner:
         cmd = [sys.executable, "-u", os.path.abspath(__file__), "--shapes", self.args.shapes, *extra]
         if self.args.dry_run_cpu:
             cmd.append("--dry-run-cpu")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
+        return spawn_child(cmd, self.log, prefix)
 
-        def pump():
-            for line in proc.stdout:
-                self.log(f"[{prefix}] {line.rstrip()}")
-        threading.Thread(target=pump, daemon=True).start()
-        return proc
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+    _kill = staticmethod(kill_child)
 
     def probe(self, configs: list[Config], timeout: float) -> dict[str, dict]:
         """Run configs in child processes until each has a verdict; a child that dies takes only the config it
@@ -1126,16 +1099,8 @@ def main() -> int:
     run.write_rows()
     families = [f.strip().upper() for f in args.families.split(",") if f.strip()]
     reserve = 30.0 if run.fi_proc is not None else 0.0
-    for i, fam in enumerate(families):
-        run.run_flashinfer(wait_s=0)
-        left = run.deadline - time.time() - reserve
-        if left < 15:
-            log(f"== budget spent: skipping candidates {families[i:]}")
-            break
-        try:
-            run.run_family(fam, budget_s=left / (len(families) - i))
-        except Exception as e:  # noqa: BLE001
-            log(f"== candidate {fam} failed: {type(e).__name__}: {str(e)[:400]}")
+    run_families(families, lambda fam, budget: run.run_family(fam, budget_s=budget), run.deadline, log,
+                 reserve_s=reserve, min_left_s=15, between=lambda: run.run_flashinfer(wait_s=0))
     log("== flashinfer")
     run.run_flashinfer(wait_s=max(5.0, run.deadline - time.time()))
     run.write_rows()
@@ -1147,5 +1112,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())
