@@ -16,7 +16,7 @@ from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilde
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
-from ..platform import DeviceInfo, is_triton_interpreted
+from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .prefill_launch import (
@@ -112,9 +112,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         and the fixed tiles are not the fastest for every shape.
     prefill_kernel : run the prefills and chunked prefills of a batch on the prefill kernel
         (:mod:`attnbackends.triton.prefill_kernel`: the new tokens' keys and values read from the forward's
-        ``key``/``value``, the context from the pages) when the forward brings them. None (default): on under the
-        Triton interpreter, off on GPUs until the kernel's H100 validation run; True: on wherever the kernel
-        applies; False: off. ``prefill_kernel_reason`` says why it is not used (None: used).
+        ``key``/``value``, the context from the pages) when the forward brings them. None (default): off until
+        the kernel's H100 validation run; True: on wherever the kernel applies; False: off.
+        ``prefill_kernel_reason`` says why it is not used (None: used).
     """
 
     query_len_support = QueryLenSupport.VARLEN
@@ -145,8 +145,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         spec = self.spec
         if wanted is False:
             return "turned off (prefill_kernel=False)"
-        if wanted is None and self.device.type == "cuda" and not is_triton_interpreted():
-            return "off by default on GPUs until its H100 validation run (pass prefill_kernel=True to use it)"
+        if wanted is None:
+            return "off by default until its H100 validation run (pass prefill_kernel=True to use it)"
         if not spec.attn_type.uses_kv_cache:
             return "encoder attention"
         return prefill_new_kv_unsupported_reason(

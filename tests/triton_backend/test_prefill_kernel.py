@@ -131,18 +131,17 @@ def test_features_match_oracle_interpreted(feature):
 ])
 def test_features_the_kernel_does_not_take_keep_the_unified_path(feature, reason):
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16, **feature)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, "cpu")
+    builder = TritonAttentionBackend.get_builder_cls()(spec, "cpu", prefill_kernel=True)
     assert builder.prefill_kernel_reason is not None and reason in builder.prefill_kernel_reason
 
 
-def test_turned_off_on_request_and_by_default_on_gpus():
+def test_off_on_request_and_by_default():
     spec = CPU_SPECS[0]
-    builder = TritonAttentionBackend.get_builder_cls()(spec, "cpu", prefill_kernel=False)
-    assert "prefill_kernel=False" in builder.prefill_kernel_reason
     batch = make_random_batch(spec, MIXED, seed=2)
-    assert builder.build(batch.common).prefill_split is None
-    if ON_GPU:
-        assert "validation" in TritonAttentionBackend.get_builder_cls()(spec, "cuda").prefill_kernel_reason
+    for wanted, reason in ((False, "prefill_kernel=False"), (None, "validation")):
+        builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=wanted)
+        assert reason in builder.prefill_kernel_reason
+        assert builder.build(batch.common).prefill_split is None
 
 
 def test_gpu_reasons():
