@@ -18,7 +18,7 @@ from ..ops.launch_math import cdiv
 from ..platform import is_triton_interpreted
 from .prefill_kernel import prefill_new_kv_kernel
 
-__all__ = ["PrefillConfig", "PrefillPlan", "launch_prefill_new_kv", "plan_prefill_new_kv",
+__all__ = ["PrefillConfig", "PrefillPlan", "default_prefill_config", "launch_prefill_new_kv", "plan_prefill_new_kv",
            "prefill_new_kv_unsupported_reason", "tma_compatible"]
 
 PREFILL_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "SLIDING_WINDOW",
@@ -54,9 +54,13 @@ class PrefillPlan:
 
     grid: tuple[int, int, int]
     first_seq: int
-    constexprs: tuple
+    constexprs: tuple  # the values of PREFILL_CONSTEXPRS
     num_warps: int
     num_stages: int
+
+    @property
+    def use_softcap(self) -> bool:
+        return self.constexprs[PREFILL_CONSTEXPRS.index("USE_SOFTCAP")]
 
 
 def prefill_new_kv_unsupported_reason(
@@ -122,7 +126,7 @@ def launch_prefill_new_kv(plan: PrefillPlan, query: torch.Tensor, key: torch.Ten
     if plan.grid[2] <= 0:
         return output
     ensure_triton_scratch_allocator()
-    use_softcap = plan.constexprs[7]
+    use_softcap = plan.use_softcap
     args = (query, key, value, output, key_cache, value_cache, block_table, key_cache.shape[0], seq_lens,
             query_start_loc, sinks if sinks is not None else output, plan.first_seq, query.stride(0), key.stride(0),
             value.stride(0), output.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
