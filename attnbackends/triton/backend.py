@@ -19,13 +19,6 @@ from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
-from .prefill_launch import (
-    PrefillPlan,
-    launch_prefill_new_kv,
-    plan_prefill_new_kv,
-    prefill_new_kv_unsupported_reason,
-    tma_compatible,
-)
 from .launch import (
     MAX_HEAD_SIZE,
     MAX_KV_SPLITS,
@@ -39,6 +32,13 @@ from .launch import (
     pick_kernel_config,
     plan_attention,
     unified_attention,
+)
+from .prefill_launch import (
+    PrefillPlan,
+    launch_prefill_new_kv,
+    plan_prefill_new_kv,
+    prefill_new_kv_unsupported_reason,
+    tma_compatible,
 )
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
