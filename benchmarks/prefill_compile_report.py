@@ -13,30 +13,33 @@ import sys
 import torch
 
 from attnbackends.triton.prefill_kernel import prefill_new_kv_kernel
-from attnbackends.triton.prefill_launch import PrefillConfig, default_prefill_config
+from attnbackends.triton.prefill_launch import (
+    PREFILL_CONSTEXPRS,
+    PrefillConfig,
+    default_prefill_config,
+    plan_prefill_new_kv,
+    prefill_kernel_args,
+)
 from benchmarks.offline_compile import SHARED_LIMIT, compile_call
 
 
 def report(head_size: int, config: PrefillConfig, num_heads: int = 32, num_kv_heads: int = 8,
            block_size: int = 16, sliding_window: int = 0, softcap: bool = False, sinks: bool = False) -> dict:
-    """The sm_90 compile of the kernel for bf16 tensors of this shape (no kernel runs)."""
+    """The sm_90 compile of the kernel for bf16 tensors of this shape (no kernel runs), with the arguments the
+    launcher passes (:func:`~attnbackends.triton.prefill_launch.prefill_kernel_args`)."""
     bf = torch.bfloat16
     tokens, blocks = 256, 64
     q = torch.empty(tokens, num_heads, head_size, dtype=bf)
     k = torch.empty(tokens, num_kv_heads, head_size, dtype=bf)
     cache = torch.empty(blocks, 2, block_size, num_kv_heads, head_size, dtype=bf)
-    kc, vc = cache[:, 0], cache[:, 1]
-    table = torch.zeros(4, 16, dtype=torch.int32)
-    lens = torch.zeros(4, dtype=torch.int32)
-    starts = torch.zeros(5, dtype=torch.int32)
-    sink_logits = torch.empty(num_heads, dtype=torch.float32)
-    args = (q, k, k.clone(), q.clone(), kc, vc, table, blocks, lens, starts, sink_logits, 0, q.stride(0),
-            k.stride(0), k.stride(0), q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0),
-            vc.stride(1), vc.stride(2), table.stride(0), 0.1, 30.0)
-    kwargs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, SLIDING_WINDOW=sliding_window,
-                  USE_SOFTCAP=softcap, USE_SINKS=sinks, INTERPRET=False, num_warps=config.num_warps,
-                  num_stages=config.num_stages)
+    plan = plan_prefill_new_kv(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                               block_size=block_size, num_seqs=4, first_seq=0, max_query_len=tokens,
+                               sliding_window=sliding_window, use_softcap=softcap, use_sinks=sinks, config=config)
+    args = prefill_kernel_args(plan, q, k, k.clone(), q.clone(), cache[:, 0], cache[:, 1],
+                               torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                               torch.zeros(5, dtype=torch.int32), 0.1, 30.0,
+                               torch.empty(num_heads, dtype=torch.float32))
+    kwargs = dict(zip(PREFILL_CONSTEXPRS, plan.constexprs), num_warps=plan.num_warps, num_stages=plan.num_stages)
     out = compile_call(prefill_new_kv_kernel, args, kwargs)
     return {"head_size": head_size, "config": [config.block_m, config.block_n, config.num_warps, config.num_stages],
             "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks,

@@ -18,8 +18,8 @@ from ..ops.launch_math import cdiv
 from ..platform import is_triton_interpreted
 from .prefill_kernel import prefill_new_kv_kernel
 
-__all__ = ["PrefillConfig", "PrefillPlan", "default_prefill_config", "launch_prefill_new_kv", "plan_prefill_new_kv",
-           "prefill_new_kv_unsupported_reason", "tma_compatible"]
+__all__ = ["PREFILL_CONSTEXPRS", "PrefillConfig", "PrefillPlan", "default_prefill_config", "launch_prefill_new_kv",
+           "plan_prefill_new_kv", "prefill_kernel_args", "prefill_new_kv_unsupported_reason", "tma_compatible"]
 
 PREFILL_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "SLIDING_WINDOW",
                       "USE_SOFTCAP", "USE_SINKS", "INTERPRET")
@@ -114,6 +114,18 @@ def tma_compatible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 _launcher = DirectLauncher(prefill_new_kv_kernel, PREFILL_CONSTEXPRS)
 
 
+def prefill_kernel_args(plan: PrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        output: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        softmax_scale: float, soft_cap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> tuple:
+    """The kernel's runtime arguments, in signature order, for :func:`launch_prefill_new_kv`'s tensors."""
+    return (query, key, value, output, key_cache, value_cache, block_table, key_cache.shape[0], seq_lens,
+            query_start_loc, sinks if sinks is not None else output, plan.first_seq, query.stride(0), key.stride(0),
+            value.stride(0), output.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+            softmax_scale if plan.use_softcap else softmax_scale * _LOG2E, float(soft_cap or 1.0))
+
+
 def launch_prefill_new_kv(plan: PrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           output: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -126,14 +138,9 @@ def launch_prefill_new_kv(plan: PrefillPlan, query: torch.Tensor, key: torch.Ten
     if plan.grid[2] <= 0:
         return output
     ensure_triton_scratch_allocator()
-    use_softcap = plan.use_softcap
-    args = (query, key, value, output, key_cache, value_cache, block_table, key_cache.shape[0], seq_lens,
-            query_start_loc, sinks if sinks is not None else output, plan.first_seq, query.stride(0), key.stride(0),
-            value.stride(0), output.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
-            softmax_scale if use_softcap else softmax_scale * _LOG2E, float(soft_cap or 1.0))
+    args = prefill_kernel_args(plan, query, key, value, output, key_cache, value_cache, block_table, seq_lens,
+                               query_start_loc, softmax_scale, soft_cap, sinks)
     launch_key = (plan.constexprs, plan.num_warps, plan.num_stages, query.dtype, key_cache.dtype,
                   block_table.dtype, key_cache.data_ptr() % 16 == 0, value_cache.data_ptr() % 16 == 0)
     _launcher(launch_key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     return output
-
