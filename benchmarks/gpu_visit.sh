@@ -8,6 +8,7 @@
 #   focus-bench  the prefill kernel's tile sweep, the Triton API suite (prefill with the kernel on), the Gluon
 #          prefill candidate, the MLA decode exploration
 #          (each focus mode fits one 10-minute device call)
+#   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
@@ -45,17 +46,27 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-560}" python3 -m benchmarks.run --outdir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ "$what" = focus-tests ]; then  # ~9 min: one device call
-  limit=300
-  group prefill-kernel tests/triton_backend/test_prefill_kernel.py tests/test_phased.py tests/test_page_guard.py \
-    tests/mla/test_mla_page_containment.py tests/flashinfer_backend/test_flashinfer_page_containment.py &
+  limit=330
+  group triton tests/triton_backend tests/test_phased.py tests/test_page_guard.py tests/test_layer_groups_gpu.py \
+    tests/mla/test_mla_page_containment.py tests/flashinfer_backend/test_flashinfer_page_containment.py \
+    tests/test_bad_input_catalogue.py -k "not test_bad_input_gpu or slot_past_cache or kv_cache_dtype or negative_page_id" &
   group spec-enc tests/mla/test_mla_speculative_gpu.py tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
-    tests/test_hf_encoders_gpu.py tests/test_mla_explore_gpu.py tests/test_prefill_explore_gluon.py &
+    tests/test_hf_encoders_gpu.py tests/test_engine_hf.py &
+  group fa-explore tests/flash_attn_backend tests/test_mla_explore_gpu.py tests/test_prefill_explore_gluon.py &
   wait
-  step spec-engine 220 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+  step spec-engine 200 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+fi
+if [ "$what" = fix-check ]; then  # ~9 min: steps built ahead of the GPU, the prefill kernel on by default
+  limit=180
+  group run-ahead tests/test_run_ahead.py tests/triton_backend tests/test_cudagraph_all_backends.py \
+    tests/test_batch_invariance.py
+  step phase-selection 150 python3 benchmarks/phase_selection.py --out "$OUT/phase-selection.json"
+  step prefill-sweep 180 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
-  step prefill-sweep 130 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
-  step triton-api 180 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
-  step prefill-gluon 90 python3 -m benchmarks.prefill_explore_gluon
-  step mla-explore 160 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 140
+  step prefill-sweep 110 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
+  step triton-api 150 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+  step phase-selection 130 python3 benchmarks/phase_selection.py --out "$OUT/phase-selection.json"
+  step mla-explore 130 python3 -m benchmarks.mla_explore --out "$OUT/mla-explore" --budget-s 115
+  step prefill-gluon 50 python3 -m benchmarks.prefill_explore_gluon
 fi

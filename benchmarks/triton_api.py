@@ -35,7 +35,7 @@ from attnbackends.triton.backend import TritonAttentionBackend
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = 1.0 / math.sqrt(D)
 DEV = "cuda"
-PREFILL_KERNEL = True  # the Triton builder's prefill_kernel option (off by default until validated on a GPU)
+PREFILL_KERNEL = True  # the Triton builder's prefill_kernel option (--no-prefill-kernel: the unified kernel)
 
 
 def do_bench_us(fn) -> float:

@@ -47,6 +47,7 @@ from ..speculative import expand_tree_mask
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
+from .plan_guard import planning
 from .lse_forward import forward_with_lse
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import contain_page_ids, has_host_table
@@ -513,17 +514,18 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             meta.decode_wrapper = decode_wrapper
         elif decode_wrapper is not None:
             part = inputs.select(0, num_decodes)
-            decode_wrapper.plan(
-                part.kv_indptr,
-                part.kv_indices,
-                part.kv_last_page_len,
-                spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
-                pos_encoding_mode="NONE",
-                o_data_type=spec.torch_dtype,
-                non_blocking=True,
-                seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
-                **self._plan_kwargs,
-            )
+            with planning(decode_wrapper):
+                decode_wrapper.plan(
+                    part.kv_indptr,
+                    part.kv_indices,
+                    part.kv_last_page_len,
+                    spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+                    pos_encoding_mode="NONE",
+                    o_data_type=spec.torch_dtype,
+                    non_blocking=True,
+                    seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
+                    **self._plan_kwargs,
+                )
             self._after_public_plan(decode_wrapper)
             meta.decode_wrapper = decode_wrapper
         if num_prefills:
@@ -537,20 +539,21 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 # (plan() then copies them back to the host: tree batches pay one sync in build()).
                 qo_indptr, kv_indptr, last_page_len = (t.to(self.device) for t in (qo_indptr, kv_indptr,
                                                                                   last_page_len))
-            wrapper.plan(
-                qo_indptr,
-                kv_indptr,
-                part.kv_indices,
-                last_page_len,
-                spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
-                causal=True,
-                custom_mask=expand_tree_mask(common, num_decodes, num_reqs) if tree else None,
-                pos_encoding_mode="NONE",
-                o_data_type=spec.torch_dtype,
-                non_blocking=True,
-                seq_lens=common.seq_lens_cpu[num_decodes:num_reqs],
-                **self._plan_kwargs,
-            )
+            with planning(wrapper):
+                wrapper.plan(
+                    qo_indptr,
+                    kv_indptr,
+                    part.kv_indices,
+                    last_page_len,
+                    spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+                    causal=True,
+                    custom_mask=expand_tree_mask(common, num_decodes, num_reqs) if tree else None,
+                    pos_encoding_mode="NONE",
+                    o_data_type=spec.torch_dtype,
+                    non_blocking=True,
+                    seq_lens=common.seq_lens_cpu[num_decodes:num_reqs],
+                    **self._plan_kwargs,
+                )
             meta.prefill_wrapper = wrapper
         return meta
 
@@ -603,19 +606,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             else:
                 contain_page_ids(top_indices, meta.page_ids_bound)
         wrapper = self._cascade_wrapper()
-        wrapper.plan(
-            [top_qo, unique.qo_indptr],
-            [top_kv, unique.kv_indptr],
-            [top_indices, unique.kv_indices],
-            [top_last, unique.kv_last_page_len],
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_size,
-            bs,
-            causal=True,
-            pos_encoding_mode="NONE",
-            **self._plan_kwargs,
-        )
+        with planning(wrapper):
+            wrapper.plan(
+                [top_qo, unique.qo_indptr],
+                [top_kv, unique.kv_indptr],
+                [top_indices, unique.kv_indices],
+                [top_last, unique.kv_last_page_len],
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_size,
+                bs,
+                causal=True,
+                pos_encoding_mode="NONE",
+                **self._plan_kwargs,
+            )
         meta.cascade_wrapper = wrapper
         meta.cascade_shared_blocks = shared_blocks
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..compat import PRIVATE_SURFACES, surface_unsupported_reason
+from .plan_guard import planning
 from .plan_inputs import PagedKVPlanInputs
 
 __all__ = ["TESTED_FLASHINFER_VERSIONS", "DecodeReplanner", "replan_unsupported_reason"]
@@ -146,11 +147,12 @@ class DecodeReplanner:
                 w._paged_kv_indices_buf = on_device.kv_indices[: int(kv_indptr_host[-1])]
         w._batch_size = num_reqs
         w._block_tables = None
-        if self.tensor_cores:
-            w._max_kv_len = int(kv_lens_host.numpy().max()) if max_kv_len is None else max_kv_len
-            w._plan_info = w._cached_module.plan(
-                *self._workspaces, self._arange(b), kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
-                *self._fixed, *self._tail,
-            )
-        else:
-            w._plan_info = w._cached_module.plan(*self._workspaces, kv_indptr_host, num_reqs, *self._fixed)
+        with planning(w):
+            if self.tensor_cores:
+                w._max_kv_len = int(kv_lens_host.numpy().max()) if max_kv_len is None else max_kv_len
+                w._plan_info = w._cached_module.plan(
+                    *self._workspaces, self._arange(b), kv_indptr_host, kv_lens_host, num_reqs, num_reqs,
+                    *self._fixed, *self._tail,
+                )
+            else:
+                w._plan_info = w._cached_module.plan(*self._workspaces, kv_indptr_host, num_reqs, *self._fixed)

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..flashinfer.plan_guard import planning
 from ..flashinfer.workspace import shared_workspace
 from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
 from ..platform import DeviceInfo
@@ -176,20 +177,21 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
         req = torch.repeat_interleave(torch.arange(b, device=dev), pages, output_size=total)
         col = torch.arange(total, device=dev) - kv_indptr.to(dev, non_blocking=True).long()[req]
         kv_indices = decode.block_table[req, col].to(torch.int32)
-        self.wrapper.plan(
-            decode.query_start_loc_cpu.to(torch.int32),
-            kv_indptr,
-            kv_indices,
-            decode.seq_lens_cpu.to(torch.int32),
-            spec.num_heads,
-            spec.kv_lora_rank,
-            spec.qk_rope_head_dim,
-            bs,
-            decode.max_query_len > 1,
-            spec.softmax_scale,
-            spec.torch_dtype,
-            spec.kv_cache_torch_dtype,
-        )
+        with planning(self.wrapper):
+            self.wrapper.plan(
+                decode.query_start_loc_cpu.to(torch.int32),
+                kv_indptr,
+                kv_indices,
+                decode.seq_lens_cpu.to(torch.int32),
+                spec.num_heads,
+                spec.kv_lora_rank,
+                spec.qk_rope_head_dim,
+                bs,
+                decode.max_query_len > 1,
+                spec.softmax_scale,
+                spec.torch_dtype,
+                spec.kv_cache_torch_dtype,
+            )
         decode.extra["wrapper"] = self.wrapper
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..compat import efficient_attention_with_lse, flash_attn_cute_available
+from ..flashinfer.plan_guard import planning
 from ..flashinfer.workspace import shared_workspace
 from ..platform import DeviceInfo, package_available
 from ..ops.launch_math import cdiv, next_power_of_2
@@ -198,18 +199,19 @@ class FlashInferPrefill(PrefillKernel):
                 flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(shared_workspace(self.device), "NHD"))
         wrapper = self._wrappers[self._next]
         self._next += 1
-        wrapper.plan(
-            cu_seqlens_q_cpu.to(torch.int32),
-            cu_seqlens_k_cpu.to(torch.int32),
-            num_heads,
-            num_heads,
-            head_dim_qk,
-            head_dim_vo=head_dim_v,
-            causal=causal,
-            sm_scale=scale,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-        )
+        with planning(wrapper):
+            wrapper.plan(
+                cu_seqlens_q_cpu.to(torch.int32),
+                cu_seqlens_k_cpu.to(torch.int32),
+                num_heads,
+                num_heads,
+                head_dim_qk,
+                head_dim_vo=head_dim_v,
+                causal=causal,
+                sm_scale=scale,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
         plan.extra = wrapper
         return plan
 

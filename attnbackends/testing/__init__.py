@@ -14,6 +14,7 @@ from .conformance import (
 )
 from .layer_groups import LAYER_GROUP_SHAPES, check_layer_groups, layer_group_batches
 from .oracle import oracle_attention
+from .run_ahead import RUN_AHEAD_STEPS, check_backend_run_ahead, run_ahead_batches
 from .tolerances import Tolerance, assert_close_to_oracle, tolerance_for
 
 __all__ = [
@@ -34,6 +35,9 @@ __all__ = [
     "check_layer_groups",
     "layer_group_batches",
     "oracle_attention",
+    "RUN_AHEAD_STEPS",
+    "check_backend_run_ahead",
+    "run_ahead_batches",
     "Tolerance",
     "assert_close_to_oracle",
     "tolerance_for",

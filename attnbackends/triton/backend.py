@@ -112,8 +112,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         and the fixed tiles are not the fastest for every shape.
     prefill_kernel : run the prefills and chunked prefills of a batch on the prefill kernel
         (:mod:`attnbackends.triton.prefill_kernel`: the new tokens' keys and values read from the forward's
-        ``key``/``value``, the context from the pages) when the forward brings them. None (default): off until
-        the kernel's H100 validation run; True: on wherever the kernel applies; False: off.
+        ``key``/``value``, the context from the pages) when the forward brings them. None (default): on for CUDA
+        devices where the kernel applies (sm_90, head 64/128), off on the CPU so the interpreter keeps covering
+        the unified path that other GPUs and head sizes run; True: on wherever the kernel applies; False: off.
         ``prefill_kernel_reason`` says why it is not used (None: used).
     """
 
@@ -145,8 +146,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         spec = self.spec
         if wanted is False:
             return "turned off (prefill_kernel=False)"
-        if wanted is None:
-            return "off by default until its H100 validation run (pass prefill_kernel=True to use it)"
+        if wanted is None and self.device.type != "cuda":
+            return "off by default on the CPU (pass prefill_kernel=True to use it there)"
         if not spec.attn_type.uses_kv_cache:
             return "encoder attention"
         return prefill_new_kv_unsupported_reason(

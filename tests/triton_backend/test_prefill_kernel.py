@@ -135,13 +135,19 @@ def test_features_the_kernel_does_not_take_keep_the_unified_path(feature, reason
     assert builder.prefill_kernel_reason is not None and reason in builder.prefill_kernel_reason
 
 
-def test_off_on_request_and_by_default():
-    spec = CPU_SPECS[0]
-    batch = make_random_batch(spec, MIXED, seed=2)
-    for wanted, reason in ((False, "prefill_kernel=False"), (None, "validation")):
-        builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=wanted)
-        assert reason in builder.prefill_kernel_reason
-        assert builder.build(batch.common).prefill_split is None
+def test_off_on_request_and_default_per_device():
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype="float16", block_size=16)
+    batch = make_random_batch(spec, MIXED, seed=2, device=DEVICE)
+    off = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=False)
+    assert "prefill_kernel=False" in off.prefill_kernel_reason
+    assert off.build(batch.common).prefill_split is None
+    default = TritonAttentionBackend.get_builder_cls()(spec, DEVICE)
+    if ON_GPU and torch.cuda.get_device_capability() == (9, 0):  # on by default where the kernel applies
+        assert default.prefill_kernel_reason is None
+        assert default.build(batch.common).prefill_split is not None
+    elif not ON_GPU:  # off on the CPU, so the interpreter keeps covering the unified path
+        assert "on the CPU" in default.prefill_kernel_reason
+        assert default.build(batch.common).prefill_split is None
 
 
 def test_gpu_reasons():
