@@ -39,12 +39,16 @@ class PrefillConfig:
 
 def default_prefill_config(interpreted: bool = False, head_size: int = 128,
                            sliding_window: Optional[int] = None) -> PrefillConfig:
-    """The launch config (tiny tiles under the interpreter). A window masks every tile it visits, which at head
-    size 128 spills registers with 64-key tiles: 32-key tiles there (see benchmarks/prefill_compile_report.py)."""
+    """The launch config (tiny tiles under the interpreter). Head 128: 64x64 tiles on one warpgroup, the fastest
+    in the H100 tile sweep on every prefill shape although it spills a little (two CTAs per SM hide it; sweep in
+    benchmarks/results, ``triton_api.py --prefill-sweep``). A window masks every tile it visits, which at head size
+    128 spills more with 64-key tiles: 32-key tiles there (benchmarks/prefill_compile_report.py)."""
     if interpreted:
         return PrefillConfig(16, 16, 4, 1)
     if sliding_window and head_size > 64:
         return PrefillConfig(block_n=32)
+    if head_size == 128:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     return PrefillConfig()
 
 
