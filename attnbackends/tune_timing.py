@@ -1,7 +1,8 @@
 """`attnbackends tune`: time every fitting backend and phase composition for a spec on this GPU, store the profile.
 
 Each candidate gets one builder and one impl; for every shape of the grid its metadata is built once and its
-``forward`` (attention only: the new K/V are already in the cache) is timed with ``triton.testing.do_bench`` (median,
+``forward`` is timed as an engine calls it (the step's new keys and values written into the cache, then attention:
+a backend that reads new tokens straight from ``key``/``value`` gains by it) with ``triton.testing.do_bench`` (median,
 on CUDA) or a wall-clock loop (on the CPU, for smoke runs). The first call of each (candidate, shape) is timed apart
 and logged: that is where kernels compile.
 """
@@ -77,12 +78,19 @@ GRIDS: dict[str, tuple[TuneShape, ...]] = {
 
 @dataclass
 class TimingBatch:
-    """query [T, Hq, D], kv_cache in the standard layout filled with random values, output [T, Hq, Dv]."""
+    """query [T, Hq, D]; key, value [T, Hkv, D] / [T, Hkv, Dv] (the step's new tokens); kv_cache in the standard
+    layout filled with random values; output [T, Hq, Dv]."""
 
     query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
     kv_cache: torch.Tensor
     output: torch.Tensor
     common: CommonAttentionMetadata
+
+    def forward(self, impl, metadata) -> torch.Tensor:
+        """One layer's step as an engine runs it: ``impl.forward`` with the new K/V (written into the cache)."""
+        return impl.forward(self.query, self.key, self.value, self.kv_cache, metadata, self.output)
 
 
 def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: Sequence[int],
@@ -103,9 +111,12 @@ def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: S
     if spec.kv_cache_torch_dtype != spec.torch_dtype:
         kv_cache = kv_cache.to(spec.kv_cache_torch_dtype)
     tokens = sum(query_lens)
-    query = torch.randn(tokens, spec.num_heads, spec.head_size, generator=gen).to(device=device, dtype=spec.torch_dtype)
+    query, key, value = (
+        torch.randn(tokens, heads, size, generator=gen).to(device=device, dtype=spec.torch_dtype)
+        for heads, size in ((spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size),
+                            (spec.num_kv_heads, spec.value_head_size)))
     output = torch.empty(tokens, spec.num_heads, spec.value_head_size, device=device, dtype=spec.torch_dtype)
-    return TimingBatch(query, kv_cache, output, common)
+    return TimingBatch(query, key, value, kv_cache, output, common)
 
 
 def batch_for(spec: AttentionSpec, shape: TuneShape, device: "torch.device | str", seed: int = 0) -> TimingBatch:
@@ -188,7 +199,7 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
             metadata = builder.build(batch.common)
 
             def step() -> None:
-                impl.forward(batch.query, None, None, batch.kv_cache, metadata, batch.output)
+                batch.forward(impl, metadata)
 
             start = time.perf_counter()
             step()

@@ -74,7 +74,7 @@ def warmup(specs: Iterable[AttentionSpec], device: Optional[DeviceInfo] = None,
                 batch = timing_batch(spec, query_lens, context_lens, device.torch_device)
                 logger.info("warm-up: %s %s step (compiling kernels on first use) ...", backend.name, step)
                 start = time.perf_counter()
-                impl.forward(batch.query, None, None, batch.kv_cache, builder.build(batch.common), batch.output)
+                batch.forward(impl, builder.build(batch.common))
                 if device.is_cuda:
                     torch.cuda.synchronize(device.torch_device)
                 seconds = time.perf_counter() - start

@@ -5,7 +5,8 @@ and on the measured composition, through the public API. JSON rows in PERF.md's 
     TRITON_INTERPRET=1 python benchmarks/phase_selection.py --smoke --out /tmp/smoke.json        # CPU check
 
 Prefill: 1x8192, 4x4096, 16x1024 new tokens (32 q / 8 kv heads, head 128, page 16), every token new, one
-``builder.build()`` then ``impl.forward`` timed for flash_attn and flashinfer, torch SDPA (dense, causal, GQA) beside
+``builder.build()`` then ``impl.forward`` (with the new K/V, written into the cache, as an engine calls it) timed
+for flash_attn, flashinfer and triton, torch SDPA (dense, causal, GQA) beside
 them. Mixed workload: a run of engine steps (60 decodes at 4096 context every step, 4 chunks of 512 new tokens on
 2048 context every other step), each step one ``build()`` and ``forward`` for every layer, timed end to end (host
 time included) per candidate: every single backend that fits, and the measured choice (from the stored profile, or
@@ -45,7 +46,7 @@ def time_prefill(name: str, spec: AttentionSpec, batch: int, length: int, device
     builder = cls.get_builder_cls()(spec, device, max_num_tokens=batch * length)
     impl = cls.get_impl_cls()(spec)
     metadata = builder.build(data.common)
-    return time_us(lambda: impl.forward(data.query, None, None, data.kv_cache, metadata, data.output), device)
+    return time_us(lambda: data.forward(impl, metadata), device)
 
 
 def time_sdpa(spec: AttentionSpec, batch: int, length: int, device: torch.device) -> float:
@@ -78,7 +79,7 @@ def time_workload(name: str, spec: AttentionSpec, steps: list, layers: int, devi
         for data in steps:
             metadata = builder.build(data.common)
             for impl in impls:
-                impl.forward(data.query, None, None, data.kv_cache, metadata, data.output)
+                data.forward(impl, metadata)
 
     run()  # compiles, plans
     return time_us(run, device) / len(steps)
@@ -128,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logger.info("device %s; backends that fit: %s", device.describe(), ", ".join(singles))
     rows = []
 
-    prefill_backends = [n for n in ("flash_attn", "flashinfer") if n in singles] or singles
+    prefill_backends = [n for n in ("flash_attn", "flashinfer", "triton") if n in singles] or singles
     for batch, length in cfg["prefill"]:
         sdpa_us = time_sdpa(spec, batch, length, torch_device)
         rows.append(row("prefill", "sdpa", None, sdpa_us, None, spec, B=batch, L=length,
