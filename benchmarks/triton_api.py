@@ -12,7 +12,9 @@ timed call; ``prefill_kv_in_cache`` rows time the call without them), against ra
   only, and with the KV write: ``triton_with_write``) vs FlashInfer ``run()``, and one torch op as the yardstick.
 - ``decode_eager``: B=1 L=1024, B=1 L=16384, B=16 L=4096, eager (no CUDA graph), do_bench medians and
   back-to-back wall time per call.
-- ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA), ``mixed``.
+- ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA), ``mixed`` (with the builder's
+  own choice between one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the
+  other choice, forced).
 
 ``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead.
 """
@@ -35,7 +37,7 @@ from attnbackends.triton.backend import TritonAttentionBackend
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = 1.0 / math.sqrt(D)
 DEV = "cuda"
-PREFILL_KERNEL = True  # the Triton builder's prefill_kernel option (--no-prefill-kernel: the unified kernel)
+PREFILL_KERNEL = None  # the Triton builder's prefill_kernel option: None its default, True forced, False off
 
 
 def do_bench_us(fn) -> float:
@@ -193,9 +195,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="build with prefill_kernel=False (prefills on the unified kernel)")
+    ap.add_argument("--force-prefill-kernel", action="store_true",
+                    help="build with prefill_kernel=True (every batch with prefills on the prefill kernel)")
     args = ap.parse_args(argv)
     global PREFILL_KERNEL
-    PREFILL_KERNEL = not args.no_prefill_kernel
+    PREFILL_KERNEL = False if args.no_prefill_kernel else (True if args.force_prefill_kernel else None)
     if args.profile:
         profile_forward()
     rows = []
@@ -293,7 +297,16 @@ def main(argv=None) -> int:
     fn()
     both()
     d = max(diff(b.out[:60], d_out), diff(b.out[60:], p_out))
-    row("mixed", 64, 4096, do_bench_us(fn), do_bench_us(both), max_abs_diff=d)
+    peer = do_bench_us(both)
+    row("mixed", 64, 4096, do_bench_us(fn), peer, max_abs_diff=d,
+        prefill_kernel=b.metadata.prefill_split is not None)
+    # the same batch with the split forced the other way: what the builder's choice (prefill_kernel_pays) gained
+    forced = not b.metadata.prefill_split
+    builder = TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256, max_num_tokens=8192,
+                                                       prefill_kernel=forced)
+    b.metadata = builder.build(b.common)
+    if (b.metadata.prefill_split is not None) == forced:
+        row("mixed_other_split", 64, 4096, do_bench_us(b.triton(write=True)), peer, prefill_kernel=forced)
     return 0
 
 

@@ -37,6 +37,7 @@ from .prefill_launch import (
     PrefillPlan,
     launch_prefill_new_kv,
     plan_prefill_new_kv,
+    prefill_kernel_pays,
     prefill_new_kv_unsupported_reason,
     tma_compatible,
 )
@@ -113,8 +114,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     prefill_kernel : run the prefills and chunked prefills of a batch on the prefill kernel
         (:mod:`attnbackends.triton.prefill_kernel`: the new tokens' keys and values read from the forward's
         ``key``/``value``, the context from the pages) when the forward brings them. None (default): on for CUDA
-        devices where the kernel applies (sm_90, head 64/128), off on the CPU so the interpreter keeps covering
-        the unified path that other GPUs and head sizes run; True: on wherever the kernel applies; False: off.
+        devices where the kernel applies (sm_90, head 64/128), for the batches where it pays
+        (:func:`.prefill_launch.prefill_kernel_pays`: new-token work at least the cached-context work), off on
+        the CPU so the interpreter keeps covering the unified path that other GPUs and head sizes run;
+        True: every batch with prefills, wherever the kernel applies; False: off.
         ``prefill_kernel_reason`` says why it is not used (None: used).
     """
 
@@ -130,6 +133,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.num_sms = DeviceInfo.current(self.device).sm_count if self.device.type == "cuda" else 1
         #: Why batches with prefills cannot use the prefill kernel (None: they do, when the forward brings keys).
         self.prefill_kernel_reason: Optional[str] = self._prefill_kernel_reason(prefill_kernel)
+        self.prefill_kernel_forced = prefill_kernel is True
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
@@ -184,7 +188,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
             decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
         prefill_split = None
-        if self.prefill_kernel_reason is None and causal and split.num_prefills and tree is None:
+        if (self.prefill_kernel_reason is None and causal and split.num_prefills and tree is None
+                and (self.prefill_kernel_forced
+                     or prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
             prefill_split = self._plan_prefill_split(common, num_decodes, split.num_decode_tokens, causal)
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
                               prefill_split)

@@ -13,7 +13,7 @@ from attnbackends import AttentionSpec  # noqa: E402
 from attnbackends.testing import SequenceShape as S  # noqa: E402
 from attnbackends.testing import assert_close_to_oracle, make_random_batch, oracle_attention, tolerance_for  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
-from attnbackends.triton.prefill_launch import prefill_new_kv_unsupported_reason  # noqa: E402
+from attnbackends.triton.prefill_launch import prefill_kernel_pays, prefill_new_kv_unsupported_reason  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -142,12 +142,25 @@ def test_off_on_request_and_default_per_device():
     assert "prefill_kernel=False" in off.prefill_kernel_reason
     assert off.build(batch.common).prefill_split is None
     default = TritonAttentionBackend.get_builder_cls()(spec, DEVICE)
-    if ON_GPU and torch.cuda.get_device_capability() == (9, 0):  # on by default where the kernel applies
+    if ON_GPU and torch.cuda.get_device_capability() == (9, 0):  # on by default where the kernel applies and pays
         assert default.prefill_kernel_reason is None
-        assert default.build(batch.common).prefill_split is not None
+        fresh = make_random_batch(spec, [S(1, 30), S(64, 0), S(40, 8)], seed=3, device=DEVICE)
+        assert default.build(fresh.common).prefill_split is not None
+        assert default.build(batch.common).prefill_split is None  # context-heavy: the unified kernel
     elif not ON_GPU:  # off on the CPU, so the interpreter keeps covering the unified path
         assert "on the CPU" in default.prefill_kernel_reason
         assert default.build(batch.common).prefill_split is None
+
+
+@pytest.mark.parametrize("query_lens, seq_lens, first, pays", [
+    ([8192], [8192], 0, True),                          # a whole prompt: no cached context
+    ([1] * 60 + [512] * 4, [4096] * 60 + [2560] * 4, 60, False),  # chunks on a long context, decodes before them
+    ([1, 1, 100], [50, 900, 150], 2, True),             # the decodes' long contexts do not count
+    ([100, 10], [150, 1000], 0, False),                 # 5050 of new-token work against 14900 of context work
+])
+def test_prefill_kernel_pays_where_new_tokens_dominate(query_lens, seq_lens, first, pays):
+    q, s = torch.tensor(query_lens, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    assert prefill_kernel_pays(q, s, first) is pays
 
 
 def test_gpu_reasons():
