@@ -57,7 +57,7 @@ if [ "$what" = focus-tests ]; then  # ~9 min: one device call
     tests/test_hf_encoders_gpu.py tests/test_engine_hf.py &
   group fa-explore tests/flash_attn_backend tests/test_mla_explore_gpu.py tests/test_prefill_explore_gluon.py &
   wait
-  step spec-engine 200 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+  step spec-engine 200 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine" --backends triton
 fi
 if [ "$what" = fix-check ]; then  # ~9 min: steps built ahead of the GPU, the prefill kernel on by default
   limit=180
@@ -74,6 +74,7 @@ if [ "$what" = remaining ]; then  # the GPU tests the 2026-11-23 visits did not 
     tests/test_hf_encoders_gpu.py &
   group engine-hf tests/test_engine_hf.py &
   wait
+  step spec-engine 400 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
   step prefill-sweep 110 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
