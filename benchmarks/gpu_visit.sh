@@ -10,6 +10,7 @@
 #          (each focus mode fits one 10-minute device call)
 #   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
 #   remaining  the GPU tests the last visits did not reach
+#   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
@@ -74,6 +75,9 @@ if [ "$what" = remaining ]; then  # the GPU tests the 2026-11-23 visits did not 
     tests/test_hf_encoders_gpu.py &
   group engine-hf tests/test_engine_hf.py &
   wait
+fi
+if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
+  step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
   step spec-engine 400 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
