@@ -7,7 +7,9 @@ guarded by a feature test instead). Where a surface cannot be used, the caller t
 Surfaces: FlashInfer's decode-wrapper fields (fast re-planning, :mod:`attnbackends.flashinfer.fast_plan`),
 FlashInfer's JIT module generators (ahead-of-time builds, :mod:`attnbackends.flashinfer.warmup`), Triton's
 compiled-kernel launcher (:class:`DirectLauncher`), aten's memory-efficient attention with its
-log-sum-exp (:func:`efficient_attention_with_lse`) and flash-attn 4's ``flash_attn.cute``
+log-sum-exp (:func:`efficient_attention_with_lse`), Triton's scratch allocator
+(:func:`ensure_triton_scratch_allocator`), FlashInfer MLA's planned page ids (contained in place by
+:mod:`attnbackends.mla.backends` for device-only block tables) and flash-attn 4's ``flash_attn.cute``
 (:func:`flash_attn_cute_available`).
 """
 
@@ -67,6 +69,10 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
     "triton_scratch_allocator": PrivateSurface(
         "triton", "triton.runtime._allocation._allocator (the context's scratch allocator, read to leave an "
         "allocator the application set in place)"),
+    "flashinfer_mla_kv_indices": PrivateSurface(
+        "flashinfer-python", "BatchMLAPagedAttentionWrapper.plan() keeping (outside CUDA-graph mode) the device "
+        "kv_indices tensor it is given, so page ids contained in place after plan() are the ones run() reads",
+        frozenset({"0.6.13"})),
     "flash_attn_cute": PrivateSurface(
         "flash-attn-4", "flash_attn.cute, shipped inside a namespace package flash_attn"),
 }

@@ -7,9 +7,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..compat import fallback_reason, surface_unsupported_reason
 from ..flashinfer.plan_guard import planning
 from ..flashinfer.workspace import shared_workspace
 from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
+from ..ops.page_guard import PageTableError, contain_page_ids, has_host_table, raise_pending_faults
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
@@ -193,12 +195,32 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
                 spec.kv_cache_torch_dtype,
             )
         decode.extra["wrapper"] = self.wrapper
+        if not has_host_table(common):
+            # gathered from a device-only table before the cache size is known: the first layer contains them
+            decode.extra["unchecked_page_ids"] = kv_indices
+
+
+def _contain_planned_page_ids(page_ids: torch.Tensor, num_blocks: int) -> None:
+    """Make the planned wrapper read no page outside the cache's ``num_blocks``: contain ``page_ids`` (the device
+    kv_indices given to ``plan()``) in place where FlashInfer is known to read that very tensor; elsewhere check them
+    on the host (one sync) and raise the page guard's error (its scan has recorded the bad entry) before ``run()``."""
+    reason = surface_unsupported_reason("flashinfer_mla_kv_indices")
+    if reason is None:
+        contain_page_ids(page_ids, num_blocks)
+        return
+    fallback_reason("flashinfer_mla_kv_indices", reason)
+    if bool(((page_ids < 0) | (page_ids >= num_blocks)).any()):
+        raise_pending_faults(page_ids.device)
+        raise PageTableError(f"a decode request's page id lies outside the KV cache's {num_blocks} pages")
 
 
 class FlashInferMLAImpl(MLAImpl):
     """MLA with FlashInfer's BatchMLAPagedAttentionWrapper for the decode requests."""
 
     def _decode_latent(self, ql, q_pe, kv_cache, decode):
+        unchecked = decode.extra.pop("unchecked_page_ids", None)
+        if unchecked is not None:
+            _contain_planned_page_ids(unchecked, kv_cache.shape[0])
         lkv = self.spec.kv_lora_rank
         out = torch.empty_like(ql)
         decode.extra["wrapper"].run(ql, q_pe, kv_cache[..., :lkv], kv_cache[..., lkv:], out=out)

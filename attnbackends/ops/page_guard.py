@@ -12,7 +12,7 @@ Detection, once per step (per :class:`CommonAttentionMetadata` and cache size, :
 Containment, always: every kernel that turns a page id into a cache address replaces an id outside
 ``[0, num_blocks)`` by page 0 first (:func:`safe_page`: the Triton attention and MLA decode kernels, the MLA context
 gather, the FlashInfer page-id builders, which also record it with :func:`record_first_bad_page`;
-:func:`contain_page_ids` for page ids already gathered), and the KV-cache writes skip a slot outside the cache and
+:func:`contain_page_ids` for page ids already gathered, e.g. FlashInfer MLA's planned ones), and the KV-cache writes skip a slot outside the cache and
 record it in the same fault record. So a bad table can give one step of wrong output before its error is raised
 (device detection only), but never an illegal memory access.
 """
