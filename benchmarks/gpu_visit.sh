@@ -10,6 +10,7 @@
 #          (each focus mode fits one 10-minute device call)
 #   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
 #   remaining  the GPU tests the last visits did not reach
+#   mla-gluon  the Gluon MLA decode candidate (F) with time to compile, next to the best plain-Triton one (A)
 #   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -79,6 +80,10 @@ fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
   step spec-engine 400 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+fi
+if [ "$what" = mla-gluon ]; then  # the Gluon MLA decode candidate alone, with time to compile (10 s was too little)
+  step mla-gluon 560 python3 -m benchmarks.mla_explore --families F,A --out "$OUT/mla-gluon" --budget-s 520 \
+    --config-timeout-s 150
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
   step prefill-sweep 110 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
