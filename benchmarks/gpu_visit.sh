@@ -10,6 +10,7 @@
 #          (each focus mode fits one 10-minute device call)
 #   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
 #   remaining  the GPU tests the last visits did not reach
+#   first-run  warmup, tune, explain and demo timed as a new user runs them on a fresh host
 #   mla-gluon  the Gluon MLA decode candidate (F) with time to compile, next to the best plain-Triton one (A)
 #   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
 #   all    tests then bench
@@ -84,6 +85,19 @@ fi
 if [ "$what" = mla-gluon ]; then  # the Gluon MLA decode candidate alone, with time to compile (10 s was too little)
   step mla-gluon 560 python3 -m benchmarks.mla_explore --families F,A --out "$OUT/mla-gluon" --budget-s 520 \
     --config-timeout-s 150
+fi
+if [ "$what" = first-run ]; then  # a new user's first GPU session, on a fresh host (empty kernel caches): timed
+  first_run() {  # name, arguments of attnbackends...
+    local name=$1; shift
+    local start; start=$(date +%s%N)
+    timeout 200 python3 -m attnbackends.cli "$@" > "$OUT/first-run-$name.log" 2>&1
+    echo "attnbackends $*: rc=$? $(( ($(date +%s%N) - start) / 1000000 )) ms"
+    tail -4 "$OUT/first-run-$name.log" | cut -c1-200
+  }
+  first_run warmup -v warmup --head-size 128 --num-kv-heads 8
+  first_run tune -v tune
+  first_run explain explain --selection measured
+  first_run demo demo
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
   step prefill-sweep 110 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
