@@ -353,7 +353,13 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M:
-        """This backend's metadata for one batch, shared by every layer."""
+        """This backend's metadata for one batch, shared by every layer.
+
+        The host may build the next batch before the GPU has run this one's kernels (an engine schedules step N + 1
+        while step N runs): the metadata must stay valid until the kernels that use it have run, whatever is built
+        after it. A host buffer that the next build rewrites while an asynchronous copy from it is still pending
+        breaks this; :func:`attnbackends.testing.check_backend_run_ahead` checks it.
+        """
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
         """Metadata for a capture-time batch; by default the same as :meth:`build`."""
