@@ -298,7 +298,7 @@ def _mla_decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < NUM_SPLITS
     lse = tl.load(LSE_PART + b * stride_lp_b + h * stride_lp_h + offs_s, mask=s_mask, other=float("-inf"))
-    offs_c = tl.arange(0, BLOCK_C)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # one column block of the latent per program
     c_mask = offs_c < KV_LORA
     parts = tl.load(
         O_PART + b * stride_p_b + h * stride_p_h + offs_s[:, None] * stride_p_s + offs_c[None, :],
@@ -307,8 +307,14 @@ def _mla_decode_reduce_kernel(
     )
     o, merged_lse = merge_by_lse(parts, lse, False)
     tl.store(O + b * stride_o_b + h * stride_o_h + offs_c, o.to(O.dtype.element_ty), mask=c_mask)
-    if STORE_LSE:
+    if STORE_LSE and tl.program_id(2) == 0:
         tl.store(LSE + b * stride_lse_b + h * stride_lse_h, merged_lse)
+
+
+def reduce_block_c(kv_lora: int, num_splits: int) -> int:
+    """Latent columns per program of the split reduction: [splits, columns] float32 partials held in registers stay
+    at most 4096 values (no spills at 4 warps, whatever the split count)."""
+    return max(16, min(next_power_of_2(kv_lora), 4096 // next_power_of_2(num_splits)))
 
 
 @triton.jit
@@ -621,14 +627,15 @@ def mla_decode(
             STORE_LSE=True,
             **common,
         )
-    _mla_decode_reduce_kernel[(num_tokens, num_heads)](
+    reduce_c = reduce_block_c(kv_lora, num_splits)
+    _mla_decode_reduce_kernel[(num_tokens, num_heads, cdiv(kv_lora, reduce_c))](
         o_part, lse_part, output, lse if lse is not None else lse_part,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         output.stride(0), output.stride(1),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         KV_LORA=kv_lora,
-        BLOCK_C=block_c,
+        BLOCK_C=reduce_c,
         NUM_SPLITS=num_splits,
         BLOCK_S=next_power_of_2(num_splits),
         STORE_LSE=lse is not None,
