@@ -57,13 +57,14 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
 
 
 def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: int, config: MLADecodeConfig) -> int:
-    """KV splits for grids under half the SMs (so the grid fills the GPU about once), never more than one split per
-    256 tokens or 64 splits. Fuller grids run unsplit: the partials' round trip costs more than the idle SMs.
-    ``num_heads``: the rows of one request (query heads x its longest query, see :func:`mla_decode`)."""
+    """KV splits for grids under half the SMs, as many as fill the GPU once without starting a second wave (a
+    decode program holds a whole SM: one more program than SMs doubles the time of the longest ones), never more
+    than one split per 256 tokens or 64 splits. Fuller grids run unsplit: the partials' round trip costs more than
+    the idle SMs. ``num_heads``: the rows of one request (query heads x its longest query, see :func:`mla_decode`)."""
     programs = batch * cdiv(num_heads, config.block_h)
     if sm_count <= 0 or 2 * programs >= sm_count:
         return 1
-    want = cdiv(sm_count, programs)
+    want = sm_count // programs
     return int(max(1, min(want, cdiv(max_seq_len, 256), 64)))
 
 

@@ -282,3 +282,20 @@ def test_prefill_kernel_choice_respects_head_dims(monkeypatch):
     assert "flashinfer" in prefill.available_prefill_kernels(h100, torch.bfloat16, (192, 128))
     assert "flashinfer" not in prefill.available_prefill_kernels(h100, torch.bfloat16, (48, 32))
     assert prefill.select_prefill_kernel(h100, torch.bfloat16, "auto", (48, 32)) == "triton"
+
+
+@pytest.mark.parametrize("batch, seq_len", [(1, 32768), (4, 32768), (8, 32768), (1, 300), (30, 8192), (64, 4096)])
+def test_split_count_fills_one_wave(batch, seq_len):
+    """128 heads in 64-row blocks on 132 SMs: grids under half the SMs split up to one full wave and never past it
+    (a decode program holds a whole SM), at most one split per 256 tokens and 64 splits; fuller grids do not split."""
+    from attnbackends.mla.decode_kernel import choose_num_splits
+
+    config = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    splits = choose_num_splits(batch, 128, seq_len, 132, config)
+    programs = batch * 2
+    if 2 * programs >= 132:
+        assert splits == 1
+    else:
+        assert programs * splits <= 132 and splits <= min(64, -(-seq_len // 256))
+        assert programs * (splits + 1) > 132 or splits == min(64, -(-seq_len // 256))
+
