@@ -9,13 +9,14 @@ step's output against the oracle.
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
 import torch
 
 from ..interface import AttentionBackend
 from ..spec import AttentionSpec
-from .cases import RandomBatch, SequenceShape, make_random_batch
+from .cases import SequenceShape, make_random_batch
 from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
@@ -33,39 +34,74 @@ RUN_AHEAD_STEPS: tuple[tuple[SequenceShape, ...], ...] = (
 STALL_CYCLES = 200_000_000
 
 
-def run_ahead_batches(spec: AttentionSpec, device: "torch.device | str", num_blocks: int = 96) -> list[RandomBatch]:
-    """One random batch per entry of :data:`RUN_AHEAD_STEPS`, each with its own cache of ``num_blocks`` pages (so a
-    step that reads another step's page table reads valid memory and fails on its values, not by a crash)."""
+def run_ahead_batches(spec: AttentionSpec, device: "torch.device | str", num_blocks: int = 96) -> list[Any]:
+    """One random batch per entry of :data:`RUN_AHEAD_STEPS`, each with its own cache (standard attention: of
+    ``num_blocks`` pages, so a step that reads another step's page table reads valid memory and fails on its values,
+    not by a crash). MLA specs get :class:`~attnbackends.mla.testing.MLABatch` es sharing one ``kv_b_proj`` (one
+    impl runs them all)."""
+    if spec.is_mla:
+        from ..mla.testing import make_random_mla_batch
+
+        batches = [make_random_mla_batch(spec, shapes, seed=100 + i, device=device)
+                   for i, shapes in enumerate(RUN_AHEAD_STEPS)]
+        return [dataclasses.replace(b, kv_b_proj=batches[0].kv_b_proj) for b in batches]
     return [make_random_batch(spec, shapes, seed=100 + i, device=device, num_blocks=num_blocks)
             for i, shapes in enumerate(RUN_AHEAD_STEPS)]
 
 
-def check_backend_run_ahead(backend_cls: type[AttentionBackend], batches: Sequence[RandomBatch]) -> None:
+def check_backend_run_ahead(backend_cls: type[AttentionBackend], batches: Sequence[Any]) -> None:
     """Build and run every batch in turn with one builder and one impl, never synchronising in between, then check
-    each step's output (NaN-poisoned beforehand) against the oracle. The batches must share spec, scales and sinks.
+    each step's output (NaN-poisoned beforehand) against the oracle. The batches (:class:`RandomBatch` es, or MLA
+    batches sharing one ``kv_b_proj``, as :func:`run_ahead_batches` makes them) must share spec, scales and sinks.
     """
     first = batches[0]
-    spec, device = first.spec, first.query.device
+    spec, device = first.spec, _device_of(first)
+    mla = spec.is_mla
     for b in batches[1:]:
-        if b.spec != spec or (b.k_scale, b.v_scale) != (first.k_scale, first.v_scale) or (b.sinks is None) != (
-                first.sinks is None):
-            raise ValueError("check_backend_run_ahead needs batches of one spec with the same scales and sinks")
+        same = b.spec == spec and b.k_scale == first.k_scale and (
+            b.kv_b_proj is first.kv_b_proj if mla else
+            b.v_scale == first.v_scale and (b.sinks is None) == (first.sinks is None))
+        if not same:
+            raise ValueError("check_backend_run_ahead needs batches of one spec with the same scales, sinks and "
+                             "MLA up-projection")
     builder = backend_cls.get_builder_cls()(spec, device)
-    impl = backend_cls.get_impl_cls()(spec, sinks=first.sinks, k_scale=first.k_scale, v_scale=first.v_scale)
+    if mla:
+        impl = backend_cls.get_impl_cls()(spec, kv_b_proj=first.kv_b_proj, k_scale=first.k_scale)
+        impl.process_weights_after_loading()
+    else:
+        impl = backend_cls.get_impl_cls()(spec, sinks=first.sinks, k_scale=first.k_scale, v_scale=first.v_scale)
+
+    def step(batch, cache, output) -> None:
+        metadata = builder.build(batch.common)
+        if mla:
+            impl.forward(batch.q, batch.kv_c, batch.k_pe, cache, metadata, output)
+        else:
+            impl.forward(batch.query, batch.key, batch.value, cache, metadata, output)
+
     caches = [b.kv_cache.clone() for b in batches]
     outputs = [b.new_output() for b in batches]
-    # one step first, so that compilation on first use happens before the stall, not during it
-    impl.forward(first.query, first.key, first.value, first.kv_cache.clone(), builder.build(first.common),
-                 first.new_output())
+    step(first, first.kv_cache.clone(), first.new_output())  # compile on first use before the stall, not during it
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda._sleep(STALL_CYCLES)
     for batch, cache, output in zip(batches, caches, outputs):
-        impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
+        step(batch, cache, output)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     tol = tolerance_for(spec.torch_dtype, spec.kv_cache_dtype)
-    for step, (batch, output) in enumerate(zip(batches, outputs)):
+    for i, (batch, output) in enumerate(zip(batches, outputs)):
         n = batch.num_actual_tokens
-        assert_close_to_oracle(output[:n], oracle_attention(batch), tol,
-                               what=f"{backend_cls.name} step {step} of {len(batches)} built ahead of the GPU")
+        assert_close_to_oracle(output[:n], _oracle(batch), tol,
+                               what=f"{backend_cls.name} step {i} of {len(batches)} built ahead of the GPU")
+
+
+def _device_of(batch) -> torch.device:
+    return (batch.q if batch.spec.is_mla else batch.query).device
+
+
+def _oracle(batch) -> torch.Tensor:
+    if batch.spec.is_mla:
+        from ..mla.testing import mla_oracle
+
+        return mla_oracle(batch)
+    return oracle_attention(batch)
