@@ -41,7 +41,7 @@ def report(head_size: int, config: PrefillConfig, num_heads: int = 32, num_kv_he
                                torch.empty(num_heads, dtype=torch.float32))
     kwargs = dict(zip(PREFILL_CONSTEXPRS, plan.constexprs), num_warps=plan.num_warps, num_stages=plan.num_stages)
     out = compile_call(prefill_new_kv_kernel, args, kwargs)
-    return {"head_size": head_size, "config": [config.block_m, config.block_n, config.num_warps, config.num_stages],
+    return {"head_size": head_size, "config": [config.block_m, config.block_n, config.num_warps, config.num_stages, config.gqa_pack],
             "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks,
             "regs": out["regs"], "stack": out["stack"], "shared": out["shared"],
             "shared_limit": SHARED_LIMIT[90], "wgmma": out["wgmma"]}

@@ -310,14 +310,16 @@ def main(argv=None) -> int:
     return 0
 
 
-# (block_m, block_n, warps, stages): the spill-free configs of an offline sm_90 compile at head 128
-# (python -m benchmarks.prefill_compile_report --configs ...), default first, and two that spill for contrast.
-PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 3),
-                 (64, 64, 4, 3), (128, 128, 8, 2)]
+# (block_m, block_n, warps, stages, gqa_pack): the H100 sweep's fastest first (64x64, one warpgroup), the old default,
+# the rest of the first sweep for contrast, then GQA-packed tiles (the query heads of a KV head in one program:
+# each context tile gathered once for all of them), which the mixed-step case below also tries.
+PREFILL_SWEEP = [(64, 64, 4, 3, 1), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1),
+                 (128, 128, 8, 2, 1), (64, 64, 4, 3, 4), (128, 64, 8, 3, 4), (128, 64, 8, 3, 2), (128, 128, 8, 2, 4)]
 
 
 def prefill_sweep(row, diff) -> int:
-    """The prefill kernel's tile configs (block_m, block_n, warps, stages) on the prefill rows' shapes."""
+    """The prefill kernel's tile configs (block_m, block_n, warps, stages, gqa_pack) on the prefill rows' shapes,
+    then on the mixed row's context-heavy step next to one unified launch (``mixed_sweep`` rows)."""
     import dataclasses
 
     from attnbackends.triton.prefill_launch import PrefillConfig, plan_prefill_new_kv
@@ -329,9 +331,9 @@ def prefill_sweep(row, diff) -> int:
         fi()
         peer = do_bench_us(fi)
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
-        for bm, bn, w, st in PREFILL_SWEEP:
+        for bm, bn, w, st, pack in PREFILL_SWEEP:
             plan = plan_prefill_new_kv(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=PAGE, num_seqs=B,
-                                       first_seq=0, max_query_len=L, config=PrefillConfig(bm, bn, w, st))
+                                       first_seq=0, max_query_len=L, config=PrefillConfig(bm, bn, w, st, pack))
             b.metadata = dataclasses.replace(b.metadata, prefill_split=(None, plan))
             fn = b.triton(write=True)
             try:
@@ -339,12 +341,41 @@ def prefill_sweep(row, diff) -> int:
                 fn()
                 torch.cuda.synchronize()
             except Exception as exc:  # a config that does not compile is a row, not the end of the sweep
-                row("prefill_sweep", B, L, float("nan"), peer, config=[bm, bn, w, st], error=str(exc)[:200])
+                row("prefill_sweep", B, L, float("nan"), peer, config=[bm, bn, w, st, pack], error=str(exc)[:200])
                 continue
             us = do_bench_us(fn)
-            row("prefill_sweep", B, L, us, peer, config=[bm, bn, w, st], TFLOPs=tf(us), peer_TFLOPs=tf(peer),
+            row("prefill_sweep", B, L, us, peer, config=[bm, bn, w, st, pack], TFLOPs=tf(us), peer_TFLOPs=tf(peer),
                 max_abs_diff=diff(b.out, fi_out))
         del b
+
+    # The context-heavy step: 60 decodes at 4096 + 4 x 512 new on 2048 cached; one unified launch, then the split
+    # (decodes on the unified kernel, the chunks on the prefill kernel) with each config.
+    b = Batch([(1, 4095)] * 60 + [(512, 2048)] * 4)
+    d_fn, d_out = flashinfer_decode(b, 0, 60)
+    p_fn, p_out = flashinfer_prefill(b, 60, 64)
+    peer = do_bench_us(lambda: (d_fn(), p_fn()))
+
+    def builder(prefill_kernel):
+        return TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256, max_num_tokens=8192,
+                                                        prefill_kernel=prefill_kernel)
+
+    b.metadata = builder(False).build(b.common)
+    row("mixed_sweep", 64, 4096, do_bench_us(b.triton(write=True)), peer, config="unified")
+    forced = builder(True).build(b.common)
+    for bm, bn, w, st, pack in PREFILL_SWEEP:
+        plan = plan_prefill_new_kv(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=PAGE, num_seqs=64,
+                                   first_seq=60, max_query_len=512, config=PrefillConfig(bm, bn, w, st, pack))
+        b.metadata = dataclasses.replace(forced, prefill_split=(forced.prefill_split[0], plan))
+        fn = b.triton(write=True)
+        try:
+            b.out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            row("mixed_sweep", 64, 4096, float("nan"), peer, config=[bm, bn, w, st, pack], error=str(exc)[:200])
+            continue
+        row("mixed_sweep", 64, 4096, do_bench_us(fn), peer, config=[bm, bn, w, st, pack],
+            max_abs_diff=max(diff(b.out[:60], d_out), diff(b.out[60:], p_out)))
     return 0
 
 

@@ -2,7 +2,9 @@
 keys and values read from the contiguous ``key``/``value`` the forward writes to the cache, and only the cached
 context from the pages.
 
-A program is one query head x one block of BLOCK_M query tokens of one sequence. Causal; with a sliding window
+A program is GQA_PACK query heads of one KV head x one block of BLOCK_M // GQA_PACK query tokens of one sequence
+(its BLOCK_M rows: each token's heads in turn; GQA_PACK 1: one head, as FlashAttention tiles it; the query heads of
+a KV head packed together read each key and value tile once for all of them). Causal; with a sliding window
 (every visited tile masked), a logits soft-cap and attention sinks as options. Q, the new K/V and O move by
 TMA tensor descriptors made per sequence (their row bound is the sequence's end, so boxes past it read zeros and
 store nothing); the cached context is read row by row through the block table. Tiles that every row sees
@@ -114,11 +116,12 @@ def prefill_new_kv_kernel(
     stride_bt, qk_scale, soft_cap,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_SINKS: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_SINKS: tl.constexpr, GQA_PACK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Grid (NUM_HEADS, max query blocks, number of prefill sequences): sequence ``first_seq + program_id(2)``,
-    query block ``num_programs(1) - 1 - program_id(1)`` (the causally heaviest blocks start first), query head
-    ``program_id(0)`` (the heads of one KV head run together and share its pages in L2).
+    """Grid (NUM_HEADS // GQA_PACK, max query blocks, number of prefill sequences): sequence ``first_seq +
+    program_id(2)``, query block ``num_programs(1) - 1 - program_id(1)`` (the causally heaviest blocks start first),
+    query heads ``program_id(0) * GQA_PACK`` onwards (the heads of one KV head run together and share its pages in
+    L2). GQA_PACK divides NUM_HEADS // NUM_KV_HEADS and BLOCK_M.
 
     query/output: [num_tokens, NUM_HEADS, HEAD_SIZE] (rows ``stride_qt``/``stride_ot`` apart); key/value:
     [num_tokens, NUM_KV_HEADS, HEAD_SIZE], the batch's new keys and values; key_cache/value_cache: paged
@@ -127,34 +130,43 @@ def prefill_new_kv_kernel(
     (USE_SINKS). Causal; SLIDING_WINDOW > 0: a query at position p sees keys p - SLIDING_WINDOW + 1 .. p.
     """
     QPK: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    head = tl.program_id(0)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GQA_PACK  # query tokens per program
+    head0 = tl.program_id(0) * GQA_PACK  # the program's first query head (GQA_PACK heads of one KV head)
     q_block = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     q_len = q_end - q_start
-    if q_block * BLOCK_M >= q_len:
+    if q_block * BLOCK_Q >= q_len:
         return
     ctx = tl.load(seq_lens_ptr + seq) - q_len
-    kv_head = head // QPK
+    kv_head = head0 // QPK
     kv_col = kv_head * HEAD_SIZE
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_SIZE)
-    tok = q_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query token index within the sequence
+    offs_m = tl.arange(0, BLOCK_M)
+    # [BLOCK_M] query token index within the sequence of each row (rows are token-major: token, then head)
+    tok = q_block * BLOCK_Q + offs_m // GQA_PACK
     pos = ctx + tok
 
-    q_desc = tl.make_tensor_descriptor(query_ptr, shape=[q_end, NUM_HEADS * HEAD_SIZE], strides=[stride_qt, 1],
-                                       block_shape=[BLOCK_M, HEAD_SIZE])
-    q = q_desc.load([q_start + q_block * BLOCK_M, head * HEAD_SIZE])
+    if GQA_PACK > 1:  # rows are (token, head) pairs: boxes over [tokens, heads, head_size]
+        q_desc = tl.make_tensor_descriptor(query_ptr, shape=[q_end, NUM_HEADS, HEAD_SIZE],
+                                           strides=[stride_qt, HEAD_SIZE, 1], block_shape=[BLOCK_Q, GQA_PACK, HEAD_SIZE])
+        q = tl.reshape(q_desc.load([q_start + q_block * BLOCK_Q, head0, 0]), [BLOCK_M, HEAD_SIZE])
+    else:
+        q_desc = tl.make_tensor_descriptor(query_ptr, shape=[q_end, NUM_HEADS * HEAD_SIZE], strides=[stride_qt, 1],
+                                           block_shape=[BLOCK_M, HEAD_SIZE])
+        q = q_desc.load([q_start + q_block * BLOCK_M, head0 * HEAD_SIZE])
 
     if USE_SINKS:
-        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * RCP_LN2
+        row_head = head0 + offs_m % GQA_PACK
+        m_i = tl.load(sinks_ptr + row_head).to(tl.float32) * RCP_LN2
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
-    tok0 = q_block * BLOCK_M
+    tok0 = q_block * BLOCK_Q
 
     # Cached context 0..ctx-1: visible to every row; whole tiles unmasked, the partial last one masked at ctx.
     # With a window: the tiles from the block's first row's window on, all masked.
@@ -205,7 +217,7 @@ def prefill_new_kv_kernel(
                                        block_shape=[BLOCK_N, HEAD_SIZE])
     v_desc = tl.make_tensor_descriptor(value_ptr, shape=[q_end, NUM_KV_HEADS * HEAD_SIZE], strides=[stride_vt, 1],
                                        block_shape=[BLOCK_N, HEAD_SIZE])
-    new_end = tl.minimum(tok0 + BLOCK_M, q_len)
+    new_end = tl.minimum(tok0 + BLOCK_Q, q_len)
     if SLIDING_WINDOW > 0:
         new_lo = tl.maximum(tok0 - SLIDING_WINDOW + 1, 0) // BLOCK_N
         unmasked_hi = new_lo
@@ -232,8 +244,14 @@ def prefill_new_kv_kernel(
             acc, l_i, m_i = _new_token_tile(acc, l_i, m_i, q, i, k_desc, v_desc, q_start, kv_col, tok, new_end,
                                             qk_scale, soft_cap, offs_n, BLOCK_N, True, SLIDING_WINDOW, USE_SOFTCAP)
 
-    o_desc = tl.make_tensor_descriptor(output_ptr, shape=[q_end, NUM_HEADS * HEAD_SIZE], strides=[stride_ot, 1],
-                                       block_shape=[BLOCK_M, HEAD_SIZE])
     if SLIDING_WINDOW > 0:  # rows past the request's end may see no key at all; they are not stored
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    o_desc.store([q_start + q_block * BLOCK_M, head * HEAD_SIZE], (acc / l_i[:, None]).to(output_ptr.dtype.element_ty))
+    out = (acc / l_i[:, None]).to(output_ptr.dtype.element_ty)
+    if GQA_PACK > 1:
+        o_desc = tl.make_tensor_descriptor(output_ptr, shape=[q_end, NUM_HEADS, HEAD_SIZE],
+                                           strides=[stride_ot, HEAD_SIZE, 1], block_shape=[BLOCK_Q, GQA_PACK, HEAD_SIZE])
+        o_desc.store([q_start + q_block * BLOCK_Q, head0, 0], tl.reshape(out, [BLOCK_Q, GQA_PACK, HEAD_SIZE]))
+    else:
+        o_desc = tl.make_tensor_descriptor(output_ptr, shape=[q_end, NUM_HEADS * HEAD_SIZE], strides=[stride_ot, 1],
+                                           block_shape=[BLOCK_M, HEAD_SIZE])
+        o_desc.store([q_start + q_block * BLOCK_M, head0 * HEAD_SIZE], out)

@@ -24,19 +24,21 @@ __all__ = ["PREFILL_CONSTEXPRS", "PrefillConfig", "PrefillPlan", "default_prefil
            "tma_compatible"]
 
 PREFILL_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "SLIDING_WINDOW",
-                      "USE_SOFTCAP", "USE_SINKS", "INTERPRET")
+                      "USE_SOFTCAP", "USE_SINKS", "GQA_PACK", "INTERPRET")
 HEAD_SIZES = (64, 128)
 _LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile shape and launch options of the prefill kernel."""
+    """Tile shape and launch options of the prefill kernel. ``gqa_pack``: query heads of one KV head per program
+    (the tile's rows are ``block_m // gqa_pack`` tokens x ``gqa_pack`` heads); 1 (default): one head."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    gqa_pack: int = 1
 
 
 def default_prefill_config(interpreted: bool = False, head_size: int = 128,
@@ -113,9 +115,14 @@ def plan_prefill_new_kv(*, num_heads: int, num_kv_heads: int, head_size: int, bl
     """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` whose longest query is ``max_query_len``."""
     interpreted = is_triton_interpreted()
     config = config or default_prefill_config(interpreted, head_size, sliding_window)
-    grid = (num_heads, cdiv(max(max_query_len, 1), config.block_m), num_seqs - first_seq)
+    pack = config.gqa_pack
+    qpk = num_heads // num_kv_heads
+    if pack < 1 or pack & (pack - 1) or qpk % pack or config.block_m % pack:
+        raise ValueError(f"gqa_pack={pack} must be a power of two dividing the query heads per KV head ({qpk}) and "
+                         f"block_m ({config.block_m})")
+    grid = (num_heads // pack, cdiv(max(max_query_len, 1), config.block_m // pack), num_seqs - first_seq)
     constexprs = (num_heads, num_kv_heads, head_size, block_size, config.block_m, config.block_n,
-                  int(sliding_window or 0), bool(use_softcap), bool(use_sinks), interpreted)
+                  int(sliding_window or 0), bool(use_softcap), bool(use_sinks), pack, interpreted)
     return PrefillPlan(grid, first_seq, constexprs, config.num_warps, config.num_stages)
 
 

@@ -125,6 +125,55 @@ def test_features_match_oracle_interpreted(feature):
                            what=f"prefill kernel, {feature}")
 
 
+def check_packed(spec, shapes, config, *, seed, pad_tokens=2):
+    """One forward with the batch's prefills on the prefill kernel planned with ``config`` (its gqa_pack), against
+    the oracle."""
+    import dataclasses
+
+    from attnbackends.triton.prefill_launch import plan_prefill_new_kv
+
+    batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
+    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
+    meta = builder.build(batch.common)
+    decode_plan, plan = meta.prefill_split
+    packed = plan_prefill_new_kv(
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+        block_size=spec.block_size, num_seqs=batch.common.num_reqs, first_seq=plan.first_seq,
+        max_query_len=batch.common.max_query_len, sliding_window=spec.sliding_window,
+        use_softcap=bool(spec.logits_soft_cap), use_sinks=spec.has_sinks, config=config)
+    assert packed.grid[0] == spec.num_heads // config.gqa_pack
+    meta = dataclasses.replace(meta, prefill_split=(decode_plan, packed))
+    out = batch.new_output()
+    out.fill_(float("nan"))
+    impl.forward(batch.query, batch.key, batch.value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
+    n = batch.num_actual_tokens
+    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype),
+                           what=f"prefill kernel, {config}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreted shapes")
+@pytest.mark.parametrize("pack", [2, 4])
+@pytest.mark.parametrize("feature", ["plain", "window_small", "softcap", "window_sinks"])
+def test_gqa_packed_tiles_match_oracle_interpreted(pack, feature):
+    """gqa_pack heads of one KV head share a program's rows (token-major): same answers as the oracle, including
+    the rows of a partial last token block, windows, soft-cap and per-head sinks."""
+    from attnbackends.triton.prefill_launch import PrefillConfig
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype="float16", block_size=16,
+                         **FEATURES.get(feature, {}))
+    check_packed(spec, MIXED, PrefillConfig(16, 16, 4, 1, gqa_pack=pack), seed=9)
+
+
+def test_gqa_pack_must_divide_the_heads_and_the_tile():
+    from attnbackends.triton.prefill_launch import PrefillConfig, plan_prefill_new_kv
+
+    for pack, heads in ((4, 6), (3, 6), (32, 32)):
+        with pytest.raises(ValueError, match="gqa_pack"):
+            plan_prefill_new_kv(num_heads=heads, num_kv_heads=1, head_size=64, block_size=16, num_seqs=1,
+                                first_seq=0, max_query_len=64, config=PrefillConfig(16, 16, 4, 1, gqa_pack=pack))
+
+
 @pytest.mark.parametrize("feature, reason", [
     (dict(kv_cache_dtype="fp8_e4m3"), "fp8"), (dict(attn_type="encoder_only"), "encoder"),
     (dict(alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), "ALiBi"),
@@ -215,6 +264,20 @@ def test_prefill_kernel_gpu_pages_and_fused_views(block_size):
     check(spec, GPU_SHAPES, seed=block_size, key_strided=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("config", [(64, 64, 4, 3, 4), (128, 64, 8, 3, 4), (128, 64, 8, 3, 2)], ids=str)
+@pytest.mark.parametrize("feature", ["plain", "window_sinks", "softcap"])
+def test_prefill_kernel_gpu_gqa_packed(head_size, config, feature):
+    from attnbackends.triton.prefill_launch import PrefillConfig
+
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=head_size, dtype="bfloat16", block_size=16,
+                         **{"plain": {}, "window_sinks": dict(sliding_window=128, has_sinks=True),
+                            "softcap": dict(logits_soft_cap=30.0)}[feature])
+    check_packed(spec, GPU_SHAPES, PrefillConfig(*config), seed=head_size + config[0], pad_tokens=3)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
 def test_default_config_compiles_for_sm90():
     """An offline sm_90 compile (no GPU): the default tiles fit shared memory and use wgmma at head 64 and 128,
@@ -233,6 +296,6 @@ def test_default_config_compiles_for_sm90():
     reports = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert [r["head_size"] for r in reports] == [64] * 3 + [128] * 3
     for r in reports:
-        measured_spill = r["head_size"] == 128 and not r["sliding_window"] and r["config"] == [64, 64, 4, 3]
+        measured_spill = r["head_size"] == 128 and not r["sliding_window"] and r["config"] == [64, 64, 4, 3, 1]
         assert r["stack"] <= (1024 if measured_spill else 0), r
         assert r["shared"] <= r["shared_limit"] and r["wgmma"], r
