@@ -11,6 +11,7 @@
 #   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
 #   remaining  the GPU tests the last visits did not reach
 #   first-run  warmup, tune, explain and demo timed as a new user runs them on a fresh host
+#   prefill-sweep  the prefill kernel's tiles (GQA-packed ones too) on the prefill shapes and the mixed step
 #   mla-gluon  the Gluon MLA decode candidate (F) with time to compile, next to the best plain-Triton one (A)
 #   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
 #   all    tests then bench
@@ -82,6 +83,9 @@ fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
   step spec-engine 400 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+fi
+if [ "$what" = prefill-sweep ]; then  # prefill kernel tiles incl. GQA-packed ones, on prefills and the mixed step
+  step prefill-sweep 400 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
 fi
 if [ "$what" = mla-gluon ]; then  # the Gluon MLA decode candidate alone, with time to compile (10 s was too little)
   step mla-gluon 560 python3 -m benchmarks.mla_explore --families F,A --out "$OUT/mla-gluon" --budget-s 520 \
