@@ -231,8 +231,8 @@ def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict
     from attnbackends.flashinfer.backend import FlashInferMetadata
     from attnbackends.flashinfer.page_ids import gather_page_ids
 
-    wrapper = builder._decode
-    replanner = builder._replanner_for(wrapper)
+    wrapper = builder.wrappers.eager_decode
+    replanner = builder.wrappers.replanner_for(wrapper)
     if replanner is None:
         return {}
     c = common

@@ -37,7 +37,6 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..compat import fallback_reason
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from .. import platform as _platform
@@ -46,8 +45,8 @@ from ..spec import AttentionSpec, AttentionType
 from ..speculative import expand_tree_mask
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
-from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .plan_guard import planning
+from .wrapper_pool import WrapperPool
 from .lse_forward import forward_with_lse
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import contain_page_ids, has_host_table
@@ -65,9 +64,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_KV_LAYOUT = "NHD"  # kv_cache[:, 0] / [:, 1] are [num_blocks, block_size, num_kv_heads, head_size]
-
 
 _NOT_INSTALLED = "flashinfer is not installed"
 
@@ -254,153 +250,26 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             q_data_type=spec.torch_dtype,
             kv_data_type=spec.kv_cache_torch_dtype,
         )
-        self._flashinfer: Any = None
-        self._workspace: Optional[torch.Tensor] = None
-        self._decode: Any = None
-        self._prefill: Any = None
-        self._cascade: Any = None
-        self._graph_decode: dict[int, Any] = {}
-        # CUDA-graph verify batches (multi-token decodes, with or without a tree): a prefill wrapper on persistent
-        # buffers per (requests, tokens, tree); a tree wrapper owns a packed-mask buffer (its run() reads the mask
-        # whenever it has one, so chains get their own wrapper).
-        self._graph_verify: dict[tuple[int, int, bool], Any] = {}
-        # Per draft step (build_draft_steps): its decode wrapper and the device buffer of its page table.
-        self._draft_decode: list[tuple[Any, DevicePlanBuffer]] = []
-        self._graph_buffers: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self.wrappers = WrapperPool(
+            spec, self.device, import_flashinfer, workspace_bytes=workspace_bytes,
+            use_tensor_cores=self.use_tensor_cores, max_num_reqs=self.max_num_reqs, max_model_len=max_model_len,
+            window_left=self.window_left, fast_plan=fast_plan)
         self.host_gather_max_pages = host_gather_max_pages
         # Each batch's page table goes here by one copy (from a pinned host buffer of torch's caching host
         # allocator, which keeps a buffer out of use until the copies out of it have run).
         self._device_plan_buffer: Optional[DevicePlanBuffer] = None
-        self.fast_plan = fast_plan
-        # Per decode wrapper (by id; the builder keeps its wrappers): its replanner, or why it has none.
-        self._replanners: dict[int, "DecodeReplanner | str"] = {}
 
-    # -- wrappers, created on first use -------------------------------------------------------------------------
-    def _fi(self) -> Any:
-        if self._flashinfer is None:
-            self._flashinfer = import_flashinfer()
-        return self._flashinfer
-
-    def _workspace_buffer(self) -> torch.Tensor:
-        if self._workspace is None:
-            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-        return self._workspace
-
-    def _decode_wrapper(self) -> Any:
-        if self._decode is None:
-            self._decode = self._fi().BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace_buffer(), _KV_LAYOUT, use_tensor_cores=self.use_tensor_cores
-            )
-        return self._decode
-
-    def _prefill_wrapper(self) -> Any:
-        if self._prefill is None:
-            self._prefill = self._fi().BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), _KV_LAYOUT)
-        return self._prefill
-
-    def _draft_step_state(self, step: int) -> tuple[Any, DevicePlanBuffer]:
-        """Draft step ``step``'s own decode wrapper and page-table buffer: every step's plan (and the page ids it
-        points at) must survive the later steps' planning."""
-        while len(self._draft_decode) <= step:
-            wrapper = self._fi().BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace_buffer(), _KV_LAYOUT, use_tensor_cores=self.use_tensor_cores)
-            self._draft_decode.append((wrapper, DevicePlanBuffer(self.device)))
-        return self._draft_decode[step]
-
-    def _cascade_wrapper(self) -> Any:
-        if self._cascade is None:
-            self._cascade = self._fi().MultiLevelCascadeAttentionWrapper(2, self._workspace_buffer(), _KV_LAYOUT)
-        return self._cascade
-
-    def _graph_decode_wrapper(self, batch_size: int) -> Any:
-        """The CUDA-graph decode wrapper for ``batch_size`` requests (created by build_for_cudagraph_capture)."""
-        wrapper = self._graph_decode.get(batch_size)
-        if wrapper is not None:
-            return wrapper
-        if batch_size > self.max_num_reqs:
-            raise ValueError(f"a CUDA-graph batch of {batch_size} requests exceeds max_num_reqs={self.max_num_reqs}")
-        if self._graph_buffers is None:
-            pages_per_req = -(-self.max_model_len // self.spec.block_size)
-            self._graph_buffers = (
-                torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device),
-                torch.zeros(self.max_num_reqs * pages_per_req, dtype=torch.int32, device=self.device),
-                torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device),
-            )
-        indptr, indices, last_page_len = self._graph_buffers
-        # Captured sizes share the buffers (one batch runs at a time); each wrapper sees its own prefix of them.
-        wrapper = self._fi().BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace_buffer(),
-            _KV_LAYOUT,
-            use_cuda_graph=True,
-            use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=indptr[: batch_size + 1],
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last_page_len[:batch_size],
-        )
-        self._graph_decode[batch_size] = wrapper
-        return wrapper
-
-    def _graph_verify_wrapper(self, num_reqs: int, num_tokens: int, tree: bool) -> Any:
-        """The CUDA-graph prefill wrapper of verify batches of this shape (created by build_for_cudagraph_capture)."""
-        key = (num_reqs, num_tokens, tree)
-        wrapper = self._graph_verify.get(key)
-        if wrapper is not None:
-            return wrapper
-        if num_reqs > self.max_num_reqs:
-            raise ValueError(f"a CUDA-graph batch of {num_reqs} requests exceeds max_num_reqs={self.max_num_reqs}")
-        dev = self.device
-        pages_per_req = -(-self.max_model_len // self.spec.block_size)
-        buffers = dict(
-            qo_indptr_buf=torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev),
-            paged_kv_indptr_buf=torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buf=torch.zeros(num_reqs * pages_per_req, dtype=torch.int32, device=dev),
-            paged_kv_last_page_len_buf=torch.zeros(num_reqs, dtype=torch.int32, device=dev),
-        )
-        if tree:  # bits of every request's [query, key] mask, each request padded to whole bytes
-            mask_bytes = -(-num_tokens * self.max_model_len // 8) + num_reqs
-            buffers.update(custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
-                           mask_indptr_buf=torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev))
-        wrapper = self._fi().BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace_buffer(), _KV_LAYOUT, use_cuda_graph=True, **buffers)
-        self._graph_verify[key] = wrapper
-        return wrapper
-
-    def _replanner_for(self, wrapper: Any) -> Optional[DecodeReplanner]:
-        """The wrapper's replanner, set up after its first ``plan()``; None before that or where it cannot work."""
-        entry = self._replanners.get(id(wrapper))
-        return entry if isinstance(entry, DecodeReplanner) else None
-
-    def _after_public_plan(self, wrapper: Any) -> None:
-        """Set up re-planning for a decode wrapper that ``plan()`` has just planned (once per wrapper)."""
-        if id(wrapper) in self._replanners:
-            return
-        reason = "disabled (fast_plan=False)" if not self.fast_plan else replan_unsupported_reason(
-            getattr(self._fi(), "__version__", "unknown"), wrapper)
-        if reason is not None:
-            self._replanners[id(wrapper)] = fallback_reason("flashinfer_decode_replan", reason)
-            return
-        spec = self.spec
-        self._replanners[id(wrapper)] = DecodeReplanner(
-            wrapper, num_qo_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-            page_size=spec.block_size, window_left=self.window_left, logits_soft_cap=spec.logits_soft_cap,
-            q_dtype=spec.torch_dtype, kv_dtype=spec.kv_cache_torch_dtype,
-        )
-
+    # -- wrappers (the pool), and what they report ----------------------------------------------------------------
     @property
     def decode_replan_status(self) -> dict[str, str]:
         """For each decode wrapper planned so far ("eager", or "graph B" for a CUDA-graph size): "replanned" when
         later batches skip ``plan()`` (:mod:`.fast_plan`), else why they go through it."""
-        names = {id(self._decode): "eager"} if self._decode is not None else {}
-        names.update({id(w): f"graph {size}" for size, w in self._graph_decode.items()})
-        return {
-            names[key]: "replanned" if isinstance(entry, DecodeReplanner) else entry
-            for key, entry in self._replanners.items() if key in names
-        }
+        return self.wrappers.decode_replan_status
 
     @property
     def cudagraph_batch_sizes(self) -> list[int]:
         """The pure-decode batch sizes that have persistent CUDA-graph plans."""
-        return sorted(self._graph_decode)
+        return self.wrappers.cudagraph_batch_sizes
 
     # -- building -----------------------------------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0) -> FlashInferMetadata:
@@ -428,15 +297,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 f"one has {split.num_prefills} prefill requests"
             )
         if common.spec_tree_mask is not None or common.num_actual_tokens > common.num_reqs:
-            self._graph_verify_wrapper(common.num_reqs, common.num_actual_tokens, common.spec_tree_mask is not None)
+            self.wrappers.graph_verify(common.num_reqs, common.num_actual_tokens, common.spec_tree_mask is not None)
         else:
-            self._graph_decode_wrapper(common.num_reqs)
+            self.wrappers.graph_decode(common.num_reqs)
         return self._build(common, 0)
 
     def build_draft_steps(self, draft) -> list[FlashInferMetadata]:
         """See :meth:`AttentionMetadataBuilder.build_draft_steps`: each step is planned on its own decode wrapper
         (the steps share the float workspace: they run one after another)."""
-        return [self._build(common, 0, self._draft_step_state(s)) for s, common in enumerate(draft.steps)]
+        return [self._build(common, 0, self.wrappers.draft_step(s)) for s, common in enumerate(draft.steps)]
 
     def _build(self, common: CommonAttentionMetadata, common_prefix_len: int,
                draft_step: Optional[tuple[Any, DevicePlanBuffer]] = None) -> FlashInferMetadata:
@@ -460,7 +329,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_decodes, num_decode_tokens, num_prefills = 0, 0, num_reqs
         else:
             verify = False
-        graph_wrapper = self._graph_decode.get(num_reqs) if num_prefills == 0 and step_wrapper is None else None
+        graph_wrapper = self.wrappers.captured_decode(num_reqs) if num_prefills == 0 and step_wrapper is None else None
         contain = not has_host_table(common)
         bound = self._page_id_bound() if contain else None
         meta = FlashInferMetadata(
@@ -476,7 +345,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             common=common,
         )
         self._last_meta = meta
-        captured_verify = verify and (num_reqs, common.num_actual_tokens, tree) in self._graph_verify
+        captured_verify = verify and self.wrappers.captured_verify(num_reqs, common.num_actual_tokens, tree) is not None
         if common_prefix_len > 0 and graph_wrapper is None and not tree and step_wrapper is None and not captured_verify:
             blocks = cascade_prefix_blocks(
                 self.cascade_policy,
@@ -494,8 +363,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
         decode_wrapper = None
         if num_decodes:
-            decode_wrapper = step_wrapper or (graph_wrapper if graph_wrapper is not None else self._decode_wrapper())
-        replanner = self._replanner_for(decode_wrapper) if decode_wrapper is not None else None
+            decode_wrapper = step_wrapper or (graph_wrapper if graph_wrapper is not None else self.wrappers.decode())
+        replanner = self.wrappers.replanner_for(decode_wrapper) if decode_wrapper is not None else None
         if (replanner is not None and num_prefills == 0 and num_reqs <= DECODE_TABLE_MAX_REQS
                 and common.block_table.is_cuda and common.seq_lens.is_cuda):
             # the common decode step: the page table is built on the GPU, the host computes kv_indptr alone
@@ -506,7 +375,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         meta.plan_inputs = inputs
         if contain and bound is None:
             # CUDA-graph wrappers read a copy of the page ids in the builder's persistent buffer
-            graph_ids = (self._graph_buffers[1][: inputs.num_pages],) if graph_wrapper is not None else ()
+            graph_ids = (self.wrappers.graph_page_ids(inputs.num_pages),) if graph_wrapper is not None else ()
             meta.unchecked_page_ids = (inputs.kv_indices, *graph_ids)
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
@@ -526,12 +395,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
                     **self._plan_kwargs,
                 )
-            self._after_public_plan(decode_wrapper)
+            self.wrappers.after_public_plan(decode_wrapper)
             meta.decode_wrapper = decode_wrapper
         if num_prefills:
-            wrapper = self._graph_verify.get((num_reqs, common.num_actual_tokens, tree)) if verify else None
+            wrapper = self.wrappers.captured_verify(num_reqs, common.num_actual_tokens, tree) if verify else None
             meta.cuda_graph = wrapper is not None
-            wrapper = wrapper or self._prefill_wrapper()
+            wrapper = wrapper or self.wrappers.prefill()
             part = inputs.select(num_decodes, num_reqs)
             qo_indptr, kv_indptr, last_page_len = part.qo_indptr, part.kv_indptr, part.kv_last_page_len
             if tree:
@@ -605,7 +474,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 meta.unchecked_page_ids = (top_indices, unique.kv_indices)
             else:
                 contain_page_ids(top_indices, meta.page_ids_bound)
-        wrapper = self._cascade_wrapper()
+        wrapper = self.wrappers.cascade()
         with planning(wrapper):
             wrapper.plan(
                 [top_qo, unique.qo_indptr],

@@ -500,7 +500,7 @@ def test_decode_replan_falls_back_to_plan_and_says_why(fake_flashinfer):
         builder.build(batch.common)
     (status,) = builder.decode_replan_status.values()
     assert "0.0-fake is not one of the tested versions" in status
-    assert len(builder._decode.plans) == 2  # plan() both times
+    assert len(builder.wrappers.eager_decode.plans) == 2  # plan() both times
 
     fake_flashinfer.__version__ = "0.6.13"
     meta, builder = check_against_oracle(make_random_batch(spec, [SequenceShape(1, 12)], seed=32))

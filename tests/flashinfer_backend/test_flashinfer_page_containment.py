@@ -191,7 +191,7 @@ def test_cuda_graph_buffers_are_contained_too(fake_flashinfer, monkeypatch):
     capture = builder.build_for_cudagraph_capture
     meta, out = _forward(builder, batch, build=lambda common: capture(_device_only(monkeypatch, common)))
     assert meta.cuda_graph and meta.page_ids_bound == NUM_BLOCKS
-    assert builder._graph_buffers[1][: meta.plan_inputs.num_pages].max() < NUM_BLOCKS
+    assert builder.wrappers.graph_page_ids(meta.plan_inputs.num_pages).max() < NUM_BLOCKS
     _clear_faults("cpu")
     _, want = _forward(FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024), _batch(5, shapes, ((1, 2),), 0))
     assert torch.equal(out, want)
