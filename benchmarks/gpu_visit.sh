@@ -78,6 +78,8 @@ if [ "$what" = remaining ]; then  # the GPU tests the 2026-11-23 visits did not 
     tests/test_hf_encoders_gpu.py &
   group engine-hf tests/test_engine_hf.py &
   group changed-kernels tests/triton_backend tests/mla/test_mla_gpu.py tests/test_run_ahead.py &
+  group flashinfer-pool tests/flashinfer_backend/test_flashinfer_gpu.py \
+    tests/flashinfer_backend/test_flashinfer_speculative_gpu.py tests/test_cudagraph_all_backends.py &
   wait
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
