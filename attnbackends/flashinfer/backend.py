@@ -180,7 +180,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     ----------
     layer_specs : the specs of every layer that will run this builder's metadata; each must agree with ``spec``
         on what a plan fixes (:class:`PlanKey`), else ValueError here rather than wrong numbers later.
-    workspace_bytes : size of the float workspace the wrappers share.
+    workspace_bytes : None (default): the device's shared float workspace (:func:`.workspace.shared_workspace`, one
+        for every FlashInfer wrapper of the process: they run one after another on a stream); a size: a workspace of
+        this builder's own (for builders whose layers run on concurrent streams).
     cascade_policy : thresholds for cascade attention (:class:`.cascade.CascadePolicy`); ``CascadePolicy(enabled=False)``
         turns it off.
     max_model_len : longest sequence, sizing the persistent page-index buffer of CUDA-graph decode.
@@ -210,7 +212,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         max_num_tokens: int = 8192,
         debug: bool = False,
         layer_specs: Optional[Sequence[AttentionSpec]] = None,
-        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        workspace_bytes: Optional[int] = None,
         cascade_policy: Optional[CascadePolicy] = None,
         max_model_len: int = 32768,
         use_tensor_cores: Optional[bool] = None,
@@ -234,8 +236,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     "scale, sliding window, soft-cap, heads, head size, dtypes and block size for every layer that "
                     "runs it; give layers that differ their own builder"
                 )
-        if workspace_bytes <= 0:
-            raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
+        if workspace_bytes is not None and workspace_bytes <= 0:
+            raise ValueError(f"workspace_bytes must be None or positive, got {workspace_bytes}")
         self.workspace_bytes = workspace_bytes
         self.cascade_policy = cascade_policy if cascade_policy is not None else CascadePolicy()
         self.max_model_len = max_model_len

@@ -18,6 +18,7 @@ from ..compat import fallback_reason
 from ..spec import AttentionSpec
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .plan_inputs import DevicePlanBuffer
+from .workspace import shared_workspace
 
 __all__ = ["KV_LAYOUT", "WrapperPool"]
 
@@ -32,14 +33,15 @@ class WrapperPool:
     spec : the builder's spec (heads, head size, page size, dtypes, scale, window, soft-cap of every plan).
     device : where the workspace and the persistent buffers live.
     import_flashinfer : returns the flashinfer module (called on first use: the builder itself imports lazily).
-    workspace_bytes : the float workspace the wrappers share (they run one after another on a stream).
+    workspace_bytes : None: the device's shared float workspace; a size: a workspace of the pool's own (the wrappers
+        share it: they run one after another on a stream).
     use_tensor_cores : decode on tensor cores.
     max_num_reqs, max_model_len : size the CUDA-graph buffers.
     window_left : FlashInfer's window (-1: none), for the re-planners.
     fast_plan : re-plan decode wrappers without ``plan()`` where the installed version allows.
     """
 
-    def __init__(self, spec: AttentionSpec, device: torch.device, import_flashinfer, *, workspace_bytes: int,
+    def __init__(self, spec: AttentionSpec, device: torch.device, import_flashinfer, *, workspace_bytes: Optional[int],
                  use_tensor_cores: bool, max_num_reqs: int, max_model_len: int, window_left: int,
                  fast_plan: bool) -> None:
         self.spec = spec
@@ -71,7 +73,8 @@ class WrapperPool:
 
     def workspace(self) -> torch.Tensor:
         if self._workspace is None:
-            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+            self._workspace = (shared_workspace(self.device) if self.workspace_bytes is None else
+                               torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device))
         return self._workspace
 
     # -- eager wrappers -----------------------------------------------------------------------------------------
