@@ -94,17 +94,17 @@ if [ "$what" = mla-gluon ]; then  # the Gluon MLA decode candidate alone, with t
     --config-timeout-s 150
 fi
 if [ "$what" = first-run ]; then  # a new user's first GPU session, on a fresh host (empty kernel caches): timed
-  first_run() {  # name, arguments of attnbackends...
-    local name=$1; shift
+  first_run() {  # name, seconds, arguments of attnbackends...
+    local name=$1 seconds=$2; shift 2
     local start; start=$(date +%s%N)
-    timeout 200 python3 -m attnbackends.cli "$@" > "$OUT/first-run-$name.log" 2>&1
+    timeout "$seconds" python3 -m attnbackends.cli "$@" > "$OUT/first-run-$name.log" 2>&1
     echo "attnbackends $*: rc=$? $(( ($(date +%s%N) - start) / 1000000 )) ms"
     tail -4 "$OUT/first-run-$name.log" | cut -c1-200
   }
-  first_run warmup -v warmup --head-size 128 --num-kv-heads 8
-  first_run tune -v tune
-  first_run explain explain --selection measured
-  first_run demo demo
+  first_run warmup 200 -v warmup --head-size 128 --num-kv-heads 8
+  first_run tune 230 -v tune
+  first_run explain 30 explain --selection measured
+  first_run demo 120 demo
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
   step prefill-sweep 110 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
