@@ -22,6 +22,7 @@ timed call; ``prefill_kv_in_cache`` rows time the call without them), against ra
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -355,27 +356,29 @@ def prefill_sweep(row, diff) -> int:
     p_fn, p_out = flashinfer_prefill(b, 60, 64)
     peer = do_bench_us(lambda: (d_fn(), p_fn()))
 
-    def builder(prefill_kernel):
+    def builder(prefill_kernel, overlap=False):
         return TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256, max_num_tokens=8192,
-                                                        prefill_kernel=prefill_kernel)
+                                                        prefill_kernel=prefill_kernel, overlap_decodes=overlap)
 
     b.metadata = builder(False).build(b.common)
     row("mixed_sweep", 64, 4096, do_bench_us(b.triton(write=True)), peer, config="unified")
     forced = builder(True).build(b.common)
-    for bm, bn, w, st, pack in PREFILL_SWEEP:
+    overlapped = builder(True, overlap=True).build(b.common)
+    for (bm, bn, w, st, pack), meta in itertools.product(PREFILL_SWEEP, (forced, overlapped)):
         plan = plan_prefill_new_kv(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=PAGE, num_seqs=64,
                                    first_seq=60, max_query_len=512, config=PrefillConfig(bm, bn, w, st, pack))
-        b.metadata = dataclasses.replace(forced, prefill_split=(forced.prefill_split[0], plan))
+        b.metadata = dataclasses.replace(meta, prefill_split=(meta.prefill_split[0], plan))
         fn = b.triton(write=True)
         try:
             b.out.fill_(float("nan"))
             fn()
             torch.cuda.synchronize()
         except Exception as exc:
-            row("mixed_sweep", 64, 4096, float("nan"), peer, config=[bm, bn, w, st, pack], error=str(exc)[:200])
+            row("mixed_sweep", 64, 4096, float("nan"), peer, config=[bm, bn, w, st, pack],
+                overlap_streams=meta.overlap_streams, error=str(exc)[:200])
             continue
         row("mixed_sweep", 64, 4096, do_bench_us(fn), peer, config=[bm, bn, w, st, pack],
-            max_abs_diff=max(diff(b.out[:60], d_out), diff(b.out[60:], p_out)))
+            overlap_streams=meta.overlap_streams, max_abs_diff=max(diff(b.out[:60], d_out), diff(b.out[60:], p_out)))
     return 0
 
 

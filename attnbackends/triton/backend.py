@@ -57,6 +57,8 @@ class TritonMetadata:
     #: For a forward that brings the step's keys and values: the decodes' plan (None: no decodes) and the
     #: prefill kernel's plan for the other requests, run instead of ``plan``. None: ``plan`` always runs.
     prefill_split: Optional[tuple[Optional[LaunchPlan], PrefillPlan]] = None
+    #: Run the split's decode launch and prefill kernel on two CUDA streams (the builder's ``overlap_decodes``).
+    overlap_streams: bool = False
 
     @property
     def num_decodes(self) -> int:
@@ -119,6 +121,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         the CPU so the interpreter keeps covering the unified path that other GPUs and head sizes run;
         True: every batch with prefills, wherever the kernel applies; False: off.
         ``prefill_kernel_reason`` says why it is not used (None: used).
+    overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
+        the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
+        the GPU instead of following each other. Off by default until timed on the GPU
+        (``benchmarks/triton_api.py --prefill-sweep``, ``mixed_sweep`` rows).
     """
 
     query_len_support = QueryLenSupport.VARLEN
@@ -126,7 +132,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
-                 prefill_kernel: Optional[bool] = None, **kwargs) -> None:
+                 prefill_kernel: Optional[bool] = None, overlap_decodes: bool = False, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
@@ -134,6 +140,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         #: Why batches with prefills cannot use the prefill kernel (None: they do, when the forward brings keys).
         self.prefill_kernel_reason: Optional[str] = self._prefill_kernel_reason(prefill_kernel)
         self.prefill_kernel_forced = prefill_kernel is True
+        self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
@@ -193,7 +200,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                      or prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
             prefill_split = self._plan_prefill_split(common, num_decodes, split.num_decode_tokens, causal)
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
-                              prefill_split)
+                              prefill_split, self.overlap_decodes and prefill_split is not None)
 
     def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
                             causal: bool) -> tuple[Optional[LaunchPlan], PrefillPlan]:
@@ -211,6 +218,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_query_len=common.max_query_len, sliding_window=self.spec.sliding_window,
             use_softcap=bool(self.spec.logits_soft_cap), use_sinks=self.spec.has_sinks)
         return decode_plan, prefill_plan
+
+
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The second stream of ``device`` for overlapped decode / prefill launches (made once)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
@@ -276,13 +294,25 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         split = metadata.prefill_split
         if split is not None and key is not None and tma_compatible(query, key, value, output):
             decode_plan, prefill_plan = split
+            overlap = decode_plan is not None and metadata.overlap_streams
+            if overlap:  # the prefills on a side stream, after the cache write; the decodes here; then join
+                main = torch.cuda.current_stream(query.device)
+                side = _side_stream(query.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
+                                          common.block_table, common.seq_lens, common.query_start_loc, self.scale,
+                                          self._soft_cap, sinks)
             if decode_plan is not None:
                 launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc,
                                  common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
                                  self.k_scale, self.v_scale, cache_key=cache_key)
-            launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
-                                  common.block_table, common.seq_lens, common.query_start_loc, self.scale,
-                                  self._soft_cap, sinks)
+            if overlap:
+                main.wait_stream(side)
+            else:
+                launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
+                                      common.block_table, common.seq_lens, common.query_start_loc, self.scale,
+                                      self._soft_cap, sinks)
             return output
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,

@@ -278,6 +278,38 @@ def test_prefill_kernel_gpu_gqa_packed(head_size, config, feature):
     check_packed(spec, GPU_SHAPES, PrefillConfig(*config), seed=head_size + config[0], pad_tokens=3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_prefill_kernel_gpu_overlapped_with_decodes():
+    """overlap_decodes: the decodes' launch and the prefill kernel on two streams give the oracle's answer, bit for
+    bit the same as one after the other, eagerly and replayed from a CUDA graph."""
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+    batch = make_random_batch(spec, GPU_SHAPES, seed=5, device=DEVICE, pad_tokens=3)
+    impl = TritonAttentionBackend.get_impl_cls()(spec)
+    outs = []
+    for overlap in (False, True):
+        builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True, overlap_decodes=overlap)
+        meta = builder.build(batch.common)
+        assert meta.prefill_split[0] is not None and meta.overlap_streams == overlap
+        out = batch.new_output()
+        out.fill_(float("nan"))
+        impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
+        outs.append(out)
+    n = batch.num_actual_tokens
+    assert_close_to_oracle(outs[1][:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what="overlapped")
+    assert torch.equal(outs[0][:n], outs[1][:n])
+    cache = batch.kv_cache.clone()
+    graph_out = batch.new_output()
+    graph_out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(batch.query, batch.key, batch.value, cache, meta, graph_out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out[:n], outs[1][:n])
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
 def test_default_config_compiles_for_sm90():
     """An offline sm_90 compile (no GPU): the default tiles fit shared memory and use wgmma at head 64 and 128,
