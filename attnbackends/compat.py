@@ -71,7 +71,8 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
         "allocator the application set in place)"),
     "flashinfer_mla_kv_indices": PrivateSurface(
         "flashinfer-python", "BatchMLAPagedAttentionWrapper.plan() keeping (outside CUDA-graph mode) the device "
-        "kv_indices tensor it is given, so page ids contained in place after plan() are the ones run() reads",
+        "kv_indices tensor it is given, so page ids contained in place after plan() are the ones run() reads "
+        "(checked by tests/mla/test_mla_page_containment.py::test_flashinfer_mla_cuda_table_without_host_copy)",
         frozenset({"0.6.13"})),
     "flash_attn_cute": PrivateSurface(
         "flash-attn-4", "flash_attn.cute, shipped inside a namespace package flash_attn"),
