@@ -37,12 +37,27 @@ def poison_unread_slots(cache: torch.Tensor, batch) -> torch.Tensor:
     return cache
 
 
-def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int = 0, key_strided: bool = False):
-    """One forward with the step's key/value on fresh random data; returns (output, batch, metadata)."""
+def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int = 0, key_strided: bool = False,
+                config=None):
+    """One forward with the step's key/value on fresh random data, the prefills on the prefill kernel (planned with
+    ``config`` when given: its tiles and gqa_pack); returns (output, batch, metadata)."""
+    import dataclasses
+
+    from attnbackends.triton.prefill_launch import plan_prefill_new_kv
+
     batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
     builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
-    impl = TritonAttentionBackend.get_impl_cls()(spec)
+    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
     meta = builder.build(batch.common)
+    if config is not None:
+        decode_plan, plan = meta.prefill_split
+        planned = plan_prefill_new_kv(
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+            block_size=spec.block_size, num_seqs=batch.common.num_reqs, first_seq=plan.first_seq,
+            max_query_len=batch.common.max_query_len, sliding_window=spec.sliding_window,
+            use_softcap=bool(spec.logits_soft_cap), use_sinks=spec.has_sinks, config=config)
+        assert planned.grid[0] == spec.num_heads // config.gqa_pack
+        meta = dataclasses.replace(meta, prefill_split=(decode_plan, planned))
     key, value = batch.key, batch.value
     if key_strided:  # keys and values as views of one fused [tokens, 2, kv_heads, head] projection
         fused = torch.stack([key, value], dim=1)
@@ -112,44 +127,7 @@ FEATURES = {
 def test_features_match_oracle_interpreted(feature):
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16,
                          **FEATURES[feature])
-    batch = make_random_batch(spec, MIXED, seed=7, device=DEVICE, pad_tokens=2)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
-    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
-    meta = builder.build(batch.common)
-    assert meta.prefill_split is not None
-    out = batch.new_output()
-    out.fill_(float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
-    n = batch.num_actual_tokens
-    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype),
-                           what=f"prefill kernel, {feature}")
-
-
-def check_packed(spec, shapes, config, *, seed, pad_tokens=2):
-    """One forward with the batch's prefills on the prefill kernel planned with ``config`` (its gqa_pack), against
-    the oracle."""
-    import dataclasses
-
-    from attnbackends.triton.prefill_launch import plan_prefill_new_kv
-
-    batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
-    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
-    meta = builder.build(batch.common)
-    decode_plan, plan = meta.prefill_split
-    packed = plan_prefill_new_kv(
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-        block_size=spec.block_size, num_seqs=batch.common.num_reqs, first_seq=plan.first_seq,
-        max_query_len=batch.common.max_query_len, sliding_window=spec.sliding_window,
-        use_softcap=bool(spec.logits_soft_cap), use_sinks=spec.has_sinks, config=config)
-    assert packed.grid[0] == spec.num_heads // config.gqa_pack
-    meta = dataclasses.replace(meta, prefill_split=(decode_plan, packed))
-    out = batch.new_output()
-    out.fill_(float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
-    n = batch.num_actual_tokens
-    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype),
-                           what=f"prefill kernel, {config}")
+    check(spec, MIXED, seed=7, pad_tokens=2)
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpreted shapes")
@@ -162,7 +140,7 @@ def test_gqa_packed_tiles_match_oracle_interpreted(pack, feature):
 
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype="float16", block_size=16,
                          **FEATURES.get(feature, {}))
-    check_packed(spec, MIXED, PrefillConfig(16, 16, 4, 1, gqa_pack=pack), seed=9)
+    check(spec, MIXED, seed=9, pad_tokens=2, config=PrefillConfig(16, 16, 4, 1, gqa_pack=pack))
 
 
 def test_gqa_pack_must_divide_the_heads_and_the_tile():
@@ -244,16 +222,7 @@ def test_prefill_kernel_gpu_features(head_size, feature):
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=head_size, dtype="bfloat16", block_size=16,
                          **{"window_sinks": dict(sliding_window=128, has_sinks=True),
                             "softcap": dict(logits_soft_cap=30.0), "window_small": dict(sliding_window=5)}[feature])
-    batch = make_random_batch(spec, GPU_SHAPES, seed=head_size, device=DEVICE, pad_tokens=3)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
-    impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
-    meta = builder.build(batch.common)
-    assert meta.prefill_split is not None
-    out = batch.new_output()
-    out.fill_(float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, poison_unread_slots(batch.kv_cache.clone(), batch), meta, out)
-    n = batch.num_actual_tokens
-    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what=feature)
+    check(spec, GPU_SHAPES, seed=head_size, pad_tokens=3)
 
 
 @pytest.mark.gpu
@@ -275,7 +244,7 @@ def test_prefill_kernel_gpu_gqa_packed(head_size, config, feature):
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=head_size, dtype="bfloat16", block_size=16,
                          **{"plain": {}, "window_sinks": dict(sliding_window=128, has_sinks=True),
                             "softcap": dict(logits_soft_cap=30.0)}[feature])
-    check_packed(spec, GPU_SHAPES, PrefillConfig(*config), seed=head_size + config[0], pad_tokens=3)
+    check(spec, GPU_SHAPES, seed=head_size + config[0], pad_tokens=3, config=PrefillConfig(*config))
 
 
 @pytest.mark.gpu
