@@ -30,6 +30,7 @@ __all__ = [
     "DirectLauncher",
     "PRIVATE_SURFACES",
     "PrivateSurface",
+    "cuda_sleep",
     "efficient_attention_with_lse",
     "ensure_triton_scratch_allocator",
     "fallback_reason",
@@ -74,6 +75,9 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
         "kv_indices tensor it is given, so page ids contained in place after plan() are the ones run() reads "
         "(checked by tests/mla/test_mla_page_containment.py::test_flashinfer_mla_cuda_table_without_host_copy)",
         frozenset({"0.6.13"})),
+    "torch_cuda_sleep": PrivateSurface(
+        "torch", "torch.cuda._sleep (a kernel spinning for a number of GPU clock cycles, used to put the host "
+        "ahead of the GPU in checks)"),
     "flash_attn_cute": PrivateSurface(
         "flash-attn-4", "flash_attn.cute, shipped inside a namespace package flash_attn"),
 }
@@ -256,6 +260,15 @@ def efficient_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return None
     out, lse = op(q[None], k[None], v[None], None, True, 0.0, causal, scale=scale)[:2]
     return out[0], lse[0, :, : q.shape[1]]
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Queue on the current CUDA stream a kernel that spins for ``cycles`` GPU clock cycles, so that the host runs
+    ahead of the GPU. Raises RuntimeError where torch lacks the kernel."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._sleep (surface torch_cuda_sleep)")
+    sleep(int(cycles))
 
 
 # -------------------------------------------------------------------------------------------------- flash-attn

@@ -14,6 +14,8 @@
 #   prefill-sweep  the prefill kernel's tiles (GQA-packed ones too) on the prefill shapes and the mixed step
 #   mla-gluon  the Gluon MLA decode candidate (F) with time to compile, next to the best plain-Triton one (A)
 #   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
+#   s4-bench  the Triton API suite, the prefill tiles, the MLA decode kernel against candidate A and FlashInfer
+#          MLA, speculative decoding on Triton (one 10-minute call on a host whose FlashInfer kernels are built)
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
@@ -85,6 +87,12 @@ fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
   step spec-engine 400 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+fi
+if [ "$what" = s4-bench ]; then
+  step triton-api 160 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+  step prefill-sweep 200 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
+  step mla-explore 100 python3 -m benchmarks.mla_explore --families A --out "$OUT/mla-explore" --budget-s 90
+  step spec-engine 110 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine" --backends triton
 fi
 if [ "$what" = prefill-sweep ]; then  # prefill kernel tiles incl. GQA-packed ones, on prefills and the mixed step
   step prefill-sweep 400 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"

@@ -174,7 +174,7 @@ def _page_message(req: int, slot: int, page: int, cache: str) -> str:
 def _fault_message(kind: int, a: int, b: int, c: int) -> str:
     if kind == FAULT_PAGE:
         return (_page_message(a, b, c, "the KV cache's pages")
-                + "; the step that used it was computed with page 0 in its place")
+                + "; a kernel that read it used page 0 in its place")
     return (f"slot_mapping[{a}] = {b} is outside the KV cache's {c} slots (and not -1, padding); "
             "that token's key and value were not written")
 

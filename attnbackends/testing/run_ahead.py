@@ -14,13 +14,14 @@ from typing import Any, Sequence
 
 import torch
 
+from ..compat import cuda_sleep
 from ..interface import AttentionBackend
 from ..spec import AttentionSpec
 from .cases import SequenceShape, make_random_batch
 from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
-__all__ = ["RUN_AHEAD_STEPS", "run_ahead_batches", "check_backend_run_ahead"]
+__all__ = ["RUN_AHEAD_STEPS", "run_ahead_batches", "check_backend_run_ahead", "put_host_ahead"]
 
 #: Engine steps of different compositions: mixed, pure decode, more prefill, pure decode with other lengths.
 RUN_AHEAD_STEPS: tuple[tuple[SequenceShape, ...], ...] = (
@@ -32,6 +33,15 @@ RUN_AHEAD_STEPS: tuple[tuple[SequenceShape, ...], ...] = (
 
 #: GPU clock cycles of the stall queued before the steps (a fraction of a second on current GPUs).
 STALL_CYCLES = 200_000_000
+
+
+def put_host_ahead(device: "torch.device | str") -> None:
+    """Let ``device``'s queued work finish, then queue a GPU stall (:data:`STALL_CYCLES`) on the current stream, so
+    that whatever the host enqueues next certainly runs after the host has moved on. No-op off CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        cuda_sleep(STALL_CYCLES)
 
 
 def run_ahead_batches(spec: AttentionSpec, device: "torch.device | str", num_blocks: int = 96) -> list[Any]:
@@ -81,9 +91,7 @@ def check_backend_run_ahead(backend_cls: type[AttentionBackend], batches: Sequen
     caches = [b.kv_cache.clone() for b in batches]
     outputs = [b.new_output() for b in batches]
     step(first, first.kv_cache.clone(), first.new_output())  # compile on first use before the stall, not during it
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda._sleep(STALL_CYCLES)
+    put_host_ahead(device)
     for batch, cache, output in zip(batches, caches, outputs):
         step(batch, cache, output)
     if device.type == "cuda":

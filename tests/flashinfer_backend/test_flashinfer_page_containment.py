@@ -27,6 +27,7 @@ from attnbackends.ops import page_guard  # noqa: E402
 from attnbackends.ops.page_guard import PageTableError, raise_pending_faults  # noqa: E402
 from attnbackends.testing import SequenceShape as S  # noqa: E402
 from attnbackends.testing import make_random_batch  # noqa: E402
+from attnbackends.testing.run_ahead import put_host_ahead  # noqa: E402
 
 NUM_BLOCKS = 40
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype="float16", block_size=16)
@@ -226,15 +227,23 @@ def test_cascade_shared_level_is_contained_on_a_copy(fake_flashinfer, monkeypatc
 def test_cuda_table_without_host_copy(shapes, num_blocks_given):
     """No host copy: FlashInfer never reads outside the cache (no illegal memory access), the output is that of page
     0 in the bad entry's place, the error comes at the next check point, the CUDA context keeps working, and the
-    builder contains the next batch in build()."""
+    builder contains the next batch in build(). Each step is built and run behind a GPU stall, so the host is ahead
+    and the fault its own build() records cannot be seen before its forward runs; a last step with the GPU caught
+    up shows the other order: forward() itself raises, naming the entry."""
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
     builder = FlashInferMetadataBuilder(spec, "cuda", num_blocks=64 if num_blocks_given else None)
     impl = FlashInferBackend.get_impl_cls()(spec)
-    outs = []
-    for page in (1 << 24, 0, -3):
+
+    def bad_batch(page):
         batch = make_random_batch(spec, shapes, seed=8, device="cuda", num_blocks=64)
         batch.common.block_table_cpu = None
         batch.common.block_table[1, 1] = page
+        return batch
+
+    outs = []
+    for page in (1 << 24, 0, -3):
+        batch = bad_batch(page)
+        put_host_ahead("cuda")
         meta = builder.build(dataclasses.replace(batch.common))
         out = batch.new_output()
         impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, out)
@@ -246,6 +255,12 @@ def test_cuda_table_without_host_copy(shapes, num_blocks_given):
                 raise_pending_faults("cuda")
     n = batch.num_actual_tokens
     assert torch.equal(outs[0][:n], outs[1][:n]) and torch.equal(outs[2][:n], outs[1][:n])
+
+    batch = bad_batch(-7)
+    meta = builder.build(dataclasses.replace(batch.common))
+    torch.cuda.synchronize()
+    with pytest.raises(PageTableError, match=r"block_table\[1, 1\] = -7 is outside"):
+        impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, batch.new_output())
     x = torch.randn(256, 256, device="cuda")
     assert torch.isfinite(x @ x).all()
     torch.cuda.synchronize()
