@@ -244,7 +244,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     config = AttentionConfig.from_env(AttentionConfig(backend=args.backend))
     try:
         report = run_demo(device=args.device, num_prompts=args.prompts, max_new_tokens=args.new_tokens,
-                          attention_config=config, dtype=args.dtype)
+                          attention_config=config, dtype=args.dtype, progress=console.print)
     except BackendNotSupportedError as exc:
         console.print(f"[red]{exc}[/]")
         return 1

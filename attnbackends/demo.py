@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,12 +41,15 @@ def run_demo(
     seed: int = 0,
     attention_config: Optional[AttentionConfig] = None,
     dtype: "str | torch.dtype | None" = None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> DemoReport:
     """Generate greedily for prompts of different lengths, then recompute every sequence densely and compare.
 
     device : "cpu", "cuda" or "cuda:N" (default: cuda when available); dtype : the model dtype, a name or a torch
     dtype (default: bfloat16 on cuda, float32 on the cpu). ``num_prompts`` and ``max_new_tokens`` must be >= 1.
+    ``progress``: called with a line before the warm-up steps on a GPU (default: logged at INFO level).
     """
+    say = progress or logger.info
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -63,12 +66,12 @@ def run_demo(
     rng = random.Random(seed)
     lengths = [1, 15, 16, 17, 40, 90][:num_prompts] + [rng.randint(2, 70) for _ in range(max(0, num_prompts - 6))]
     prompts = [[rng.randrange(model.cfg.vocab_size) for _ in range(n)] for n in lengths]
-    logger.info("warm-up: first steps on %s compile its kernels (FlashInfer: tens of seconds per module)",
-                engine.backend.name)
+    if engine.device.type == "cuda":
+        say(f"warm-up: the first steps on {engine.backend.name} compile its kernels on first use on this machine "
+            f"(FlashInfer: tens of seconds per module; `attnbackends warmup` builds them ahead) ...")
     start = time.perf_counter()
     engine.generate(prompts[:2], 2)  # a decode, a prefill and a mixed step: the timing below is steady-state
     warmup_seconds = time.perf_counter() - start
-    logger.info("warm-up took %.1f s", warmup_seconds)
     result = engine.generate(prompts, max_new_tokens)
     agree, total, worst = 0, 0, 0.0
     with torch.inference_mode():

@@ -11,6 +11,7 @@
 #   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
 #   remaining  the GPU tests the last visits did not reach
 #   first-run  warmup, tune, explain and demo timed as a new user runs them on a fresh host
+#   final  first-run with shorter limits, then the GPU tests changed since, or not run since, the last move
 #   prefill-sweep  the prefill kernel's tiles (GQA-packed ones too) on the prefill shapes and the mixed step
 #   mla-gluon  the Gluon MLA decode candidate (F) with time to compile, next to the best plain-Triton one (A)
 #   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
@@ -101,7 +102,11 @@ if [ "$what" = mla-gluon ]; then  # the Gluon MLA decode candidate alone, with t
   step mla-gluon 560 python3 -m benchmarks.mla_explore --families F,A --out "$OUT/mla-gluon" --budget-s 520 \
     --config-timeout-s 150
 fi
-if [ "$what" = first-run ]; then  # a new user's first GPU session, on a fresh host (empty kernel caches): timed
+if [ "$what" = final ]; then  # first-run with shorter limits, then the GPU tests changed or not run since the move
+  fr_limits=(150 140 20 80)
+fi
+if [ "$what" = first-run ] || [ "$what" = final ]; then  # a new user's first GPU session, on a fresh host: timed
+  read -r fr_warmup fr_tune fr_explain fr_demo <<< "${fr_limits[*]:-200 230 30 120}"
   first_run() {  # name, seconds, arguments of attnbackends...
     local name=$1 seconds=$2; shift 2
     local start; start=$(date +%s%N)
@@ -109,10 +114,16 @@ if [ "$what" = first-run ]; then  # a new user's first GPU session, on a fresh h
     echo "attnbackends $*: rc=$? $(( ($(date +%s%N) - start) / 1000000 )) ms"
     tail -4 "$OUT/first-run-$name.log" | cut -c1-200
   }
-  first_run warmup 200 -v warmup --head-size 128 --num-kv-heads 8
-  first_run tune 230 -v tune
-  first_run explain 30 explain --selection measured
-  first_run demo 120 demo
+  first_run warmup "$fr_warmup" -v warmup --head-size 128 --num-kv-heads 8
+  first_run tune "$fr_tune" -v tune
+  first_run explain "$fr_explain" explain --selection measured
+  first_run demo "$fr_demo" demo
+fi
+if [ "$what" = final ]; then
+  limit=130
+  group recheck tests/flashinfer_backend/test_flashinfer_page_containment.py tests/mla/test_mla_page_containment.py \
+    tests/test_run_ahead.py tests/flashinfer_backend/test_flashinfer_plan_inputs.py tests/test_batch_invariance.py \
+    tests/test_compile.py tests/test_context_parallel.py tests/test_direct_launch.py
 fi
 if [ "$what" = focus-bench ]; then  # ~9 min: one device call
   step prefill-sweep 110 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
