@@ -9,7 +9,7 @@
 #          prefill candidate, the MLA decode exploration
 #          (each focus mode fits one 10-minute device call)
 #   fix-check  steps built ahead of the GPU on every backend, the Triton tests, phase selection, the prefill sweep
-#   remaining  the GPU tests the last visits did not reach
+#   remaining  the GPU tests no visit has reached yet
 #   first-run  warmup, tune, explain and demo timed as a new user runs them on a fresh host
 #   final  first-run with shorter limits, then the GPU tests changed since, or not run since, the last move
 #   prefill-sweep  the prefill kernel's tiles (GQA-packed ones too) on the prefill shapes and the mixed step
@@ -73,16 +73,10 @@ if [ "$what" = fix-check ]; then  # ~9 min: steps built ahead of the GPU, the pr
   step phase-selection 150 python3 benchmarks/phase_selection.py --out "$OUT/phase-selection.json"
   step prefill-sweep 180 python3 benchmarks/triton_api.py --prefill-sweep --out "$OUT/prefill-sweep.json"
 fi
-if [ "$what" = remaining ]; then  # the GPU tests the 2026-11-23 visits did not reach (FlashInfer JIT ate their time)
+if [ "$what" = remaining ]; then  # the GPU tests no visit has run yet (the last one's device time ran out)
   limit=540
-  group contain-catalogue tests/mla/test_mla_page_containment.py tests/flashinfer_backend/test_flashinfer_page_containment.py \
-    tests/test_bad_input_catalogue.py -k "not test_bad_input_gpu or slot_past_cache or kv_cache_dtype or negative_page_id" &
-  group spec-enc-rest tests/test_draft_steps_gpu.py tests/test_cudagraph_verify_gpu.py \
-    tests/test_hf_encoders_gpu.py &
-  group engine-hf tests/test_engine_hf.py &
-  group changed-kernels tests/triton_backend tests/mla/test_mla_gpu.py tests/test_run_ahead.py &
-  group flashinfer-pool tests/flashinfer_backend/test_flashinfer_gpu.py \
-    tests/flashinfer_backend/test_flashinfer_speculative_gpu.py tests/test_cudagraph_all_backends.py &
+  group spec-e2e tests/test_engine_speculative_mla.py tests/test_bench_spec_engine.py &
+  group cp-plan tests/test_context_parallel.py tests/flashinfer_backend/test_flashinfer_plan_inputs.py &
   wait
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end

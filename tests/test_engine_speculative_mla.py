@@ -61,10 +61,11 @@ def hf_drafter(seed: int, **kwargs) -> DraftModelDrafter:
     return DraftModelDrafter(next_logits, num_branches=2, depth=3)
 
 
-def generate(backend: str, dtype: torch.dtype, speculative=None, fork: tuple[int, ...] = (), **model_kwargs):
-    hf = build_hf_model("deepseek", seed=0, dtype=dtype, **model_kwargs)
-    engine = PagedEngine(wrap_hf_model(hf), ENGINE, dtype=dtype, attention_config=AttentionConfig(backend=backend),
-                         speculative=speculative)
+def generate(backend: str, dtype: torch.dtype, speculative=None, fork: tuple[int, ...] = (), device: str = "cpu",
+             **model_kwargs):
+    hf = build_hf_model("deepseek", seed=0, dtype=dtype, device=device, **model_kwargs)
+    engine = PagedEngine(wrap_hf_model(hf), ENGINE, device=device, dtype=dtype,
+                         attention_config=AttentionConfig(backend=backend), speculative=speculative)
     result = engine.generate(prompts(fork), NEW_TOKENS)
     assert engine.allocator.num_free == ENGINE.num_blocks, "pages leaked"
     assert result.backend == backend
@@ -111,3 +112,18 @@ def test_speculative_greedy_equals_plain_greedy_wide_margin(backend, dtype):
         assert result.tokens == plain.tokens
         stats = result.speculative
         assert stats.verify_steps > 0 and stats.accepted_tokens > 0 and stats.branching_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_mla_speculative_greedy_equals_plain_greedy_bf16_on_gpu():
+    """bf16 on the GPU (the Hopper decode kernel's verify path) with the wide-margin model: n-gram and draft-model
+    trees give the plain run's tokens, which are the float32 reference's."""
+    fork = successors(FORK_LAST, 3)
+    plain = generate("triton_mla", torch.bfloat16, fork=fork, device="cuda", **MARGIN)
+    assert plain.tokens == generate("reference_mla", torch.float32, fork=fork, **MARGIN).tokens
+    for drafter in (NgramDrafter(num_branches=2, depth=3), hf_drafter(0, **MARGIN)):
+        result = generate("triton_mla", torch.bfloat16, SpeculativeConfig(drafter, num_speculative_tokens=6),
+                          fork=fork, device="cuda", **MARGIN)
+        assert result.tokens == plain.tokens
+        assert result.speculative.verify_steps > 0 and result.speculative.accepted_tokens > 0
