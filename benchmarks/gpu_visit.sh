@@ -75,7 +75,7 @@ if [ "$what" = fix-check ]; then  # ~9 min: steps built ahead of the GPU, the pr
 fi
 if [ "$what" = remaining ]; then  # the GPU tests no visit has run yet (the last one's device time ran out)
   limit=540
-  group spec-e2e tests/test_engine_speculative_mla.py tests/test_bench_spec_engine.py &
+  group spec-e2e tests/test_engine_speculative_mla.py tests/test_bench_spec_engine.py tests/test_hf_hybrid.py &
   group cp-plan tests/test_context_parallel.py tests/flashinfer_backend/test_flashinfer_plan_inputs.py &
   wait
 fi

@@ -80,3 +80,31 @@ def test_float16_triton_sliding_groups_against_transformers_forward(kind):
             for i in range(len(tokens)):
                 want = reference(torch.tensor([prompt + tokens[:i]])).logits[0, -1].float()
                 torch.testing.assert_close(logits[i], want, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# 16-bit rounding moves these logits by up to 0.05 (float16) and 0.4 (bfloat16, gpt-oss) with the reference backend;
+# a wrong window moves them by more than 10.
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float16, 1e-1, 2e-2), (torch.bfloat16, 6e-1, 5e-2)])
+@pytest.mark.parametrize("kind,groups", [("gemma3", None), ("gemma3", {"sliding_8": "triton", "full": "flashinfer"}),
+                                         ("gpt_oss", None)])
+def test_gpu_groups_against_transformers_forward(kind, groups, dtype, atol, rtol):
+    """On the GPU: the registry's per-group choice (or a pinned pair of backends), the model in 16-bit; every step's
+    logits against transformers' float32 forward over the engine's own tokens, and the pages of every pool freed."""
+    build, wrap = MODELS[kind]
+    reference = build(seed=2)
+    engine = GroupedPagedEngine(
+        wrap(build(seed=2)), EngineConfig(block_size=16, num_blocks=32, max_num_batched_tokens=48, max_num_reqs=2),
+        device="cuda", dtype=dtype, attention_config=LayerGroupsConfig(groups=groups) if groups else None,
+    )
+    prompts = [list(range(1, 31)), [4, 2]]
+    got = engine.generate(prompts, 4)
+    if groups:
+        assert got.backend == ",".join(f"{name}={backend}" for name, backend in groups.items())
+    with torch.inference_mode():
+        for prompt, tokens, logits in zip(prompts, got.tokens, got.logits):
+            for i in range(len(tokens)):
+                want = reference(torch.tensor([prompt + tokens[:i]])).logits[0, -1].float()
+                torch.testing.assert_close(logits[i].float().cpu(), want, atol=atol, rtol=rtol)
+    assert all(p.num_free == p.num_blocks for p in engine.pools)
