@@ -17,6 +17,7 @@
 #   next-bench  the Triton API suite with the current defaults, then speculative decoding end to end
 #   s4-bench  the Triton API suite, the prefill tiles, the MLA decode kernel against candidate A and FlashInfer
 #          MLA, speculative decoding on Triton (one 10-minute call on a host whose FlashInfer kernels are built)
+#   sanitize-new  compute-sanitizer memcheck over the prefill kernel's and the MLA backends' GPU tests
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
@@ -82,6 +83,11 @@ fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
   step spec-engine 400 python3 -m benchmarks.spec_engine --out "$OUT/spec-engine"
+fi
+if [ "$what" = sanitize-new ]; then  # compute-sanitizer memcheck on the kernels written since the last sanitizer log
+  SANITIZE_TESTS="tests/triton_backend/test_prefill_kernel.py tests/mla/test_mla_gpu.py" \
+    timeout 540 bash benchmarks/sanitize.sh > "$OUT/sanitize.log" 2>&1
+  echo "sanitize: rc=$?"; tail -5 "$OUT/sanitize.log" | cut -c1-240
 fi
 if [ "$what" = s4-bench ]; then
   step triton-api 160 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
