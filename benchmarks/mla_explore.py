@@ -293,8 +293,15 @@ def flashinfer_launch(b: DecodeBatch):
 
 
 def current_kernel_launch(b: DecodeBatch, out, lse, num_sms: int):
-    """attnbackends' MLA decode today (``mla_decode`` with its default config and split choice); q_len 1."""
-    from attnbackends.mla.decode_kernel import choose_num_splits, default_decode_config, mla_decode
+    """attnbackends' MLA decode today (``mla_decode`` with its default config and split choice); q_len 1. Its TMA
+    descriptors and partials are built once, as the backend's impl does, and as the candidates' runners do."""
+    from attnbackends.mla.decode_kernel import (
+        choose_num_splits,
+        default_decode_config,
+        mla_decode,
+        tma_decode_applies,
+        tma_descriptors,
+    )
 
     if b.q_len != 1:
         raise ValueError("the current kernel takes one query per request")
@@ -306,9 +313,13 @@ def current_kernel_launch(b: DecodeBatch, out, lse, num_sms: int):
         partials = (torch.empty(B, H, splits, lkv, dtype=torch.float32, device=b.device),
                     torch.empty(B, H, splits, dtype=torch.float32, device=b.device))
 
+    descriptors = (tma_descriptors(b.cache, lkv, cfg) if tma_decode_applies(b.q_nope, b.q_pe, b.cache, cfg)
+                   else None)
+
     def fn():
         mla_decode(b.q_nope, b.q_pe, b.cache, b.block_table, b.seq_lens, out, scale=b.dims.scale,
-                   k_scale=b.k_scale, num_splits=splits, config=cfg, lse=lse, partials=partials)
+                   k_scale=b.k_scale, num_splits=splits, config=cfg, lse=lse, partials=partials,
+                   descriptors=descriptors)
     return fn
 
 
