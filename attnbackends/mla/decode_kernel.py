@@ -28,6 +28,7 @@ from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache
+from ..ops.tree_mask import tree_visible
 
 __all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
            "tma_descriptors"]
@@ -74,11 +75,7 @@ def _visible(offs_n, pos, draft_start, draft_len, tree_ptr, USE_TREE: tl.constex
     segment [draft_start, draft_start + draft_len) only where the packed tree mask allows it."""
     vis = offs_n[None, :] <= pos[:, None]
     if USE_TREE:
-        in_tree = ((pos[:, None] >= draft_start) & (pos[:, None] < draft_start + draft_len)
-                   & (offs_n[None, :] >= draft_start) & vis)
-        t_idx = (pos[:, None] - draft_start) * draft_len + (offs_n[None, :] - draft_start)
-        allowed = tl.load(tree_ptr + t_idx, mask=in_tree, other=1)
-        vis = vis & (allowed != 0)
+        vis = tree_visible(vis, offs_n, pos, draft_start, draft_len, tree_ptr)
     return vis
 
 

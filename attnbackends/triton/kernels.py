@@ -20,6 +20,7 @@ import triton.language as tl
 from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import load_kv_scales
+from ..ops.tree_mask import tree_visible
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -101,12 +102,7 @@ def _attn_tile(
         if SLIDING_WINDOW > 0:
             vis = vis & (offs_n[None, :] > pos[:, None] - SLIDING_WINDOW)
         if USE_TREE:
-            # Tree verification: inside the draft segment a query sees only its ancestors (packed [n, n] mask).
-            in_tree = ((pos[:, None] >= draft_start) & (pos[:, None] < draft_start + draft_len)
-                       & (offs_n[None, :] >= draft_start) & vis)
-            t_idx = (pos[:, None] - draft_start) * draft_len + (offs_n[None, :] - draft_start)
-            allowed = tl.load(tree_ptr + t_idx, mask=in_tree, other=1)
-            vis = vis & (allowed != 0)
+            vis = tree_visible(vis, offs_n, pos, draft_start, draft_len, tree_ptr)
         s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
