@@ -231,6 +231,12 @@ class AttentionBackend(ABC):
         return torch.empty(cls.kv_cache_shape(num_blocks, spec), dtype=spec.kv_cache_torch_dtype, device=device)
 
     @classmethod
+    def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Which kernels serve ``spec`` on ``device`` where the backend has several (one line each; shown by
+        :func:`attnbackends.explain` for the chosen backend). Default: none to tell."""
+        return []
+
+    @classmethod
     @abstractmethod
     def get_builder_cls(cls) -> type["AttentionMetadataBuilder"]:
         """The metadata builder class."""

@@ -290,6 +290,8 @@ def explain(
         if not by_name[name].reasons:
             by_name[name].chosen = True
             result.chosen = name
+            if name in _REGISTRY:
+                result.notes += [f"{name}: {note}" for note in _REGISTRY[name].kernel_notes(spec, device)]
             break
     return result
 

@@ -18,6 +18,7 @@
 #   s4-bench  the Triton API suite, the prefill tiles, the MLA decode kernel against candidate A and FlashInfer
 #          MLA, speculative decoding on Triton (one 10-minute call on a host whose FlashInfer kernels are built)
 #   sanitize-new  compute-sanitizer memcheck over the prefill kernel's and the MLA backends' GPU tests
+#   check  remaining, the tree-verification GPU tests and sanitize-new (Triton kernels only), side by side
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
@@ -79,6 +80,18 @@ if [ "$what" = remaining ]; then  # the GPU tests no visit has run yet (the last
   group spec-e2e tests/test_engine_speculative_mla.py tests/test_bench_spec_engine.py tests/test_hf_hybrid.py &
   group cp-plan tests/test_context_parallel.py tests/flashinfer_backend/test_flashinfer_plan_inputs.py &
   wait
+fi
+if [ "$what" = check ]; then  # one device call: the unrun GPU tests, tree verification on GPU, memcheck
+  limit=540
+  group spec-e2e tests/test_engine_speculative_mla.py tests/test_bench_spec_engine.py tests/test_hf_hybrid.py &
+  group cp-tree tests/test_context_parallel.py tests/flashinfer_backend/test_flashinfer_plan_inputs.py \
+    tests/triton_backend/test_speculative_triton.py tests/mla/test_mla_speculative_gpu.py \
+    tests/test_cudagraph_verify_gpu.py &
+  SANITIZE_TESTS="tests/triton_backend/test_prefill_kernel.py tests/mla/test_mla_gpu.py" \
+    SANITIZE_K="not flashinfer and not flash_attn and not sdpa" timeout 540 bash benchmarks/sanitize.sh \
+    > "$OUT/sanitize.log" 2>&1 &
+  wait
+  echo "sanitize:"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

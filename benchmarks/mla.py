@@ -23,7 +23,9 @@ import triton.testing
 from attnbackends import DeviceInfo
 from attnbackends.metadata import build_common_metadata
 from attnbackends.mla.backends import TritonMLABackend, TritonMLAMetadataBuilder
-from attnbackends.mla.decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config, mla_decode
+from attnbackends.mla.decode_kernel import (
+    MLADecodeConfig, choose_num_splits, decode_descriptors, decode_kernel_name, default_decode_config, mla_decode,
+)
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.platform import package_available
 from attnbackends.spec import AttentionSpec
@@ -107,13 +109,16 @@ def run_decode(rows, sweep: bool, log, sweep_configs: str = DEFAULT_SWEEP):
         results = []
         for c, s in candidates:
             try:
-                fn = lambda: mla_decode(ql, qpe, cache, block_table, seq_lens, out, scale=scale, num_splits=s, config=c)  # noqa: E731
+                kernel = decode_kernel_name(ql, qpe, cache, c, tree=False)
+                desc = decode_descriptors(kernel, cache, LKV, c)  # built once, as the backend's impl does
+                fn = lambda: mla_decode(ql, qpe, cache, block_table, seq_lens, out, scale=scale, num_splits=s,  # noqa: E731
+                                        config=c, descriptors=desc)
                 fn()
                 torch.cuda.synchronize()
                 us = bench(fn)
                 err = float((out.float() - peer_out.float()).abs().max()) if peer_out is not None else float("nan")
-                results.append((us, c, s, err))
-                log(f"decode B={batch} L={seq_len} {c} splits={s}: {us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s), "
+                results.append((us, c, s, err, kernel))
+                log(f"decode B={batch} L={seq_len} {kernel} {c} splits={s}: {us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s), "
                     f"max |triton - flashinfer| = {err:.3g}")
             except Exception as exc:
                 log(f"decode B={batch} L={seq_len} {c} splits={s}: failed: {type(exc).__name__}: {str(exc)[:200]}")
@@ -122,11 +127,11 @@ def run_decode(rows, sweep: bool, log, sweep_configs: str = DEFAULT_SWEEP):
         for label, res in (("default", results[0] if default_us is not None else None), ("best", best if sweep else None)):
             if res is None:
                 continue
-            us, c, s, _ = res
+            us, c, s, _, kernel = res
             rows.append({
                 "case": "mla_decode", "backend": "triton_mla", "peer": "flashinfer_mla",
                 "peer_impl": f"BatchMLAPagedAttentionWrapper(backend={peer_name!r})" if peer_name else None,
-                "config": f"{label}: block_h={c.block_h} block_n={c.block_n} warps={c.num_warps} stages={c.num_stages} "
+                "config": f"{label}: kernel={kernel} block_h={c.block_h} block_n={c.block_n} warps={c.num_warps} stages={c.num_stages} "
                           f"tma={c.use_tma} splits={s}",
                 "B": batch, "L": seq_len, "H": H, "dtype": "bfloat16", "kv_dtype": "auto",
                 "us": round(us, 2), "peer_us": round(peer_us, 2) if peer_us else None,

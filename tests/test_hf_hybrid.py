@@ -67,9 +67,9 @@ def test_float16_triton_sliding_groups_against_transformers_forward(kind):
     """Sliding groups on interpreted Triton, global groups on the reference backend, the model in float16; every
     step's logits against transformers' float32 forward over the engine's own tokens."""
     build, wrap = MODELS[kind]
-    reference = build(seed=2)
+    reference = build(seed=2, head_dim=64)  # a head size every GPU backend serves (FlashInfer: 64, 128, 256)
     engine = GroupedPagedEngine(
-        wrap(build(seed=2)), EngineConfig(block_size=16, num_blocks=16, max_num_batched_tokens=48, max_num_reqs=2),
+        wrap(build(seed=2, head_dim=64)), EngineConfig(block_size=16, num_blocks=16, max_num_batched_tokens=48, max_num_reqs=2),
         dtype=torch.float16, attention_config=LayerGroupsConfig(groups={"sliding_8": "triton", "full": "reference"}),
     )
     prompts = [list(range(1, 31)), [4, 2]]
@@ -93,9 +93,9 @@ def test_gpu_groups_against_transformers_forward(kind, groups, dtype, atol, rtol
     """On the GPU: the registry's per-group choice (or a pinned pair of backends), the model in 16-bit; every step's
     logits against transformers' float32 forward over the engine's own tokens, and the pages of every pool freed."""
     build, wrap = MODELS[kind]
-    reference = build(seed=2)
+    reference = build(seed=2, head_dim=64)  # a head size every GPU backend serves (FlashInfer: 64, 128, 256)
     engine = GroupedPagedEngine(
-        wrap(build(seed=2)), EngineConfig(block_size=16, num_blocks=32, max_num_batched_tokens=48, max_num_reqs=2),
+        wrap(build(seed=2, head_dim=64)), EngineConfig(block_size=16, num_blocks=32, max_num_batched_tokens=48, max_num_reqs=2),
         device="cuda", dtype=dtype, attention_config=LayerGroupsConfig(groups=groups) if groups else None,
     )
     prompts = [list(range(1, 31)), [4, 2]]

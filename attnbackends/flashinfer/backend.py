@@ -402,7 +402,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if num_prefills:
             wrapper = self.wrappers.captured_verify(num_reqs, common.num_actual_tokens, tree) if verify else None
             meta.cuda_graph = wrapper is not None
-            wrapper = wrapper or self.wrappers.prefill()
+            wrapper = wrapper or self.wrappers.prefill(custom_mask=tree)
             part = inputs.select(num_decodes, num_reqs)
             qo_indptr, kv_indptr, last_page_len = part.qo_indptr, part.kv_indptr, part.kv_last_page_len
             if tree:

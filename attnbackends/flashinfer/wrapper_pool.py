@@ -1,7 +1,9 @@
 """Every FlashInfer wrapper one metadata builder plans, created on first use on the builder's float workspace, and
 each decode wrapper's re-planner (:mod:`.fast_plan`).
 
-Eager wrappers: one decode, one prefill (also multi-token decodes and tree verify), one two-level cascade; one
+Eager wrappers: one decode, two prefill (one for plain prefills and multi-token decodes, one for tree verify: a
+wrapper built with ``backend="auto"`` fixes its kernel family at its first ``plan()``, and the family chosen without a
+custom mask may not take one), one two-level cascade; one
 decode wrapper per draft step (every step's plan must survive the later steps' planning). CUDA-graph wrappers: a
 decode wrapper per captured batch size, all on one set of persistent page-table buffers (one batch runs at a time;
 each sees its own prefix of them), and a prefill wrapper per captured verify shape (requests, tokens, tree), each
@@ -56,7 +58,7 @@ class WrapperPool:
         self._flashinfer: Any = None
         self._workspace: Optional[torch.Tensor] = None
         self.eager_decode: Any = None
-        self._prefill: Any = None
+        self._prefill: dict[bool, Any] = {}
         self._cascade: Any = None
         self._draft_decode: list[tuple[Any, DevicePlanBuffer]] = []
         self._graph_decode: dict[int, Any] = {}
@@ -84,10 +86,11 @@ class WrapperPool:
                 self.workspace(), KV_LAYOUT, use_tensor_cores=self.use_tensor_cores)
         return self.eager_decode
 
-    def prefill(self) -> Any:
-        if self._prefill is None:
-            self._prefill = self.fi().BatchPrefillWithPagedKVCacheWrapper(self.workspace(), KV_LAYOUT)
-        return self._prefill
+    def prefill(self, custom_mask: bool = False) -> Any:
+        """The eager prefill wrapper for plans with (tree verify) or without a custom mask."""
+        if custom_mask not in self._prefill:
+            self._prefill[custom_mask] = self.fi().BatchPrefillWithPagedKVCacheWrapper(self.workspace(), KV_LAYOUT)
+        return self._prefill[custom_mask]
 
     def cascade(self) -> Any:
         if self._cascade is None:

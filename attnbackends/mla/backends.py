@@ -16,8 +16,9 @@ from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
+from .decode_hopper import HOPPER_BLOCK_N, gluon_available
 from .decode_kernel import (
-    MLADecodeConfig, choose_num_splits, default_decode_config, mla_decode, tma_decode_applies, tma_descriptors,
+    MLADecodeConfig, choose_num_splits, decode_descriptors, decode_kernel_name, default_decode_config, mla_decode,
 )
 
 __all__ = [
@@ -90,21 +91,23 @@ class TritonMLAImpl(MLAImpl):
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
-        self._descriptors: dict[tuple, Any] = {}  # this layer's TMA descriptors, by cache and config
+        self._descriptors: dict[tuple, Any] = {}  # this layer's TMA descriptors, by cache, config and tree
 
-    def _tma_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig) -> Optional[tuple[Any, Any]]:
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config)
+    def _kernel_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig, tree: bool) -> Optional[tuple[Any, Any]]:
+        """The descriptors of the decode kernel these inputs run on (:func:`decode_kernel_name`), built once."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config, tree)
         if key not in self._descriptors:
-            applies = tma_decode_applies(ql, q_pe, kv_cache, config)
-            self._descriptors[key] = tma_descriptors(kv_cache, ql.shape[-1], config) if applies else None
+            kernel = decode_kernel_name(ql, q_pe, kv_cache, config, tree)
+            self._descriptors[key] = decode_descriptors(kernel, kv_cache, ql.shape[-1], config)
         return self._descriptors[key]
 
     def _decode_latent(self, ql, q_pe, kv_cache, decode):
         config = decode.extra["config"]
+        descriptors = self._kernel_descriptors(ql, q_pe, kv_cache, config, decode.tree_indptr is not None)
         return mla_decode(
             ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.extra["latent_out"],
             scale=self.scale, k_scale=self.k_scale, num_splits=decode.extra["num_splits"], config=config,
-            partials=decode.extra.get("partials"), descriptors=self._tma_descriptors(ql, q_pe, kv_cache, config),
+            partials=decode.extra.get("partials"), descriptors=descriptors,
             query_start_loc=decode.query_start_loc, max_query_len=decode.max_query_len, tree_mask=decode.tree_mask,
             tree_indptr=decode.tree_indptr,
         )
@@ -120,6 +123,23 @@ class TritonMLABackend(_MLABackendBase):
     needs_triton = True
     min_compute_capability = (8, 0)
     min_compute_capability_fp8_e4m3 = (8, 9)  # Triton converts e4m3 natively from sm_89 on
+
+    @classmethod
+    def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """The decode kernel: the Gluon Hopper kernel where it applies, else the Triton kernels."""
+        config = default_decode_config(spec.num_heads, interpreted=not device.is_cuda)
+        hopper = (device.compute_capability == (9, 0) and config.use_hopper and gluon_available()
+                  and not spec.is_fp8_kv_cache and spec.block_size % HOPPER_BLOCK_N == 0)
+        if not device.is_cuda:
+            return ["decode kernel: the portable Triton kernel (interpreted)"]
+        if hopper:
+            return ["decode kernel: the Gluon Hopper kernel (two warpgroups split Q.K^T by keys and P.V by columns, "
+                    "TMA pages); tree-verify batches on the Triton TMA kernel"]
+        why = ("an fp8 latent cache" if spec.is_fp8_kv_cache else f"{spec.num_heads} heads (< 64)"
+               if not config.use_hopper else f"page size {spec.block_size} (not a multiple of {HOPPER_BLOCK_N})"
+               if spec.block_size % HOPPER_BLOCK_N else "compute capability is not 9.0"
+               if device.compute_capability != (9, 0) else "triton.experimental.gluon is not installed")
+        return [f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"]
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMLAMetadataBuilder]:

@@ -29,9 +29,10 @@ from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache
 from ..ops.tree_mask import tree_visible
+from .decode_hopper import HOPPER_BLOCK_H, hopper_decode_applies, hopper_descriptors, launch_hopper_decode
 
 __all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
-           "tma_descriptors"]
+           "decode_kernel_name", "decode_descriptors", "tma_descriptors"]
 
 _LOG2E = 1.4426950408889634
 
@@ -45,6 +46,7 @@ class MLADecodeConfig:
     num_warps: int = 8
     num_stages: int = 2
     use_tma: bool = False  # load whole cache tiles with TMA (see :func:`tma_decode_applies`)
+    use_hopper: bool = False  # the Gluon kernel of :mod:`.decode_hopper` where it applies (Hopper, 16-bit, no tree)
 
 
 def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:
@@ -54,7 +56,7 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
     # The fastest config of the sweep in benchmarks/NOTES-host-and-tiles.md (python -m benchmarks.mla --sweep).
     block_h = 64 if num_heads >= 64 else max(16, next_power_of_2(num_heads))
     return MLADecodeConfig(block_h=block_h, block_n=64 if block_h >= 64 else 32, num_warps=8 if block_h >= 64 else 4,
-                           num_stages=2, use_tma=True)
+                           num_stages=2, use_tma=True, use_hopper=block_h == HOPPER_BLOCK_H)
 
 
 def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, sm_count: int, config: MLADecodeConfig) -> int:
@@ -478,6 +480,24 @@ def tma_descriptors(kv_cache: torch.Tensor, kv_lora: int, config: MLADecodeConfi
             TensorDescriptor.from_tensor(rows, [config.block_n, width - kv_lora]))
 
 
+def decode_kernel_name(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, config: MLADecodeConfig,
+                       tree: bool) -> str:
+    """The decode kernel :func:`mla_decode` launches for these inputs: "hopper" (the Gluon kernel of
+    :mod:`.decode_hopper`, asked for by ``config.use_hopper`` and applicable), "tma" (the Triton kernel with TMA
+    tiles, see :func:`tma_decode_applies`) or "pointer" (the portable Triton kernel)."""
+    if config.use_hopper and config.block_h == HOPPER_BLOCK_H and hopper_decode_applies(q_nope, q_pe, kv_cache, tree):
+        return "hopper"
+    return "tma" if tma_decode_applies(q_nope, q_pe, kv_cache, config) else "pointer"
+
+
+def decode_descriptors(kernel: str, kv_cache: torch.Tensor, kv_lora: int, config: MLADecodeConfig) -> Optional[tuple[Any, Any]]:
+    """The TMA descriptors ``kernel`` (a :func:`decode_kernel_name`) reads ``kv_cache`` through (None: none). They
+    depend on the cache, the kernel and the config only: an impl builds its layer's once."""
+    if kernel == "hopper":
+        return hopper_descriptors(kv_cache, kv_lora)
+    return tma_descriptors(kv_cache, kv_lora, config) if kernel == "tma" else None
+
+
 def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, out, lse, stride_o_s, num_splits,
                 qk_scale_log2, config: MLADecodeConfig, grid, descriptors) -> None:
     page = kv_cache.shape[1]
@@ -532,8 +552,8 @@ def mla_decode(
     num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
     lse : [T, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
     partials : preallocated ([T, H, S, Lkv] float32, [T, H, S] float32) buffers for num_splits > 1.
-    descriptors : :func:`tma_descriptors` of ``kv_cache`` and ``config`` (built here when the TMA kernel applies
-        and none are given).
+    descriptors : :func:`decode_descriptors` of the kernel :func:`decode_kernel_name` picks for these inputs (built
+        here when that kernel reads through TMA and none are given).
     query_start_loc : [B + 1] int32, request b's query tokens are ``query_start_loc[b] : query_start_loc[b + 1]``
         (each at most ``max_query_len``; token t of a request with L keys and Q tokens sits at position L - Q + t
         and sees keys up to it). None: one token per request (T == B).
@@ -588,8 +608,13 @@ def mla_decode(
     )
     qk_scale_log2 = scale * _LOG2E * (k_scale if is_fp8 else 1.0)
     v_scale = k_scale if is_fp8 else 1.0
-    use_tma = tma_decode_applies(q_nope, q_pe, kv_cache, config)
+    kernel = decode_kernel_name(q_nope, q_pe, kv_cache, config, tree_indptr is not None)
+    use_tma = kernel == "tma"
     if num_splits == 1:
+        if kernel == "hopper":
+            launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative[0], output, lse, 0, 1,
+                                 qk_scale_log2, max_query_len, grid, descriptors)
+            return output
         if use_tma:
             _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, output, lse, 0, 1, qk_scale_log2,
                         config, grid, descriptors)
@@ -611,7 +636,10 @@ def mla_decode(
         lse_part = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
     else:
         o_part, lse_part = partials
-    if use_tma:
+    if kernel == "hopper":
+        launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative[0], o_part, lse_part,
+                             o_part.stride(2), num_splits, qk_scale_log2, max_query_len, grid, descriptors)
+    elif use_tma:
         _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, o_part, lse_part, o_part.stride(2),
                     num_splits, qk_scale_log2, config, grid, descriptors)
     else:

@@ -43,6 +43,7 @@ from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
 __all__ = [
+    "check_backend_on_batches",
     "CaseNotSupported",
     "ConformanceCase",
     "conformance_cases",
@@ -193,6 +194,32 @@ def check_backend_on_batch(backend_cls: type[AttentionBackend], batch: RandomBat
         raise AssertionError(f"{backend_cls.name} wrote into padding rows past num_actual_tokens={n}")
     if kv_cache is not None:
         _check_cache_writes(backend_cls.name, batch, kv_cache)
+
+
+def check_backend_on_batches(backend_cls: type[AttentionBackend], batches: Sequence[RandomBatch]) -> None:
+    """Run ``batches`` one after another through one builder and one impl, as an engine's steps run, and check each
+    as :func:`check_backend_on_batch` does: state a builder keeps between steps (planned wrappers, kernel choices
+    cached per batch kind) must not carry one step's kind into the next. The batches share one spec, sinks and
+    scales (the first batch's); build them on one ``num_blocks`` when the builder learns the cache size."""
+    if not batches:
+        raise ValueError("check_backend_on_batches needs at least one batch")
+    first = batches[0]
+    device = first.query.device
+    reasons = backend_cls.not_supported_reasons(first.spec, _device_info(device))
+    if reasons:
+        raise CaseNotSupported(reasons)
+    builder = backend_cls.get_builder_cls()(first.spec, device)
+    impl = backend_cls.get_impl_cls()(first.spec, sinks=first.sinks, k_scale=first.k_scale, v_scale=first.v_scale)
+    tol = tolerance_for(first.spec.torch_dtype, first.spec.kv_cache_dtype)
+    for index, batch in enumerate(batches):
+        if batch.spec != first.spec:
+            raise ValueError(f"batch {index} has a different spec from batch 0: one builder serves one spec")
+        kv_cache = batch.kv_cache.clone() if batch.kv_cache is not None else None
+        output = batch.new_output()
+        impl.forward(batch.query, batch.key, batch.value, kv_cache, builder.build(batch.common), output)
+        n = batch.num_actual_tokens
+        assert_close_to_oracle(output[:n], oracle_attention(batch), tol,
+                               what=f"{backend_cls.name} output of batch {index}")
 
 
 def _check_cache_writes(name: str, batch: RandomBatch, kv_cache: torch.Tensor) -> None:

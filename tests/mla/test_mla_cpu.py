@@ -299,3 +299,21 @@ def test_split_count_fills_one_wave(batch, seq_len):
         assert programs * splits <= 132 and splits <= min(64, -(-seq_len // 256))
         assert programs * (splits + 1) > 132 or splits == min(64, -(-seq_len // 256))
 
+
+
+@pytest.mark.parametrize("kv_cache_dtype, heads, block_size, cc, kernel", [
+    ("auto", 128, 64, (9, 0), "Gluon Hopper kernel (two"),
+    ("fp8_e4m3", 128, 64, (9, 0), "an fp8 latent cache rules out"),
+    ("auto", 16, 64, (9, 0), "16 heads (< 64) rules out"),
+    ("auto", 128, 16, (9, 0), "page size 16 (not a multiple of 64) rules out"),
+    ("auto", 128, 64, (8, 0), "compute capability is not 9.0 rules out"),
+])
+def test_explain_names_the_mla_decode_kernel(kv_cache_dtype, heads, block_size, cc, kernel):
+    from attnbackends.mla.decode_hopper import gluon_available
+
+    if not gluon_available() and "Gluon Hopper kernel (two" in kernel:
+        kernel = "triton.experimental.gluon is not installed"
+    spec = AttentionSpec.mla(heads, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, block_size=block_size)
+    result = explain(spec, DeviceInfo.cuda(*cc), AttentionConfig(backend="triton_mla"))
+    assert any(note.startswith("triton_mla: decode kernel") and kernel in note for note in result.notes), result.notes
+    assert "triton_mla: decode kernel" in str(result)

@@ -10,7 +10,7 @@ import torch
 from attnbackends import DeviceInfo
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend
 from attnbackends.mla.cache import concat_and_cache_mla, concat_and_cache_mla_torch
-from attnbackends.mla.decode_kernel import default_decode_config, mla_decode, mla_decode_torch, tma_decode_applies
+from attnbackends.mla.decode_kernel import decode_kernel_name, default_decode_config, mla_decode, mla_decode_torch
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.mla.reference import ReferenceMLABackend
 from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
@@ -70,6 +70,18 @@ def test_mla_backend_on_gpu(backend, kv_cache_dtype, prefill, batches, oracles):
     assert torch.isnan(out[n:].float()).all()
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_triton_mla_at_128_heads_on_gpu(num_splits):
+    """DeepSeek-V3's 128 heads: the decodes run on the default kernel for the GPU (the Gluon Hopper kernel on
+    compute capability 9.0), the prefills behind them on the default prefill kernel, against the oracle."""
+    batch = make_random_mla_batch(v3_spec(num_heads=128), SHAPES, seed=12, device="cuda", pad_tokens=5)
+    out, _ = run_mla_backend(TritonMLABackend, batch, builder_kwargs=dict(
+        workspace_tokens=WORKSPACE, **({"num_splits": num_splits} if num_splits else {})))
+    n = batch.num_actual_tokens
+    assert_close_to_oracle(out[:n], mla_oracle(batch), tolerance_for(torch.bfloat16), what="triton_mla 128 heads")
+    assert torch.isnan(out[n:].float()).all()
+
+
 def test_reference_mla_on_gpu(batches, oracles):
     batch = batches["fp8_e4m3"]
     out, _ = run_mla_backend(ReferenceMLABackend, batch)
@@ -79,8 +91,8 @@ def test_reference_mla_on_gpu(batches, oracles):
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma"])
-def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype, tma):
+@pytest.mark.parametrize("kernel", ["pointer", "tma", "hopper"])
+def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype, kernel):
     g = torch.Generator().manual_seed(12)
     seq_lens = torch.tensor([1, 64, 65, 777, 4100], dtype=torch.int32)
     pages = (seq_lens + 63) // 64
@@ -95,8 +107,10 @@ def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype, tma):
     ql = torch.randn(5, num_heads, 512, generator=g).bfloat16().cuda()
     qpe = torch.randn(5, num_heads, 64, generator=g).bfloat16().cuda()
     out = torch.full((5, num_heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    config = dataclasses.replace(default_decode_config(num_heads), use_tma=tma)
-    assert tma_decode_applies(ql, qpe, cache, config) == (tma and cache_dtype == torch.bfloat16)
+    config = dataclasses.replace(default_decode_config(num_heads), use_tma=kernel != "pointer",
+                                 use_hopper=kernel == "hopper")
+    runs = "pointer" if cache_dtype != torch.bfloat16 else "tma" if kernel == "hopper" and num_heads < 64 else kernel
+    assert decode_kernel_name(ql, qpe, cache, config, tree=False) == runs
     mla_decode(ql, qpe, cache, block_table.cuda(), seq_lens.cuda(), out, scale=0.0722, k_scale=k_scale,
                num_splits=num_splits, config=config)
     want = torch.empty(5, num_heads, 512, dtype=torch.float32, device="cuda")
@@ -123,3 +137,55 @@ def test_decode_equals_prefill_on_gpu():
     via_decode, _ = run_mla_backend(TritonMLABackend, batch)
     via_prefill, _ = run_mla_backend(TritonMLABackend, batch, decode_threshold=0, builder_kwargs=dict(workspace_tokens=1024))
     torch.testing.assert_close(via_decode.float(), via_prefill.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("max_q", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_hopper_kernel_on_nan_slots_and_bad_pages(max_q, num_splits):
+    """The Gluon Hopper kernel with NaN in every slot past a sequence's end and page ids outside the cache (in a
+    whole tile and in a partial last tile): finite, bit for bit the run with page 0 in their place, close to torch
+    in output and to the Triton TMA kernel in output and LSE; one and several query tokens, with and without
+    splits."""
+    g = torch.Generator().manual_seed(21)
+    seq_lens = torch.tensor([5, 64, 130, 700], dtype=torch.int32)
+    batch, heads, pages = len(seq_lens), 128, (seq_lens + 63) // 64
+    num_blocks = int(pages.sum()) + 4
+    cache = (torch.randn(num_blocks, 64, 576, generator=g) * 3).bfloat16()
+    good = torch.zeros(batch, int(pages.max()), dtype=torch.int32)
+    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # page 0 belongs to no request
+    for i, (n, p) in enumerate(zip(seq_lens.tolist(), pages.tolist())):
+        good[i, :p] = torch.tensor(order[:p], dtype=torch.int32)
+        order = order[p:]
+        cache[good[i, p - 1], n - (p - 1) * 64:] = float("nan")  # the slots past the end of its last page
+    bad = good.clone()
+    bad[3, 1] = num_blocks + 5  # a whole tile (TMA)
+    bad[2, 2] = -1  # the partial last tile (pointer loads)
+    substituted = torch.where((bad >= 0) & (bad < num_blocks), bad, 0)
+    tokens = batch * max_q
+    query_start = torch.arange(0, tokens + 1, max_q, dtype=torch.int32)
+    ql = torch.randn(tokens, heads, 512, generator=g).bfloat16().cuda()
+    qpe = torch.randn(tokens, heads, 64, generator=g).bfloat16().cuda()
+    cache = cache.cuda()
+
+    def run(table, hopper):
+        config = dataclasses.replace(default_decode_config(heads), use_hopper=hopper)
+        assert decode_kernel_name(ql, qpe, cache, config, tree=False) == ("hopper" if hopper else "tma")
+        out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((tokens, heads), float("nan"), device="cuda")
+        mla_decode(ql, qpe, cache, table.cuda(), seq_lens.cuda(), out, scale=0.0722, num_splits=num_splits,
+                   config=config, lse=lse, query_start_loc=query_start.cuda(), max_query_len=max_q)
+        return out, lse
+
+    if decode_kernel_name(ql, qpe, cache, default_decode_config(heads), tree=False) != "hopper":
+        pytest.skip("the Gluon kernel needs compute capability 9.0 and triton.experimental.gluon")
+    out, lse = run(bad, True)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    want_out, want_lse = run(substituted, True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    triton_out, triton_lse = run(substituted, False)
+    torch.testing.assert_close(out.float(), triton_out.float(), atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(lse, triton_lse, atol=1e-3, rtol=1e-4)
+    want = torch.empty(tokens, heads, 512, dtype=torch.float32, device="cuda")
+    mla_decode_torch(ql, qpe, cache, substituted.cuda(), seq_lens, want, scale=0.0722,
+                     query_lens_cpu=torch.full((batch,), max_q, dtype=torch.int32))
+    torch.testing.assert_close(out.float(), want, atol=6e-2, rtol=3e-2)

@@ -1,7 +1,7 @@
 """Speculative decoding on the GPU MLA backends at DeepSeek-V3 dims (Lkv 512, R 64, P 128, V 128, page 64) against
 the float64 oracle: uniform 1 + 3 and mixed-length multi-token decodes (triton_mla, flashinfer_mla), tree
-verification (triton_mla; flashinfer_mla declines trees), the default TMA kernel, split-KV and the fp8 latent
-cache. Run with `pytest -m gpu tests/mla/test_mla_speculative_gpu.py` on the GPU host."""
+verification (triton_mla; flashinfer_mla declines trees), the default kernels (at 128 heads on Hopper the Gluon
+kernel serves every decode but a tree), split-KV and the fp8 latent cache. Run with `pytest -m gpu tests/mla/test_mla_speculative_gpu.py` on the GPU host."""
 
 import random
 
@@ -48,11 +48,13 @@ def test_uniform_1_plus_3_decode(backend, num_heads, num_splits):
     _check(backend, batch, **({"num_splits": num_splits} if num_splits else {}))
 
 
+@pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", [TritonMLABackend, FlashInferMLABackend], ids=lambda b: b.name)
-def test_mixed_length_decodes_with_prefills_behind(backend, kv_cache_dtype):
+def test_mixed_length_decodes_with_prefills_behind(backend, kv_cache_dtype, num_heads):
     shapes = [S(q, c) for q, c in zip((2, 8, 1, 5, 3, 8), CONTEXTS)] + [S(37, 0), S(200, 1500)]
-    batch = make_random_mla_batch(v3_spec(7, False, kv_cache_dtype), shapes, seed=2, device="cuda", pad_tokens=5)
+    batch = make_random_mla_batch(v3_spec(7, False, kv_cache_dtype, num_heads=num_heads), shapes, seed=2,
+                                  device="cuda", pad_tokens=5)
     _check(backend, batch)
 
 
