@@ -19,6 +19,9 @@
 #          MLA, speculative decoding on Triton (one 10-minute call on a host whose FlashInfer kernels are built)
 #   sanitize-new  compute-sanitizer memcheck over the prefill kernel's and the MLA backends' GPU tests
 #   check  remaining, the tree-verification GPU tests and sanitize-new (Triton kernels only), side by side
+#   hopper-check  the Gluon Hopper MLA kernel's GPU tests, the step-kind / spec-engine / hybrid fixes, and memcheck
+#          over the MLA GPU tests (no CUDA-graph capture under memcheck: it runs without the caching allocator)
+#   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
 set -uo pipefail
@@ -92,6 +95,21 @@ if [ "$what" = check ]; then  # one device call: the unrun GPU tests, tree verif
     > "$OUT/sanitize.log" 2>&1 &
   wait
   echo "sanitize:"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3
+fi
+if [ "$what" = hopper-check ]; then
+  limit=520
+  group mla-hopper tests/mla/test_mla_gpu.py tests/mla/test_mla_speculative_gpu.py tests/test_step_kinds_one_builder.py &
+  group e2e-fix tests/test_bench_spec_engine.py tests/test_hf_hybrid.py &
+  SANITIZE_TESTS="tests/mla/test_mla_gpu.py tests/triton_backend/test_prefill_kernel.py" \
+    SANITIZE_K="not flashinfer and not flash_attn and not sdpa and not overlapped" timeout 520 \
+    bash benchmarks/sanitize.sh > "$OUT/sanitize.log" 2>&1 &
+  wait
+  echo "sanitize:"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3
+fi
+if [ "$what" = hopper-bench ]; then
+  step mla-explore 330 python3 -m benchmarks.mla_explore --families ${FAMILIES:-A,W} --out "$OUT/mla-explore" \
+    --budget-s 300 --config-timeout-s 120
+  step mla-suite 200 python3 benchmarks/mla.py --out "$OUT/mla.json"
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

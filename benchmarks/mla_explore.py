@@ -82,7 +82,7 @@ DRY_SHAPES = [(2, 130, 1), (1, 300, 2)]
 # Accuracy classes: (relative Frobenius error of the output, max |LSE - oracle|).
 TOL_BF16 = (1e-2, 2e-2)
 TOL_FP8_MMA = (0.1, 0.2)  # fp8 queries (and P): quantisation, not a bug, sets this error
-FAMILIES = "F,A,G,B,C,D,E"
+FAMILIES = "F,W,A,G,B,C,D,E"
 K_SCALE_CHECK = 0.5  # the fp8 scale of the probe's check batch (timed batches use 1, as FlashInfer reads no scale)
 
 
@@ -216,6 +216,10 @@ def family_configs(family: str, quick: bool, best: Optional[dict] = None) -> lis
         from benchmarks.mla_explore_gluon import family_configs as gluon_configs
 
         cs = gluon_configs(quick=False)
+    elif family == "W":
+        from benchmarks.mla_explore_gluon_ws import family_configs as gluon_ws_configs
+
+        cs = gluon_ws_configs(quick=False)
     else:
         raise ValueError(f"unknown candidate family {family!r}; allowed: {FAMILIES}")
     return cs[:1] if quick else cs
@@ -232,6 +236,10 @@ def config_from_json(d: dict):
         from benchmarks.mla_explore_gluon import GluonConfig
 
         return GluonConfig(**d)
+    if kind == "GluonWSConfig":
+        from benchmarks.mla_explore_gluon_ws import GluonWSConfig
+
+        return GluonWSConfig(**d)
     from benchmarks.mla_explore_triton import TritonConfig
 
     return TritonConfig(**d)
@@ -253,6 +261,11 @@ def make_launch_with(cfg, b: DecodeBatch, out, lse, sched, num_sms: int):
         from benchmarks.mla_explore_gluon import make_gluon_launch
 
         return make_gluon_launch(cfg, b.q_nope, b.q_pe, b.cache, b.block_table, sched, out, lse, **kw)
+    if type(cfg).__name__ == "GluonWSConfig":
+        from benchmarks import mla_explore_gluon_ws
+
+        return mla_explore_gluon_ws.make_gluon_launch(cfg, b.q_nope, b.q_pe, b.cache, b.block_table, sched, out, lse,
+                                                      **kw)
     from benchmarks.mla_explore_triton import make_triton_launch
 
     return make_triton_launch(cfg, b.q_nope, b.q_pe, b.cache, b.block_table, sched, out, lse, **kw)
@@ -297,10 +310,10 @@ def current_kernel_launch(b: DecodeBatch, out, lse, num_sms: int):
     descriptors and partials are built once, as the backend's impl does, and as the candidates' runners do."""
     from attnbackends.mla.decode_kernel import (
         choose_num_splits,
+        decode_descriptors,
+        decode_kernel_name,
         default_decode_config,
         mla_decode,
-        tma_decode_applies,
-        tma_descriptors,
     )
 
     if b.q_len != 1:
@@ -313,8 +326,7 @@ def current_kernel_launch(b: DecodeBatch, out, lse, num_sms: int):
         partials = (torch.empty(B, H, splits, lkv, dtype=torch.float32, device=b.device),
                     torch.empty(B, H, splits, dtype=torch.float32, device=b.device))
 
-    descriptors = (tma_descriptors(b.cache, lkv, cfg) if tma_decode_applies(b.q_nope, b.q_pe, b.cache, cfg)
-                   else None)
+    descriptors = decode_descriptors(decode_kernel_name(b.q_nope, b.q_pe, b.cache, cfg, tree=False), b.cache, lkv, cfg)
 
     def fn():
         mla_decode(b.q_nope, b.q_pe, b.cache, b.block_table, b.seq_lens, out, scale=b.dims.scale,
@@ -698,7 +710,7 @@ class Runner:
             for name, e in r["shapes"].items():
                 if e.get("status") == "ok":
                     shape = next(s for s in self.shapes if shape_name(s) == name)
-                    kind = "gluon" if r["config"].get("kind") == "GluonConfig" else "triton"
+                    kind = "gluon" if r["config"].get("kind") in ("GluonConfig", "GluonWSConfig") else "triton"
                     add(f"{kind}_{r['family']}", shape, r["cfg"].kv_fp8, e["us"],
                         {"config": r["label"], "max_abs_diff": e["max_abs"], "rel_err": e["rel"],
                          "lse_max_abs_diff": e["lse_max_abs"], "timer": e.get("timer")})
@@ -777,6 +789,10 @@ def compile_only_main(args, dims: Dims, log: Log) -> int:
                 if type(cfg).__name__ == "GluonConfig":
                     from benchmarks.mla_explore_gluon import make_gluon_launch
                     launch = make_gluon_launch(cfg, b.q_nope, b.q_pe, cache, bt, sched, out, lse, **kw)
+                elif type(cfg).__name__ == "GluonWSConfig":
+                    from benchmarks import mla_explore_gluon_ws
+                    launch = mla_explore_gluon_ws.make_gluon_launch(cfg, b.q_nope, b.q_pe, cache, bt, sched, out, lse,
+                                                                    **kw)
                 else:
                     from benchmarks.mla_explore_triton import make_triton_launch
                     launch = make_triton_launch(cfg, b.q_nope, b.q_pe, cache, bt, sched, out, lse, **kw)
@@ -868,7 +884,7 @@ def main(argv=None) -> int:
     run.write()
     families = [f.strip().upper() for f in args.families.split(",") if f.strip()]
     if args.dry_run_cpu:
-        families = [f for f in families if f != "F"]
+        families = [f for f in families if f not in ("F", "W")]
     reserve = 25.0 if run.fi_procs else 0.0
     run_families(families, lambda fam, budget: run.run_family(fam, budget_s=budget), run.deadline, log,
                  reserve_s=reserve, min_left_s=10, between=lambda: run.run_flashinfer(wait_s=0))
