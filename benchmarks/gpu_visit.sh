@@ -80,8 +80,8 @@ if [ "$what" = fix-check ]; then  # ~9 min: steps built ahead of the GPU, the pr
 fi
 if [ "$what" = remaining ]; then  # the GPU tests no visit has run yet (the last one's device time ran out)
   limit=540
-  group spec-e2e tests/test_engine_speculative_mla.py tests/test_bench_spec_engine.py tests/test_hf_hybrid.py &
-  group cp-plan tests/test_context_parallel.py tests/flashinfer_backend/test_flashinfer_plan_inputs.py &
+  group hopper-multi tests/mla/test_mla_gpu.py -k "nan_slots" &
+  group step-kinds tests/test_step_kinds_one_builder.py tests/flashinfer_backend/test_flashinfer_speculative_gpu.py &
   wait
 fi
 if [ "$what" = check ]; then  # one device call: the unrun GPU tests, tree verification on GPU, memcheck

@@ -16,7 +16,7 @@ from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
-from .decode_hopper import HOPPER_BLOCK_N, gluon_available
+from .decode_hopper import gluon_available, hopper_shape_reason
 from .decode_kernel import (
     MLADecodeConfig, choose_num_splits, decode_descriptors, decode_kernel_name, default_decode_config, mla_decode,
 )
@@ -93,17 +93,19 @@ class TritonMLAImpl(MLAImpl):
         super().__init__(spec, **kwargs)
         self._descriptors: dict[tuple, Any] = {}  # this layer's TMA descriptors, by cache, config and tree
 
-    def _kernel_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig, tree: bool) -> Optional[tuple[Any, Any]]:
+    def _kernel_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig, tree: bool,
+                            max_query_len: int) -> Optional[tuple[Any, Any]]:
         """The descriptors of the decode kernel these inputs run on (:func:`decode_kernel_name`), built once."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config, tree)
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config, tree, max_query_len == 1)
         if key not in self._descriptors:
-            kernel = decode_kernel_name(ql, q_pe, kv_cache, config, tree)
+            kernel = decode_kernel_name(ql, q_pe, kv_cache, config, tree, max_query_len)
             self._descriptors[key] = decode_descriptors(kernel, kv_cache, ql.shape[-1], config)
         return self._descriptors[key]
 
     def _decode_latent(self, ql, q_pe, kv_cache, decode):
         config = decode.extra["config"]
-        descriptors = self._kernel_descriptors(ql, q_pe, kv_cache, config, decode.tree_indptr is not None)
+        descriptors = self._kernel_descriptors(ql, q_pe, kv_cache, config, decode.tree_indptr is not None,
+                                               decode.max_query_len)
         return mla_decode(
             ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.extra["latent_out"],
             scale=self.scale, k_scale=self.k_scale, num_splits=decode.extra["num_splits"], config=config,
@@ -127,18 +129,18 @@ class TritonMLABackend(_MLABackendBase):
     @classmethod
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """The decode kernel: the Gluon Hopper kernel where it applies, else the Triton kernels."""
-        config = default_decode_config(spec.num_heads, interpreted=not device.is_cuda)
-        hopper = (device.compute_capability == (9, 0) and config.use_hopper and gluon_available()
-                  and not spec.is_fp8_kv_cache and spec.block_size % HOPPER_BLOCK_N == 0)
         if not device.is_cuda:
             return ["decode kernel: the portable Triton kernel (interpreted)"]
-        if hopper:
-            return ["decode kernel: the Gluon Hopper kernel (two warpgroups split Q.K^T by keys and P.V by columns, "
-                    "TMA pages); tree-verify batches on the Triton TMA kernel"]
+        config = default_decode_config(spec.num_heads)
+        shape = hopper_shape_reason(spec.kv_lora_rank or 0, spec.qk_rope_head_dim or 0, spec.block_size)
         why = ("an fp8 latent cache" if spec.is_fp8_kv_cache else f"{spec.num_heads} heads (< 64)"
-               if not config.use_hopper else f"page size {spec.block_size} (not a multiple of {HOPPER_BLOCK_N})"
-               if spec.block_size % HOPPER_BLOCK_N else "compute capability is not 9.0"
-               if device.compute_capability != (9, 0) else "triton.experimental.gluon is not installed")
+               if not config.use_hopper else shape if shape else "compute capability is not 9.0"
+               if device.compute_capability != (9, 0) else "" if gluon_available()
+               else "triton.experimental.gluon is not installed")
+        if not why:
+            return ["decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
+                    "half of P.V, one for the other half, one warp loading pages by TMA) for one query token per "
+                    "request; speculative multi-token and tree-verify decodes on the Triton TMA kernel"]
         return [f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"]
 
     @classmethod

@@ -1,22 +1,32 @@
-"""Hopper MLA decode in Gluon: the split-KV decode of :mod:`.decode_kernel` with both products split across two
-warpgroups, for 16-bit latent caches on compute capability 9.0.
+"""Hopper MLA decode in Gluon: the split-KV decode of :mod:`.decode_kernel` for 16-bit latent caches on compute
+capability 9.0, warp-specialised as FlashInfer's and FlashMLA's Hopper kernels are.
 
 Plain Triton lays a [64 heads, keys] score tile out with its rows across all 8 warps, so each warpgroup computes
-the whole Q.K^T of a tile to feed its half of P.V. Gluon names the layouts, so here (FlashMLA's split):
+the whole Q.K^T of a tile to feed its half of P.V. Gluon names the layouts and the partitions. One program (rows =
+(query token, head) pairs of one request, one KV split) runs three partitions over NBUF stages of shared memory:
 
-- scores S [64 rows, BLOCK_N keys]: warps [4, 2], each warpgroup computes Q.K^T for half of the keys; the row max
-  and sum cross the warpgroups;
-- output O [64 rows, Lkv]: warps [4, 2], each warpgroup owns Lkv / 2 columns in registers;
-- P [64, BLOCK_N] goes through shared memory (each warpgroup needs every key's probability for its columns);
-- one page-aligned tile [BLOCK_N, Lkv] + [BLOCK_N, R] arrives by TMA into NBUF buffers tracked by mbarriers; the
-  latent part serves as K (a transposed view) and as V;
-- the tiles past the keys every row sees (the partial last tile; with several query tokens, the tiles each row
-  sees in part) are read through masked pointer loads (rows past a sequence's end may hold anything, NaN included,
-  and must read as zero for P.V) and masked per row.
+- **softmax** (the default partition, one warpgroup): the rows' queries into shared memory once; per tile the whole
+  64 x 64 score tile [Q ; Q_pe] . [K ; K_pe]^T, the keys each row sees, the online softmax (log2 domain, the scale
+  in the exp2's FMA), P published over the tile's rope-key slot (dead once the scores are done) with the rows'
+  rescale alpha, then O[:, Lkv/2:] += P . V with P from registers; at the end the row sums for the other half,
+  the LSE and its half of the output;
+- **P.V** (one warpgroup): per tile O[:, :Lkv/2] = alpha * O + P . V with P from shared memory;
+- **loader** (one warp): one page-aligned tile [64, Lkv] + [64, R] per stage by TMA once both consumers released
+  the stage.
 
-Grid, rows, splits, outputs and the log-sum-exp of a split are exactly those of :func:`_mla_decode_tma_kernel`
-(:func:`.decode_kernel.mla_decode` launches either and reduces the splits the same way). Tree verification runs on
-the Triton kernels. Gluon does not run under the interpreter: the GPU tests check this kernel against the oracle.
+Barriers (tile j in stage s = j % NBUF, phase (j // NBUF) & 1): the loader waits kv_empty[s] (two arrivals: both
+consumers), expects the bytes and copies onto kv_ready[s]; softmax waits kv_ready[s], publishes P and alpha and
+arrives p_ready[s]; P.V waits kv_ready[s] and p_ready[s]; both arrive kv_empty[s] after their P.V. P and alpha of
+stage s are rewritten only for tile j + NBUF, which needs both releases of tile j. The row sums go through l_ready.
+
+The last, partial tile of a split is loaded by TMA as a whole page too: its score columns past the end are -inf,
+and its V rows past the end, which may hold anything (NaN: 0 * NaN = NaN in P.V), are zeroed in shared memory by
+each consumer for its own column half after the tile's scores are done. With several query tokens each row sees
+keys up to its own position (causal); a row that sees no key of a split gets LSE -inf and a zero output.
+
+Grid, rows, splits and outputs are those of ``_mla_decode_tma_kernel`` (:func:`.decode_kernel.mla_decode`
+launches either and reduces the splits the same way). Tree verification and other shapes run on the Triton
+kernels. Gluon does not run under the interpreter: the GPU tests check this kernel against the oracle.
 
 A page id outside the cache is read as page 0 (the page guard reports it).
 """
@@ -28,13 +38,13 @@ from typing import Any
 import torch
 
 __all__ = ["HOPPER_BLOCK_H", "HOPPER_BLOCK_N", "gluon_available", "hopper_decode_applies", "hopper_descriptors",
-           "launch_hopper_decode"]
+           "hopper_shape_reason", "launch_hopper_decode"]
 
 HOPPER_BLOCK_H = 64  # rows per program: one wgmma M tile
-HOPPER_BLOCK_N = 64  # keys per tile
-HOPPER_NBUF = 2  # tiles in flight (two 64 x 576 16-bit tiles, Q, P: the shared memory of one SM)
-HOPPER_NUM_WARPS = 8
-HOPPER_TAIL_ROWS = 16  # keys per pointer-load chunk of a partially visible tile
+HOPPER_BLOCK_N = 64  # keys per tile; P [64 rows, 64 keys] is published over the [64 keys, R = 64] rope slot
+HOPPER_ROPE = 64
+HOPPER_NBUF = 2  # stages: two [64, Lkv + R] tiles, Q and Q_pe fill the shared memory of one SM at Lkv 512
+HOPPER_REGS = (232, 40)  # registers per thread of the P.V warpgroup and of the loader warp (setmaxnreg)
 
 try:
     from triton.experimental import gluon
@@ -58,10 +68,22 @@ def gluon_available() -> bool:
     return _GLUON_IMPORT_ERROR is None
 
 
+def hopper_shape_reason(kv_lora: int, rope: int, block_size: int) -> str:
+    """Why the kernel cannot serve these latent dims and page size ("" if it can): Lkv a multiple of 128 up to 512
+    (each warpgroup's half is one wgmma N of 64-column slices), R = 64, pages of whole 64-key tiles."""
+    if kv_lora % 128 or not 128 <= kv_lora <= 512:
+        return f"latent width {kv_lora} (needs a multiple of 128 up to 512)"
+    if rope != HOPPER_ROPE:
+        return f"rope width {rope} (needs {HOPPER_ROPE})"
+    if block_size % HOPPER_BLOCK_N:
+        return f"page size {block_size} (not a multiple of {HOPPER_BLOCK_N})"
+    return ""
+
+
 def hopper_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, tree: bool) -> bool:
-    """Whether this kernel serves these inputs: a CUDA device of compute capability 9.0 (wgmma), Gluon installed, a
-    16-bit cache in the query dtype whose pages are contiguous rows of Lkv + R elements and hold whole tiles, Lkv a
-    power of two up to 512 (each warpgroup's half is one wgmma N), R a power of two up to 256, no tree mask."""
+    """Whether this kernel serves these inputs: a CUDA device of compute capability 9.0 (wgmma, setmaxnreg), Gluon
+    installed, no tree mask, a 16-bit cache in the query dtype with contiguous pages of Lkv + R wide rows, and the
+    dims of :func:`hopper_shape_reason`."""
     if tree or not gluon_available() or not kv_cache.is_cuda:
         return False
     if torch.cuda.get_device_capability(kv_cache.device) != (9, 0):
@@ -70,9 +92,7 @@ def hopper_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: to
     num_blocks, page, width = kv_cache.shape
     if kv_cache.dtype not in (torch.float16, torch.bfloat16) or not kv_cache.dtype == q_nope.dtype == q_pe.dtype:
         return False
-    if kv_lora & (kv_lora - 1) or not 32 <= kv_lora <= 512 or rope & (rope - 1) or not 16 <= rope <= 256:
-        return False
-    if width != kv_lora + rope or page % HOPPER_BLOCK_N:
+    if hopper_shape_reason(kv_lora, rope, page) or width != kv_lora + rope:
         return False
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != page * width:
         return False
@@ -80,8 +100,8 @@ def hopper_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: to
 
 
 def hopper_descriptors(kv_cache: torch.Tensor, kv_lora: int) -> tuple[Any, Any]:
-    """TMA descriptors over ``kv_cache`` [num_blocks, block_size, Lkv + R] viewed as rows: (latent [BLOCK_N, Lkv]
-    boxes, rope [BLOCK_N, R] boxes). They depend on the cache only: build them once per cache."""
+    """TMA descriptors over ``kv_cache`` [num_blocks, block_size, Lkv + R] viewed as rows: (latent [64, Lkv] boxes,
+    rope [64, R] boxes). They depend on the cache only: build them once per cache."""
     num_blocks, page, width = kv_cache.shape
     rows = kv_cache.view(num_blocks * page, width)
     gdt = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
@@ -97,16 +117,15 @@ def launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_st
     kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
     kv_desc, pe_desc = descriptors if descriptors is not None else hopper_descriptors(kv_cache, kv_lora)
     _mla_decode_hopper_kernel[grid](
-        q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, query_start, out,
+        q_nope, q_pe, kv_desc, pe_desc, block_table, seq_lens, query_start, out,
         lse if lse is not None else seq_lens,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0), kv_cache.shape[0],
         out.stride(0), out.stride(1), stride_o_s,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         q_nope.shape[1], num_splits, qk_scale_log2,
         LKV=kv_lora, R=rope, PAGE=kv_cache.shape[1], BLOCK_H=HOPPER_BLOCK_H, BLOCK_N=HOPPER_BLOCK_N, NBUF=HOPPER_NBUF,
-        STORE_LSE=lse is not None, MAX_Q=int(max_query_len), TAIL_ROWS=HOPPER_TAIL_ROWS,
-        num_warps=HOPPER_NUM_WARPS,
+        STORE_LSE=lse is not None, MAX_Q=int(max_query_len), REGS_PV=HOPPER_REGS[0], REGS_LOAD=HOPPER_REGS[1],
+        num_warps=4,
     )
 
 
@@ -117,89 +136,188 @@ if gluon_available():
         return gl.where((page >= 0) & (page < num_blocks), page, 0)
 
     @gluon.jit
-    def _issue_tile(kv_desc, pe_desc, bt_row, num_blocks, n0, buf, kv_bufs, pe_bufs, ready, LKV: gl.constexpr,
-                    PAGE: gl.constexpr):
-        """TMA the tile of keys [n0, n0 + BLOCK_N) (inside one page) into buffer ``buf``; ready[buf] completes when
-        both boxes have landed."""
-        row = _safe_page(gl.load(bt_row + n0 // PAGE), num_blocks) * PAGE + n0 % PAGE
-        bar = ready.index(buf)
-        mbarrier.expect(bar, kv_desc.block_type.nbytes + pe_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, kv_bufs.index(buf))
-        tma.async_copy_global_to_shared(pe_desc, [row, LKV], bar, pe_bufs.index(buf))
+    def _zero_rows_from(buf, nvalid, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """Rows >= nvalid of the shared [ROWS, COLS] view ``buf`` := 0, in 64-column slices (the 128-byte swizzle
+        atom), by the 4 warps of the calling partition; the caller fences and syncs afterwards."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        keep = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk)) < nvalid, 1)
+        for c in gl.static_range(0, COLS, 64):
+            part = buf.slice(c, 64, dim=1)
+            x = part.load(blk)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _load_tail_rows(CACHE, bt_row, num_blocks, n0, end, stride_c_blk, stride_c_tok, dst, col0,
-                        COLS: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
-        """Keys [n0, n0 + ROWS), cache columns [col0, col0 + COLS), into ``dst`` [ROWS, COLS] by pointer loads;
-        keys at or past ``end`` read as zero."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        n_ok = offs_n < end
-        page = _safe_page(gl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0), num_blocks).to(gl.int64)
-        row_ptr = CACHE + page * stride_c_blk + (offs_n % PAGE) * stride_c_tok + col0
-        dst.store(gl.load(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
-                          mask=gl.expand_dims(n_ok, 1) & gl.expand_dims(cols < COLS, 0), other=0.0))
+    def _row_pointer(base, q_lo, rows, num_heads, stride_t, stride_h):
+        """Row r = token * H + head of the program's request: base + (q_lo + r // H) * stride_t + (r % H) * stride_h."""
+        return base + (q_lo + rows // num_heads).to(gl.int64) * stride_t + (rows % num_heads) * stride_h
 
     @gluon.jit
-    def _attend_tile(q_smem, qpe_smem, kv, pe, p_smem, o, l_i, m_i, s_zero, vis, qk_scale,
-                     o_layout: gl.constexpr, MASKED: gl.constexpr):
-        """One tile: S = [Q ; Q_pe] . [K ; K_pe]^T split along the keys, online softmax (log2 domain, the scale in
-        the exp2's FMA; ``vis`` [BLOCK_H, BLOCK_N] the visible keys when MASKED, where a row may see none), P
-        through shared memory, O += P . V split along the columns."""
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qpe_smem, pe.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if MASKED:
-            s = gl.where(vis, s, gl.full_like(s, float("-inf")))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if MASKED:  # a row without visible keys so far keeps exp2 finite (its p and alpha are 0 and 1)
-            m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
-        else:
-            m_use = m_new
-        alpha = gl.exp2((m_i - m_use) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use * qk_scale, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_smem.store(p.to(p_smem.dtype))
+    def _loader_partition(kv_desc, pe_desc, kv_bufs, pe_bufs, kv_ready, kv_empty, bt_row, num_blocks, start, n_tiles,
+                          LKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+        """1 warp: tile j (one page-aligned [BLOCK_N, LKV] + [BLOCK_N, R] box pair) into stage j % NBUF by TMA, once
+        both consumers have released the stage (a fresh barrier passes the first wait, parity 1)."""
+        for j in range(n_tiles):
+            s = j % NBUF
+            mbarrier.wait(kv_empty.index(s), ((j // NBUF) & 1) ^ 1)
+            n0 = start + j * BLOCK_N
+            row = _safe_page(gl.load(bt_row + n0 // PAGE), num_blocks) * PAGE + n0 % PAGE
+            bar = kv_ready.index(s)
+            mbarrier.expect(bar, kv_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, kv_bufs.index(s))
+            tma.async_copy_global_to_shared(pe_desc, [row, LKV], bar, pe_bufs.index(s))
+
+    @gluon.jit
+    def _pv_partition(kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles,
+                      O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
+                      LKV: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+        """4 warps: O[:, :LKV/2] = sum over tiles of the alpha-rescaled P . V[:, :LKV/2] (P from shared memory, where
+        the softmax partition published it over the tile's rope-key slot); normalised by the row sums at the end."""
+        HALF: gl.constexpr = LKV // 2
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+        for j in range(n_tiles):
+            s = j % NBUF
+            phase = (j // NBUF) & 1
+            mbarrier.wait(kv_ready.index(s), phase)
+            mbarrier.wait(p_ready.index(s), phase)
+            v = kv_bufs.index(s).slice(0, HALF, dim=1)
+            o = o * gl.expand_dims(alpha_smem.index(s).load(gl.SliceLayout(1, o_layout)), 1)
+            nvalid = end - (start + j * BLOCK_N)
+            if nvalid < BLOCK_N:  # the partial last tile: its V rows past the end may hold NaN
+                _zero_rows_from(v, nvalid, BLOCK_N, HALF)
+                fence_async_shared()
+                gl.thread_barrier()
+            o = warpgroup_mma(pe_bufs.index(s), v, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+
+        mbarrier.wait(l_ready, 0)
+        l_i = l_smem.load(gl.SliceLayout(1, o_layout))
+        inv = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, gl.full_like(l_i, 1.0)), gl.zeros_like(l_i))
+        rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_ptr = _row_pointer(O, q_lo, rows, num_heads, stride_o_t, stride_o_h) + split * stride_o_s
+        gl.store(gl.expand_dims(o_ptr, 1) + gl.expand_dims(cols, 0), (o * gl.expand_dims(inv, 1)).to(O.dtype.element_ty),
+                 mask=gl.expand_dims(rows < q_len * num_heads, 1) & gl.expand_dims(cols < HALF, 0))
+
+    @gluon.jit
+    def _softmax_partition(Q_NOPE, Q_PE, q_smem, qpe_smem, kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready, kv_empty,
+                           p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb, split, num_heads,
+                           O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                           stride_o_s, stride_lse_t, stride_lse_h, qk_scale,
+                           LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr):
+        """Default partition, 4 warps: the rows' queries to shared memory; per tile the whole score tile, the keys
+        each row sees (causal per row with several query tokens), online softmax, P over the rope-key slot and
+        alpha published to the P.V worker, O[:, LKV/2:] += P . V with P from registers; the row sums to the worker,
+        the LSE and this half of the output."""
+        HALF: gl.constexpr = LKV // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] chunks, 16-byte loads
+
+        # The rows' queries in 64-column chunks (the loader's first tiles fly meanwhile).
+        rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_blk))
+        row_ok = gl.expand_dims(rows < q_len * num_heads, 1)
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_blk))
+        q_ptr = gl.expand_dims(_row_pointer(Q_NOPE, q_lo, rows, num_heads, stride_q_t, stride_q_h), 1)
+        for c in gl.static_range(0, LKV, 64):
+            q_smem.slice(c, 64, dim=1).store(gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0))
+        qpe_ptr = gl.expand_dims(_row_pointer(Q_PE, q_lo, rows, num_heads, stride_qp_t, stride_qp_h), 1)
+        for c in gl.static_range(0, R, 64):
+            qpe_smem.slice(c, 64, dim=1).store(gl.load(qpe_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0))
         fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
-        o = warpgroup_mma(p_smem, kv, o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        gl.thread_barrier()  # every warp is done with this tile's buffers and with P
-        return o, l_i, m_new
+        gl.thread_barrier()  # every warp's queries are in shared memory before the warpgroup's wgmma reads them
+
+        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        pos = gl.expand_dims(seq_len - q_len + rows_s // num_heads, 1)  # [BLOCK_H, 1]: the row's last visible key
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        for j in range(n_tiles):
+            s = j % NBUF
+            mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
+            kv = kv_bufs.index(s)
+            pe = pe_bufs.index(s)
+            sc = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(qpe_smem, pe.permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            n0 = start + j * BLOCK_N
+            keys = gl.expand_dims(n0 + offs_n, 0)
+            if MAX_Q > 1:
+                sc = gl.where((keys < end) & (keys <= pos), sc, gl.full_like(sc, float("-inf")))
+            else:
+                sc = gl.where(keys < end, sc, gl.full_like(sc, float("-inf")))
+            if end - n0 < BLOCK_N:  # the partial last tile: zero our half of its V rows past the end (K is read)
+                _zero_rows_from(kv.slice(HALF, HALF, dim=1), end - n0, BLOCK_N, HALF)
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            if MAX_Q > 1:  # a row that sees no key yet keeps exp2 finite (its p and alpha are 0 and 1)
+                m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+            else:
+                m_use = m_new
+            alpha = gl.exp2((m_i - m_use) * qk_scale)
+            p = gl.exp2(sc * qk_scale - gl.expand_dims(m_use * qk_scale, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            pb = p.to(pe.dtype)
+            pe.store(pb)  # P over the rope-key slot: dead once the scores are done; the worker's A operand
+            alpha_smem.index(s).store(alpha)
+            fence_async_shared()  # P and the zeroed V rows visible to wgmma ...
+            gl.thread_barrier()  # ... of every warp, before the arrive and before our own P.V
+            mbarrier.arrive(p_ready.index(s), count=1)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            o = warpgroup_mma(gl.convert_layout(pb, p_layout), kv.slice(HALF, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+
+        l_smem.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_ready, count=1)
+
+        has_keys = l_i > 0.0
+        l_safe = gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))
+        if STORE_LSE:
+            lse = gl.where(has_keys, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453,
+                           gl.full_like(l_i, float("-inf")))
+            lse_ptr = _row_pointer(LSE, q_lo, rows_s, num_heads, stride_lse_t, stride_lse_h) + split
+            gl.store(lse_ptr, lse, mask=rows_s < q_len * num_heads)
+        inv = gl.where(has_keys, 1.0 / l_safe, gl.zeros_like(l_i))
+        out = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, o_layout)), 1)
+        rows_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        cols_o = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_ptr = _row_pointer(O, q_lo, rows_o, num_heads, stride_o_t, stride_o_h) + split * stride_o_s
+        gl.store(gl.expand_dims(o_ptr, 1) + gl.expand_dims(cols_o, 0), out.to(O.dtype.element_ty),
+                 mask=gl.expand_dims(rows_o < q_len * num_heads, 1) & gl.expand_dims(cols_o < LKV, 0))
 
     @gluon.jit
     def _mla_decode_hopper_kernel(
         Q_NOPE, Q_PE,  # [T, H, LKV], [T, H, R] 16-bit
-        kv_desc, pe_desc,  # TMA over CACHE as [num_blocks * PAGE, LKV + R]: boxes [BLOCK_N, LKV] and [BLOCK_N, R]
-        CACHE,  # [num_blocks, PAGE, LKV + R]: the tiles past the fully visible ones are read through pointers
+        kv_desc, pe_desc,  # TMA over the cache as [num_blocks * PAGE, LKV + R]: boxes [BLOCK_N, LKV], [BLOCK_N, R]
         BLOCK_TABLE, SEQ_LENS, QUERY_START,  # [B, W] int32, [B] int32, [B + 1] int32 (read when MAX_Q > 1)
         O, LSE,  # [T, H, (S,) LKV] output or float32 partials, [T, H(, S)] float32
-        stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
-        stride_c_blk, stride_c_tok, stride_bt, num_blocks,
+        stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_bt, num_blocks,
         stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
         num_heads, num_splits,
         qk_scale,  # softmax scale * log2(e)
         LKV: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, TAIL_ROWS: gl.constexpr,
-        num_warps: gl.constexpr,
+        NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, REGS_PV: gl.constexpr,
+        REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """Grid (B, cdiv(H * MAX_Q, BLOCK_H), num_splits), 8 warps: request b's rows (query token, head) of one row
-        block over one KV split; rows and positions as in ``_split_prologue`` of :mod:`.decode_kernel`."""
-        gl.static_assert(num_warps == 8, "two warpgroups split every product")
+        """Grid (B, cdiv(H * MAX_Q, BLOCK_H), num_splits): request b's rows (query token, head) of one row block over
+        one KV split, rows and positions as in ``_split_prologue`` of :mod:`.decode_kernel`. Warps: 4 (softmax,
+        the default partition) + 4 (P.V) + 1 (TMA loader)."""
+        gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
         gl.static_assert(BLOCK_H == 64, "one wgmma M tile of rows")
+        gl.static_assert(BLOCK_N == 64 and R == 64, "P [64 rows, 64 keys] is published over the [64 keys, 64] K_pe slot")
         gl.static_assert(PAGE % BLOCK_N == 0, "a TMA tile lies in one page")
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, BLOCK_N // 2, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, LKV // 2, 16])
-        row_blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        pe_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        gl.static_assert(LKV % 128 == 0, "two column halves of 64-column slices")
         dtype: gl.constexpr = Q_NOPE.dtype.element_ty
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV], dtype)
-        qpe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
 
         b = gl.program_id(0)
         hb = gl.program_id(1)
@@ -207,96 +325,48 @@ if gluon_available():
         seq_len = gl.load(SEQ_LENS + b)
         if MAX_Q == 1:
             q_lo = b
-            q_len = 1
+            q_len = seq_len * 0 + 1
         else:
             q_lo = gl.load(QUERY_START + b)
             q_len = gl.load(QUERY_START + b + 1) - q_lo
-        all_end = seq_len - q_len + 1  # keys every row sees
         per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = split * per_split
         end = gl.minimum(start + per_split, seq_len)
         if MAX_Q > 1:
             end = gl.where(hb * BLOCK_H < q_len * num_heads, end, start)  # row blocks past the tokens: no keys
-            n_full = gl.maximum(gl.minimum(all_end, end) - start, 0) // BLOCK_N
-        else:
-            n_full = gl.maximum(end - start, 0) // BLOCK_N
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
         kv_bufs = gl.allocate_shared_memory(kv_desc.dtype, [NBUF, BLOCK_N, LKV], kv_desc.layout)
         pe_bufs = gl.allocate_shared_memory(pe_desc.dtype, [NBUF, BLOCK_N, R], pe_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LKV], gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV],
+                                                                                                       dtype))
+        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R],
+                                                                                                      dtype))
+        vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [NBUF, BLOCK_H], vec_sl)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
-            mbarrier.init(ready.index(i), count=1)
-        fence_async_shared()  # the barriers are initialised before the TMA unit sees them
-        for i in gl.static_range(NBUF):  # the first tiles fly while the queries load
-            if i < n_full:
-                _issue_tile(kv_desc, pe_desc, bt_row, num_blocks, start + i * BLOCK_N, i, kv_bufs, pe_bufs, ready,
-                            LKV, PAGE)
-
-        # The rows' queries, staged in shared memory as the A operand of Q.K^T: row = token * H + head.
-        rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, row_blk))
-        cols = gl.arange(0, LKV, layout=gl.SliceLayout(0, row_blk))
-        q_ptr = Q_NOPE + (q_lo + rows // num_heads).to(gl.int64) * stride_q_t + (rows % num_heads) * stride_q_h
-        q = gl.load(gl.expand_dims(q_ptr, 1) + gl.expand_dims(cols, 0),
-                    mask=gl.expand_dims(rows < q_len * num_heads, 1) & gl.expand_dims(cols < LKV, 0), other=0.0)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LKV], q_sl, q)
-        rows_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, pe_blk))
-        cols_pe = gl.arange(0, R, layout=gl.SliceLayout(0, pe_blk))
-        qpe_ptr = Q_PE + (q_lo + rows_pe // num_heads).to(gl.int64) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
-        qpe = gl.load(gl.expand_dims(qpe_ptr, 1) + gl.expand_dims(cols_pe, 0),
-                      mask=gl.expand_dims(rows_pe < q_len * num_heads, 1) & gl.expand_dims(cols_pe < R, 0), other=0.0)
-        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R], qpe_sl, qpe)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
-        fence_async_shared()
+            mbarrier.init(kv_ready.index(i), count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release the stage
+            mbarrier.init(p_ready.index(i), count=1)  # the softmax partition published P and alpha
+        mbarrier.init(l_ready, count=1)
+        fence_async_shared()  # the initialised barriers visible to the TMA unit
         gl.thread_barrier()
 
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        o = gl.zeros([BLOCK_H, LKV], gl.float32, layout=o_layout)
-        no_mask = s_zero == 0.0  # unused by unmasked tiles
-        for i in range(n_full):
-            buf = i % NBUF
-            mbarrier.wait(ready.index(buf), (i // NBUF) & 1)
-            o, l_i, m_i = _attend_tile(q_smem, qpe_smem, kv_bufs.index(buf), pe_bufs.index(buf), p_smem, o, l_i,
-                                       m_i, s_zero, no_mask, qk_scale, o_layout, False)
-            if i + NBUF < n_full:
-                _issue_tile(kv_desc, pe_desc, bt_row, num_blocks, start + (i + NBUF) * BLOCK_N, buf, kv_bufs,
-                            pe_bufs, ready, LKV, PAGE)
-        for i in gl.static_range(NBUF):
-            mbarrier.invalidate(ready.index(i))
-
-        # The partial last tile, and with several query tokens the tiles each row sees in part: pointer loads into
-        # buffer 0 (no copy is in flight any more), keys past the end read as zero, then masked per row.
-        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        pos = seq_len - q_len + rows_s // num_heads
-        for n0 in range(start + n_full * BLOCK_N, end, BLOCK_N):
-            for c in gl.static_range(BLOCK_N // TAIL_ROWS):  # row chunks: a whole tile's pointers would spill
-                _load_tail_rows(CACHE, bt_row, num_blocks, n0 + c * TAIL_ROWS, end, stride_c_blk, stride_c_tok,
-                                kv_bufs.index(0).slice(c * TAIL_ROWS, TAIL_ROWS), 0, LKV, PAGE, TAIL_ROWS, num_warps)
-                _load_tail_rows(CACHE, bt_row, num_blocks, n0 + c * TAIL_ROWS, end, stride_c_blk, stride_c_tok,
-                                pe_bufs.index(0).slice(c * TAIL_ROWS, TAIL_ROWS), LKV, R, PAGE, TAIL_ROWS, num_warps)
-            fence_async_shared()
-            gl.thread_barrier()
-            keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            vis = gl.expand_dims(keys < end, 0) & (gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1))
-            o, l_i, m_i = _attend_tile(q_smem, qpe_smem, kv_bufs.index(0), pe_bufs.index(0), p_smem, o, l_i, m_i,
-                                       s_zero, vis, qk_scale, o_layout, True)
-
-        # Epilogue: the split's LSE (natural log, -inf without keys) and its normalised output.
-        has_keys = l_i > 0.0
-        l_safe = gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))
-        valid_s = rows_s < q_len * num_heads
-        tok_s = (q_lo + rows_s // num_heads).to(gl.int64)
-        if STORE_LSE:
-            lse = gl.where(has_keys, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453,
-                           gl.full_like(l_i, float("-inf")))
-            gl.store(LSE + tok_s * stride_lse_t + (rows_s % num_heads) * stride_lse_h + split, lse, mask=valid_s)
-        inv = gl.where(has_keys, 1.0 / l_safe, gl.zeros_like(l_i))
-        out = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, o_layout)), 1)
-        rows_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, LKV, layout=gl.SliceLayout(0, o_layout))
-        o_ptr = (O + (q_lo + rows_o // num_heads).to(gl.int64) * stride_o_t + (rows_o % num_heads) * stride_o_h
-                 + split * stride_o_s)
-        gl.store(gl.expand_dims(o_ptr, 1) + gl.expand_dims(cols_o, 0), out.to(O.dtype.element_ty),
-                 mask=gl.expand_dims(rows_o < q_len * num_heads, 1) & gl.expand_dims(cols_o < LKV, 0))
+        gl.warp_specialize([
+            (_softmax_partition, (Q_NOPE, Q_PE, q_smem, qpe_smem, kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready,
+                                  kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb, split,
+                                  num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t,
+                                  stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, LKV, R, BLOCK_H,
+                                  BLOCK_N, NBUF, STORE_LSE, MAX_Q)),
+            (_pv_partition, (kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end,
+                             n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s, LKV,
+                             BLOCK_H, BLOCK_N, NBUF)),
+            (_loader_partition, (kv_desc, pe_desc, kv_bufs, pe_bufs, kv_ready, kv_empty, bt_row, num_blocks, start,
+                                 n_tiles, LKV, PAGE, BLOCK_N, NBUF)),
+        ], [4, 1], [REGS_PV, REGS_LOAD])

@@ -302,7 +302,7 @@ def test_split_count_fills_one_wave(batch, seq_len):
 
 
 @pytest.mark.parametrize("kv_cache_dtype, heads, block_size, cc, kernel", [
-    ("auto", 128, 64, (9, 0), "Gluon Hopper kernel (two"),
+    ("auto", 128, 64, (9, 0), "Gluon Hopper kernel (warp-specialised"),
     ("fp8_e4m3", 128, 64, (9, 0), "an fp8 latent cache rules out"),
     ("auto", 16, 64, (9, 0), "16 heads (< 64) rules out"),
     ("auto", 128, 16, (9, 0), "page size 16 (not a multiple of 64) rules out"),
@@ -311,7 +311,7 @@ def test_split_count_fills_one_wave(batch, seq_len):
 def test_explain_names_the_mla_decode_kernel(kv_cache_dtype, heads, block_size, cc, kernel):
     from attnbackends.mla.decode_hopper import gluon_available
 
-    if not gluon_available() and "Gluon Hopper kernel (two" in kernel:
+    if not gluon_available() and "Gluon Hopper kernel (warp" in kernel:
         kernel = "triton.experimental.gluon is not installed"
     spec = AttentionSpec.mla(heads, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, block_size=block_size)
     result = explain(spec, DeviceInfo.cuda(*cc), AttentionConfig(backend="triton_mla"))
