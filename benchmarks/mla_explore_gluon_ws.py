@@ -51,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from attnbackends.mla.decode_hopper import hopper_descriptors
 from benchmarks.mla_explore_triton import LOG2E, Launch, Schedule, add_combine
 
 
@@ -415,12 +415,7 @@ def make_gluon_launch(cfg: GluonWSConfig, q_nope, q_pe, cache, block_table, sche
     work = sched.work.cpu()
     if work.shape[0] and bool((work[:, 2] % page != 0).any()):
         raise ValueError(f"work items must start on a page boundary (one tile = one page of {page} keys)")
-    rows = cache.view(nb * page, width)
-    gdt = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
-    kv_desc = TensorDescriptor.from_tensor(rows, [cfg.block_n, lkv],
-                                           gl.NVMMASharedLayout.get_default_for([cfg.block_n, lkv], gdt))
-    pe_desc = TensorDescriptor.from_tensor(rows, [cfg.block_n, rope],
-                                           gl.NVMMASharedLayout.get_default_for([cfg.block_n, rope], gdt))
+    kv_desc, pe_desc = hopper_descriptors(cache, lkv)  # the backend kernel's boxes: [64, LKV] and [64, R]
     o_part = torch.empty(max(1, sched.num_slots), H, lkv, dtype=torch.float32, device=q_nope.device)
     lse_part = torch.empty(max(1, sched.num_slots), H, dtype=torch.float32, device=q_nope.device)
     launch = Launch()

@@ -16,7 +16,7 @@ from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
-from .decode_hopper import gluon_available, hopper_shape_reason
+from .decode_hopper import hopper_reason
 from .decode_kernel import (
     MLADecodeConfig, choose_num_splits, decode_descriptors, decode_kernel_name, default_decode_config, mla_decode,
 )
@@ -131,12 +131,10 @@ class TritonMLABackend(_MLABackendBase):
         """The decode kernel: the Gluon Hopper kernel where it applies, else the Triton kernels."""
         if not device.is_cuda:
             return ["decode kernel: the portable Triton kernel (interpreted)"]
-        config = default_decode_config(spec.num_heads)
-        shape = hopper_shape_reason(spec.kv_lora_rank or 0, spec.qk_rope_head_dim or 0, spec.block_size)
-        why = ("an fp8 latent cache" if spec.is_fp8_kv_cache else f"{spec.num_heads} heads (< 64)"
-               if not config.use_hopper else shape if shape else "compute capability is not 9.0"
-               if device.compute_capability != (9, 0) else "" if gluon_available()
-               else "triton.experimental.gluon is not installed")
+        why = hopper_reason(spec.kv_lora_rank or 0, spec.qk_rope_head_dim or 0, spec.block_size,
+                            spec.is_fp8_kv_cache, device.compute_capability)
+        if not spec.is_fp8_kv_cache and not default_decode_config(spec.num_heads).use_hopper:
+            why = f"{spec.num_heads} heads (< 64)"
         if not why:
             return ["decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
                     "half of P.V, one for the other half, one warp loading pages by TMA) for one query token per "

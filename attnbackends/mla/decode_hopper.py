@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 __all__ = ["HOPPER_BLOCK_H", "HOPPER_BLOCK_N", "gluon_available", "hopper_decode_applies", "hopper_descriptors",
-           "hopper_shape_reason", "launch_hopper_decode"]
+           "hopper_reason", "launch_hopper_decode"]
 
 HOPPER_BLOCK_H = 64  # rows per program: one wgmma M tile
 HOPPER_BLOCK_N = 64  # keys per tile; P [64 rows, 64 keys] is published over the [64 keys, R = 64] rope slot
@@ -68,31 +68,37 @@ def gluon_available() -> bool:
     return _GLUON_IMPORT_ERROR is None
 
 
-def hopper_shape_reason(kv_lora: int, rope: int, block_size: int) -> str:
-    """Why the kernel cannot serve these latent dims and page size ("" if it can): Lkv a multiple of 128 up to 512
-    (each warpgroup's half is one wgmma N of 64-column slices), R = 64, pages of whole 64-key tiles."""
+def hopper_reason(kv_lora: int, rope: int, block_size: int, fp8_cache: bool,
+                  compute_capability: "tuple[int, int] | None") -> str:
+    """Why the kernel cannot serve a layer ("" if it can): a 16-bit cache; Lkv a multiple of 128 up to 512 (each
+    warpgroup's half is one wgmma N of 64-column slices); R = 64; pages of whole 64-key tiles; compute capability
+    9.0 (wgmma, setmaxnreg); Gluon installed."""
+    if fp8_cache:
+        return "an fp8 latent cache"
     if kv_lora % 128 or not 128 <= kv_lora <= 512:
         return f"latent width {kv_lora} (needs a multiple of 128 up to 512)"
     if rope != HOPPER_ROPE:
         return f"rope width {rope} (needs {HOPPER_ROPE})"
     if block_size % HOPPER_BLOCK_N:
         return f"page size {block_size} (not a multiple of {HOPPER_BLOCK_N})"
+    if compute_capability != (9, 0):
+        return "compute capability is not 9.0"
+    if not gluon_available():
+        return "triton.experimental.gluon is not installed"
     return ""
 
 
 def hopper_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, tree: bool) -> bool:
-    """Whether this kernel serves these inputs: a CUDA device of compute capability 9.0 (wgmma, setmaxnreg), Gluon
-    installed, no tree mask, a 16-bit cache in the query dtype with contiguous pages of Lkv + R wide rows, and the
-    dims of :func:`hopper_shape_reason`."""
-    if tree or not gluon_available() or not kv_cache.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(kv_cache.device) != (9, 0):
+    """Whether this kernel serves these inputs: no tree mask, a CUDA cache that :func:`hopper_reason` admits, in the
+    query dtype, with contiguous pages of Lkv + R wide rows."""
+    if tree or not kv_cache.is_cuda:
         return False
     kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
     num_blocks, page, width = kv_cache.shape
-    if kv_cache.dtype not in (torch.float16, torch.bfloat16) or not kv_cache.dtype == q_nope.dtype == q_pe.dtype:
+    fp8_cache = kv_cache.dtype not in (torch.float16, torch.bfloat16)
+    if hopper_reason(kv_lora, rope, page, fp8_cache, torch.cuda.get_device_capability(kv_cache.device)):
         return False
-    if hopper_shape_reason(kv_lora, rope, page) or width != kv_lora + rope:
+    if not kv_cache.dtype == q_nope.dtype == q_pe.dtype or width != kv_lora + rope:
         return False
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != page * width:
         return False
