@@ -118,7 +118,7 @@ def hopper_descriptors(kv_cache: torch.Tensor, kv_lora: int) -> tuple[Any, Any]:
 
 def launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start, out, lse, stride_o_s: int,
                          num_splits: int, qk_scale_log2: float, max_query_len: int, grid, descriptors) -> None:
-    """One launch over ``grid`` = (B, cdiv(H * max_query_len, 64), num_splits); arguments as the Triton TMA
+    """One launch over ``grid`` = (cdiv(H * max_query_len, 64), B, num_splits); arguments as the Triton TMA
     kernel's (``out``/``lse``: the output and LSE, or the split partials with ``stride_o_s``)."""
     kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
     kv_desc, pe_desc = descriptors if descriptors is not None else hopper_descriptors(kv_cache, kv_lora)
@@ -315,7 +315,7 @@ if gluon_available():
         NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, REGS_PV: gl.constexpr,
         REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """Grid (B, cdiv(H * MAX_Q, BLOCK_H), num_splits): request b's rows (query token, head) of one row block over
+        """Grid (cdiv(H * MAX_Q, BLOCK_H), B, num_splits): request b's rows (query token, head) of one row block over
         one KV split, rows and positions as in ``_split_prologue`` of :mod:`.decode_kernel`. Warps: 4 (softmax,
         the default partition) + 4 (P.V) + 1 (TMA loader)."""
         gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
@@ -325,8 +325,8 @@ if gluon_available():
         gl.static_assert(LKV % 128 == 0, "two column halves of 64-column slices")
         dtype: gl.constexpr = Q_NOPE.dtype.element_ty
 
-        b = gl.program_id(0)
-        hb = gl.program_id(1)
+        hb = gl.program_id(0)
+        b = gl.program_id(1)
         split = gl.program_id(2)
         seq_len = gl.load(SEQ_LENS + b)
         if MAX_Q == 1:

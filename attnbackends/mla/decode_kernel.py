@@ -127,8 +127,8 @@ def _split_prologue(
     and head of each, the row mask, the row's position ``pos``), the keys every row sees (``all_end``), the draft
     segment (start, length, mask pointer offset) and the rows' rotary queries q_pe [BLOCK_H, BLOCK_R] (float32
     under the interpreter)."""
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -588,7 +588,8 @@ def mla_decode(
     block_c = next_power_of_2(kv_lora)
     block_r = next_power_of_2(rope)
     is_fp8 = kv_cache.dtype in FP8_DTYPES
-    grid = (batch, cdiv(num_heads * max_query_len, config.block_h), num_splits)
+    # The row blocks of one request are adjacent programs: they read the same pages, which L2 then serves once.
+    grid = (cdiv(num_heads * max_query_len, config.block_h), batch, num_splits)
     speculative = (
         query_start_loc if query_start_loc is not None else seq_lens,
         tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens,
