@@ -21,6 +21,7 @@
 #   check  remaining, the tree-verification GPU tests and sanitize-new (Triton kernels only), side by side
 #   hopper-check  the Gluon Hopper MLA kernel's GPU tests, the step-kind / spec-engine / hybrid fixes, and memcheck
 #          over the MLA GPU tests (no CUDA-graph capture under memcheck: it runs without the caching allocator)
+#   mla-launch  the Hopper MLA kernel's tests (multi-token too) and memcheck, then the split-KV sweep
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -110,6 +111,16 @@ if [ "$what" = hopper-bench ]; then
   step mla-explore 330 python3 -m benchmarks.mla_explore --families ${FAMILIES:-A,W} --out "$OUT/mla-explore" \
     --budget-s 300 --config-timeout-s 120
   step mla-suite 200 python3 benchmarks/mla.py --out "$OUT/mla.json"
+fi
+if [ "$what" = mla-launch ]; then  # the MLA decode grid / split policy: Hopper kernel tests and memcheck, then the split sweep
+  limit=240
+  group hopper-multi tests/mla/test_mla_gpu.py -k "nan_slots" -o faulthandler_timeout=200 &
+  group mla-hopper tests/mla/test_mla_gpu.py -k "not nan_slots and not flashinfer" &
+  SANITIZE_TESTS="tests/mla/test_mla_gpu.py" SANITIZE_K="(hopper or 128_heads or v3_dims) and not flashinfer" \
+    timeout 240 bash benchmarks/sanitize.sh > "$OUT/sanitize.log" 2>&1 &
+  wait
+  echo "sanitize:"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3
+  step mla-splits 220 python3 -m benchmarks.mla_splits --out "$OUT/mla-splits.json"
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
