@@ -93,19 +93,17 @@ class TritonMLAImpl(MLAImpl):
         super().__init__(spec, **kwargs)
         self._descriptors: dict[tuple, Any] = {}  # this layer's TMA descriptors, by cache, config and tree
 
-    def _kernel_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig, tree: bool,
-                            max_query_len: int) -> Optional[tuple[Any, Any]]:
+    def _kernel_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig, tree: bool) -> Optional[tuple[Any, Any]]:
         """The descriptors of the decode kernel these inputs run on (:func:`decode_kernel_name`), built once."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config, tree, max_query_len == 1)
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config, tree)
         if key not in self._descriptors:
-            kernel = decode_kernel_name(ql, q_pe, kv_cache, config, tree, max_query_len)
+            kernel = decode_kernel_name(ql, q_pe, kv_cache, config, tree)
             self._descriptors[key] = decode_descriptors(kernel, kv_cache, ql.shape[-1], config)
         return self._descriptors[key]
 
     def _decode_latent(self, ql, q_pe, kv_cache, decode):
         config = decode.extra["config"]
-        descriptors = self._kernel_descriptors(ql, q_pe, kv_cache, config, decode.tree_indptr is not None,
-                                               decode.max_query_len)
+        descriptors = self._kernel_descriptors(ql, q_pe, kv_cache, config, decode.tree_indptr is not None)
         return mla_decode(
             ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.extra["latent_out"],
             scale=self.scale, k_scale=self.k_scale, num_splits=decode.extra["num_splits"], config=config,
@@ -137,8 +135,8 @@ class TritonMLABackend(_MLABackendBase):
             why = f"{spec.num_heads} heads (< 64)"
         if not why:
             return ["decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
-                    "half of P.V, one for the other half, one warp loading pages by TMA) for one query token per "
-                    "request; speculative multi-token and tree-verify decodes on the Triton TMA kernel"]
+                    "half of P.V, one for the other half, one warp loading pages by TMA), for one or several query "
+                    "tokens per request; tree-verify decodes on the Triton TMA kernel"]
         return [f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"]
 
     @classmethod

@@ -47,8 +47,6 @@ class MLADecodeConfig:
     num_stages: int = 2
     use_tma: bool = False  # load whole cache tiles with TMA (see :func:`tma_decode_applies`)
     use_hopper: bool = False  # the Gluon kernel of :mod:`.decode_hopper` where it applies (Hopper, 16-bit, no tree)
-    # ... for decodes of several query tokens too (the kernel handles them; not yet verified on a GPU: opt-in)
-    hopper_multi_token: bool = False
 
 
 def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:
@@ -483,13 +481,11 @@ def tma_descriptors(kv_cache: torch.Tensor, kv_lora: int, config: MLADecodeConfi
 
 
 def decode_kernel_name(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, config: MLADecodeConfig,
-                       tree: bool, max_query_len: int = 1) -> str:
+                       tree: bool) -> str:
     """The decode kernel :func:`mla_decode` launches for these inputs: "hopper" (the Gluon kernel of
-    :mod:`.decode_hopper`, asked for by ``config.use_hopper`` and applicable; decodes of several query tokens only
-    with ``config.hopper_multi_token``), "tma" (the Triton kernel with TMA tiles, see :func:`tma_decode_applies`)
-    or "pointer" (the portable Triton kernel)."""
-    hopper = config.use_hopper and config.block_h == HOPPER_BLOCK_H and (max_query_len == 1 or config.hopper_multi_token)
-    if hopper and hopper_decode_applies(q_nope, q_pe, kv_cache, tree):
+    :mod:`.decode_hopper`, asked for by ``config.use_hopper`` and applicable), "tma" (the Triton kernel with TMA
+    tiles, see :func:`tma_decode_applies`) or "pointer" (the portable Triton kernel)."""
+    if config.use_hopper and config.block_h == HOPPER_BLOCK_H and hopper_decode_applies(q_nope, q_pe, kv_cache, tree):
         return "hopper"
     return "tma" if tma_decode_applies(q_nope, q_pe, kv_cache, config) else "pointer"
 
@@ -613,7 +609,7 @@ def mla_decode(
     )
     qk_scale_log2 = scale * _LOG2E * (k_scale if is_fp8 else 1.0)
     v_scale = k_scale if is_fp8 else 1.0
-    kernel = decode_kernel_name(q_nope, q_pe, kv_cache, config, tree_indptr is not None, max_query_len)
+    kernel = decode_kernel_name(q_nope, q_pe, kv_cache, config, tree_indptr is not None)
     use_tma = kernel == "tma"
     if num_splits == 1:
         if kernel == "hopper":

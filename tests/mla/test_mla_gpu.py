@@ -144,8 +144,7 @@ def test_decode_equals_prefill_on_gpu():
 def test_hopper_kernel_on_nan_slots_and_bad_pages(max_q, num_splits):
     """The Gluon Hopper kernel with NaN in every slot past a sequence's end and page ids outside the cache (in a
     whole tile and in a partial last tile): finite, bit for bit the run with page 0 in their place, close to torch
-    in output and to the Triton TMA kernel in output and LSE; one and several query tokens (the multi-token path
-    opted into: ``hopper_multi_token``), with and without splits."""
+    in output and to the Triton TMA kernel in output and LSE; one and several query tokens, with and without splits."""
     g = torch.Generator().manual_seed(21)
     seq_lens = torch.tensor([5, 64, 130, 700], dtype=torch.int32)
     batch, heads, pages = len(seq_lens), 128, (seq_lens + 63) // 64
@@ -168,8 +167,8 @@ def test_hopper_kernel_on_nan_slots_and_bad_pages(max_q, num_splits):
     cache = cache.cuda()
 
     def run(table, hopper):
-        config = dataclasses.replace(default_decode_config(heads), use_hopper=hopper, hopper_multi_token=hopper)
-        assert decode_kernel_name(ql, qpe, cache, config, False, max_q) == ("hopper" if hopper else "tma")
+        config = dataclasses.replace(default_decode_config(heads), use_hopper=hopper)
+        assert decode_kernel_name(ql, qpe, cache, config, False) == ("hopper" if hopper else "tma")
         out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((tokens, heads), float("nan"), device="cuda")
         mla_decode(ql, qpe, cache, table.cuda(), seq_lens.cuda(), out, scale=0.0722, num_splits=num_splits,
