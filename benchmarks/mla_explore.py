@@ -28,6 +28,9 @@ Candidates (kernels in ``mla_explore_triton.py`` and ``mla_explore_gluon.py``):
   dot and splits Q.K^T across the warpgroups like F (at the price of a round trip through L2 per tile, and Triton
   3.6 then leaves the loop's loads unpipelined: see the compile report).
 
+Candidate W (warp-specialised Gluon, FlashInfer's Hopper split) won and became the backend's Hopper kernel
+(``attnbackends/mla/decode_hopper.py``); the backend's own rows (``triton (current)``) time it.
+
 F runs first (the likeliest winner), then A (today's formulation, improved) and G; ``--families`` reorders.
 
 Every candidate takes a work list built once per batch on the host (row, key range, partial slot), so split-KV,
@@ -82,7 +85,7 @@ DRY_SHAPES = [(2, 130, 1), (1, 300, 2)]
 # Accuracy classes: (relative Frobenius error of the output, max |LSE - oracle|).
 TOL_BF16 = (1e-2, 2e-2)
 TOL_FP8_MMA = (0.1, 0.2)  # fp8 queries (and P): quantisation, not a bug, sets this error
-FAMILIES = "F,W,A,G,B,C,D,E"
+FAMILIES = "F,A,G,B,C,D,E"
 K_SCALE_CHECK = 0.5  # the fp8 scale of the probe's check batch (timed batches use 1, as FlashInfer reads no scale)
 
 
@@ -216,10 +219,6 @@ def family_configs(family: str, quick: bool, best: Optional[dict] = None) -> lis
         from benchmarks.mla_explore_gluon import family_configs as gluon_configs
 
         cs = gluon_configs(quick=False)
-    elif family == "W":
-        from benchmarks.mla_explore_gluon_ws import family_configs as gluon_ws_configs
-
-        cs = gluon_ws_configs(quick=False)
     else:
         raise ValueError(f"unknown candidate family {family!r}; allowed: {FAMILIES}")
     return cs[:1] if quick else cs
@@ -236,10 +235,6 @@ def config_from_json(d: dict):
         from benchmarks.mla_explore_gluon import GluonConfig
 
         return GluonConfig(**d)
-    if kind == "GluonWSConfig":
-        from benchmarks.mla_explore_gluon_ws import GluonWSConfig
-
-        return GluonWSConfig(**d)
     from benchmarks.mla_explore_triton import TritonConfig
 
     return TritonConfig(**d)
@@ -261,11 +256,6 @@ def make_launch_with(cfg, b: DecodeBatch, out, lse, sched, num_sms: int):
         from benchmarks.mla_explore_gluon import make_gluon_launch
 
         return make_gluon_launch(cfg, b.q_nope, b.q_pe, b.cache, b.block_table, sched, out, lse, **kw)
-    if type(cfg).__name__ == "GluonWSConfig":
-        from benchmarks import mla_explore_gluon_ws
-
-        return mla_explore_gluon_ws.make_gluon_launch(cfg, b.q_nope, b.q_pe, b.cache, b.block_table, sched, out, lse,
-                                                      **kw)
     from benchmarks.mla_explore_triton import make_triton_launch
 
     return make_triton_launch(cfg, b.q_nope, b.q_pe, b.cache, b.block_table, sched, out, lse, **kw)
@@ -789,10 +779,6 @@ def compile_only_main(args, dims: Dims, log: Log) -> int:
                 if type(cfg).__name__ == "GluonConfig":
                     from benchmarks.mla_explore_gluon import make_gluon_launch
                     launch = make_gluon_launch(cfg, b.q_nope, b.q_pe, cache, bt, sched, out, lse, **kw)
-                elif type(cfg).__name__ == "GluonWSConfig":
-                    from benchmarks import mla_explore_gluon_ws
-                    launch = mla_explore_gluon_ws.make_gluon_launch(cfg, b.q_nope, b.q_pe, cache, bt, sched, out, lse,
-                                                                    **kw)
                 else:
                     from benchmarks.mla_explore_triton import make_triton_launch
                     launch = make_triton_launch(cfg, b.q_nope, b.q_pe, cache, bt, sched, out, lse, **kw)
@@ -884,7 +870,7 @@ def main(argv=None) -> int:
     run.write()
     families = [f.strip().upper() for f in args.families.split(",") if f.strip()]
     if args.dry_run_cpu:
-        families = [f for f in families if f not in ("F", "W")]
+        families = [f for f in families if f != "F"]
     reserve = 25.0 if run.fi_procs else 0.0
     run_families(families, lambda fam, budget: run.run_family(fam, budget_s=budget), run.deadline, log,
                  reserve_s=reserve, min_left_s=10, between=lambda: run.run_flashinfer(wait_s=0))
