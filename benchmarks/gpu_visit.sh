@@ -22,6 +22,7 @@
 #   hopper-check  the Gluon Hopper MLA kernel's GPU tests, the step-kind / spec-engine / hybrid fixes, and memcheck
 #          over the MLA GPU tests (no CUDA-graph capture under memcheck: it runs without the caching allocator)
 #   mla-launch  the Hopper MLA kernel's tests (multi-token too) and memcheck, then the split-KV sweep
+#   prefill-ws  speculative MLA GPU tests, then the warp-specialised Gluon prefill candidate's sweep
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -121,6 +122,12 @@ if [ "$what" = mla-launch ]; then  # the MLA decode grid / split policy: Hopper 
   wait
   echo "sanitize:"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3
   step mla-splits 220 python3 -m benchmarks.mla_splits --out "$OUT/mla-splits.json"
+fi
+if [ "$what" = prefill-ws ]; then  # speculative MLA on the Gluon kernel, then the warp-specialised prefill candidate
+  limit=170
+  group spec-mla tests/mla/test_mla_speculative_gpu.py tests/test_engine_speculative_mla.py
+  step prefill-ws 400 python3 -m benchmarks.prefill_explore_gluon_ws --out "$OUT/prefill-ws.json" --budget-s 390 \
+    --probe-budget-s 200 --flashinfer-wait-s 120
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
