@@ -23,6 +23,7 @@
 #          over the MLA GPU tests (no CUDA-graph capture under memcheck: it runs without the caching allocator)
 #   mla-launch  the Hopper MLA kernel's tests (multi-token too) and memcheck, then the split-KV sweep
 #   prefill-ws  speculative MLA GPU tests, then the warp-specialised Gluon prefill candidate's sweep
+#   fp8-check  fp8 pages on the Gluon MLA kernel: smoke, tests, memcheck, then the fp8 and multi-token rows
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -128,6 +129,23 @@ if [ "$what" = prefill-ws ]; then  # speculative MLA on the Gluon kernel, then t
   group spec-mla tests/mla/test_mla_speculative_gpu.py tests/test_engine_speculative_mla.py
   step prefill-ws 400 python3 -m benchmarks.prefill_explore_gluon_ws --out "$OUT/prefill-ws.json" --budget-s 390 \
     --probe-budget-s 200 --flashinfer-wait-s 120
+fi
+if [ "$what" = fp8-check ]; then  # fp8 pages on the Gluon MLA kernel: a smoke run, tests and memcheck, then the rows
+  step fp8-smoke 150 python3 -m pytest -m gpu -x -v -p no:cacheprovider -o faulthandler_timeout=120 \
+    "tests/mla/test_mla_hopper_fp8.py::test_hopper_fp8_against_oracle[1-1-bf16]"
+  if grep -q " PASSED" "$OUT/fp8-smoke.log"; then
+    limit=200
+    group fp8 tests/mla/test_mla_hopper_fp8.py &
+    group mla-16bit tests/mla/test_mla_gpu.py -k "(hopper or v3_dims or 128_heads) and not flashinfer" &
+    group spec-mla-rest tests/test_engine_speculative_mla.py \
+      tests/mla/test_mla_speculative_gpu.py -k "not test_uniform_1_plus_3_decode and not auto" &
+    SANITIZE_TESTS="tests/mla/test_mla_hopper_fp8.py" SANITIZE_K="oracle and not 33" timeout 200 \
+      bash benchmarks/sanitize.sh > "$OUT/sanitize.log" 2>&1 &
+    wait
+    echo "sanitize:"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3
+    step mla-splits-fp8 200 python3 -m benchmarks.mla_splits --fp8 --splits 1 \
+      --shapes 64x4096,128x8192,1x32768,4x32768,8x32768,64x4096x2,64x4096x4 --out "$OUT/mla-splits-fp8.json"
+  fi
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

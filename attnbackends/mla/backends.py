@@ -130,13 +130,13 @@ class TritonMLABackend(_MLABackendBase):
         if not device.is_cuda:
             return ["decode kernel: the portable Triton kernel (interpreted)"]
         why = hopper_reason(spec.kv_lora_rank or 0, spec.qk_rope_head_dim or 0, spec.block_size,
-                            spec.is_fp8_kv_cache, device.compute_capability)
-        if not spec.is_fp8_kv_cache and not default_decode_config(spec.num_heads).use_hopper:
+                            spec.kv_cache_torch_dtype, device.compute_capability)
+        if not why and not default_decode_config(spec.num_heads).use_hopper:
             why = f"{spec.num_heads} heads (< 64)"
         if not why:
             return ["decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
                     "half of P.V, one for the other half, one warp loading pages by TMA), for one or several query "
-                    "tokens per request; tree-verify decodes on the Triton TMA kernel"]
+                    "tokens per request, 16-bit or fp8 e4m3 pages; tree-verify decodes on the Triton TMA kernel"]
         return [f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"]
 
     @classmethod

@@ -614,7 +614,7 @@ def mla_decode(
     if num_splits == 1:
         if kernel == "hopper":
             launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative[0], output, lse, 0, 1,
-                                 qk_scale_log2, max_query_len, grid, descriptors)
+                                 qk_scale_log2, max_query_len, grid, descriptors, v_scale=v_scale)
             return output
         if use_tma:
             _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, output, lse, 0, 1, qk_scale_log2,
@@ -639,7 +639,8 @@ def mla_decode(
         o_part, lse_part = partials
     if kernel == "hopper":
         launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative[0], o_part, lse_part,
-                             o_part.stride(2), num_splits, qk_scale_log2, max_query_len, grid, descriptors)
+                             o_part.stride(2), num_splits, qk_scale_log2, max_query_len, grid, descriptors,
+                             v_scale=v_scale)
     elif use_tma:
         _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, o_part, lse_part, o_part.stride(2),
                     num_splits, qk_scale_log2, config, grid, descriptors)

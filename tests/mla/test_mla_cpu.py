@@ -303,7 +303,8 @@ def test_split_count_fills_one_wave(batch, seq_len):
 
 @pytest.mark.parametrize("kv_cache_dtype, heads, block_size, cc, kernel", [
     ("auto", 128, 64, (9, 0), "Gluon Hopper kernel (warp-specialised"),
-    ("fp8_e4m3", 128, 64, (9, 0), "an fp8 latent cache rules out"),
+    ("fp8_e4m3", 128, 64, (9, 0), "Gluon Hopper kernel (warp-specialised"),
+    ("fp8_e5m2", 128, 64, (9, 0), "a float8_e5m2 latent cache (needs float16, bfloat16 or float8_e4m3fn) rules out"),
     ("auto", 16, 64, (9, 0), "16 heads (< 64) rules out"),
     ("auto", 128, 16, (9, 0), "page size 16 (not a multiple of 64) rules out"),
     ("auto", 128, 64, (8, 0), "compute capability is not 9.0 rules out"),

@@ -109,7 +109,12 @@ def test_decode_kernel_v3_dims(num_heads, num_splits, cache_dtype, kernel):
     out = torch.full((5, num_heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     config = dataclasses.replace(default_decode_config(num_heads), use_tma=kernel != "pointer",
                                  use_hopper=kernel == "hopper")
-    runs = "pointer" if cache_dtype != torch.bfloat16 else "tma" if kernel == "hopper" and num_heads < 64 else kernel
+    if kernel == "hopper" and num_heads >= 64 and cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        runs = "hopper"
+    elif cache_dtype != torch.bfloat16:
+        runs = "pointer"
+    else:
+        runs = "tma" if kernel == "hopper" else kernel
     assert decode_kernel_name(ql, qpe, cache, config, tree=False) == runs
     mla_decode(ql, qpe, cache, block_table.cuda(), seq_lens.cuda(), out, scale=0.0722, k_scale=k_scale,
                num_splits=num_splits, config=config)
