@@ -138,7 +138,7 @@ if [ "$what" = fp8-check ]; then  # fp8 pages on the Gluon MLA kernel: a smoke r
     group fp8 tests/mla/test_mla_hopper_fp8.py &
     group mla-16bit tests/mla/test_mla_gpu.py -k "(hopper or v3_dims or 128_heads) and not flashinfer" &
     group spec-mla-rest tests/test_engine_speculative_mla.py \
-      tests/mla/test_mla_speculative_gpu.py -k "not test_uniform_1_plus_3_decode and not auto" &
+      tests/mla/test_mla_speculative_gpu.py -k "not test_uniform_1_plus_3_decode" &
     SANITIZE_TESTS="tests/mla/test_mla_hopper_fp8.py" SANITIZE_K="oracle and not 33" timeout 200 \
       bash benchmarks/sanitize.sh > "$OUT/sanitize.log" 2>&1 &
     wait
