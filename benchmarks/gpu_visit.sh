@@ -24,6 +24,7 @@
 #   mla-launch  the Hopper MLA kernel's tests (multi-token too) and memcheck, then the split-KV sweep
 #   prefill-ws  speculative MLA GPU tests, then the warp-specialised Gluon prefill candidate's sweep
 #   fp8-check  fp8 pages on the Gluon MLA kernel: smoke, tests, memcheck, then the fp8 and multi-token rows
+#   prefill-hopper  the Gluon prefill in the Triton backend: tests, prefill regression, the Triton API suite
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -146,6 +147,13 @@ if [ "$what" = fp8-check ]; then  # fp8 pages on the Gluon MLA kernel: a smoke r
     step mla-splits-fp8 200 python3 -m benchmarks.mla_splits --fp8 --splits 1 \
       --shapes 64x4096,128x8192,1x32768,4x32768,8x32768,64x4096x2,64x4096x4 --out "$OUT/mla-splits-fp8.json"
   fi
+fi
+if [ "$what" = prefill-hopper ]; then  # the Gluon prefill in the Triton backend: its tests, the prefill regression, the API suite
+  limit=230
+  group prefill-hopper tests/triton_backend/test_prefill_hopper.py -o faulthandler_timeout=200 &
+  group prefill-kernel tests/triton_backend/test_prefill_kernel.py -k "not flashinfer" &
+  wait
+  step triton-api 260 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

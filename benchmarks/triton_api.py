@@ -12,9 +12,10 @@ timed call; ``prefill_kv_in_cache`` rows time the call without them), against ra
   only, and with the KV write: ``triton_with_write``) vs FlashInfer ``run()``, and one torch op as the yardstick.
 - ``decode_eager``: B=1 L=1024, B=1 L=16384, B=16 L=4096, eager (no CUDA graph), do_bench medians and
   back-to-back wall time per call.
-- ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA), ``mixed`` (with the builder's
-  own choice between one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the
-  other choice, forced).
+- ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA; every token new, so on an H100
+  the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel; ``prefill_triton_kernel``: the same
+  batches on the Triton prefill kernel, ``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
+  one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the other choice, forced).
 
 ``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead.
 """
@@ -33,12 +34,21 @@ import torch
 import triton
 
 from attnbackends import AttentionSpec, build_common_metadata
-from attnbackends.triton.backend import TritonAttentionBackend
+from attnbackends.triton.backend import TritonAttentionBackend, TritonMetadata
+from attnbackends.triton.prefill_hopper import HopperPrefillPlan
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = 1.0 / math.sqrt(D)
 DEV = "cuda"
 PREFILL_KERNEL = None  # the Triton builder's prefill_kernel option: None its default, True forced, False off
+HOPPER_PREFILL = True  # the Triton builder's hopper_prefill option (the Gluon kernel for fresh prefills)
+
+
+def prefill_kernel_name(metadata: TritonMetadata) -> str:
+    """Which kernel runs a batch's prefills when the forward brings the step's keys and values."""
+    if metadata.prefill_split is None:
+        return "unified"
+    return "gluon_hopper" if isinstance(metadata.prefill_split[1], HopperPrefillPlan) else "triton_prefill"
 
 
 def do_bench_us(fn) -> float:
@@ -113,7 +123,7 @@ class Batch:
         self.flops = 4.0 * HQ * D * visible
         self.builder = TritonAttentionBackend.get_builder_cls()(
             self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192),
-            prefill_kernel=PREFILL_KERNEL)
+            prefill_kernel=PREFILL_KERNEL, hopper_prefill=HOPPER_PREFILL)
         self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale)
         self.metadata = self.builder.build(self.common)
         self.out = torch.full_like(self.query, float("nan"))
@@ -198,9 +208,12 @@ def main(argv=None) -> int:
                     help="build with prefill_kernel=False (prefills on the unified kernel)")
     ap.add_argument("--force-prefill-kernel", action="store_true",
                     help="build with prefill_kernel=True (every batch with prefills on the prefill kernel)")
+    ap.add_argument("--no-hopper-prefill", action="store_true",
+                    help="build with hopper_prefill=False (fresh prefills on the Triton prefill kernel)")
     args = ap.parse_args(argv)
-    global PREFILL_KERNEL
+    global PREFILL_KERNEL, HOPPER_PREFILL
     PREFILL_KERNEL = False if args.no_prefill_kernel else (True if args.force_prefill_kernel else None)
+    HOPPER_PREFILL = not args.no_hopper_prefill
     if args.profile:
         profile_forward()
     rows = []
@@ -283,10 +296,21 @@ def main(argv=None) -> int:
         us, peer = do_bench_us(fn), do_bench_us(fi)
         sd = do_bench_us(sdpa_prefill(B, L))
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
-        row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d)
-        row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd))
+        kernel = prefill_kernel_name(b.metadata)
+        row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d, prefill_kernel=kernel)
+        row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd), prefill_kernel=kernel)
         cached = do_bench_us(b.triton())
         row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
+        if kernel == "gluon_hopper":  # the same batch on the Triton prefill kernel: what the Gluon kernel gains
+            b.metadata = TritonAttentionBackend.get_builder_cls()(
+                b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, prefill_kernel=PREFILL_KERNEL,
+                hopper_prefill=False).build(b.common)
+            other = b.triton(write=True)
+            b.out.fill_(float("nan"))
+            other()
+            t_us = do_bench_us(other)
+            row("prefill_triton_kernel", B, L, t_us, peer, TFLOPs=tf(t_us), peer_TFLOPs=tf(peer),
+                max_abs_diff=diff(b.out, fi_out), prefill_kernel=prefill_kernel_name(b.metadata))
         del b
 
     # Mixed: 60 decodes at 4096 + 4 x 512 new on 2048 context, one batch.

@@ -1,4 +1,7 @@
-"""The Triton backend: one unified paged-attention launch per layer for a whole mixed batch.
+"""The Triton backend: one unified paged-attention launch per layer for a whole mixed batch, or, for batches with
+prefills where it pays, the decodes on the unified kernel and the prefills on a prefill kernel that reads the
+step's new keys and values from the forward's ``key``/``value``: the Gluon Hopper kernel
+(:mod:`.prefill_hopper`) when no prefill has cached context, else the Triton one (:mod:`.prefill_kernel`).
 
 Split-KV decode buffers live in the builder (allocated once), so a pure-decode step can be captured in a CUDA graph
 and replayed with new sequence lengths.
@@ -16,7 +19,7 @@ from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilde
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
-from ..platform import DeviceInfo
+from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .launch import (
@@ -32,6 +35,13 @@ from .launch import (
     pick_kernel_config,
     plan_attention,
     unified_attention,
+)
+from .prefill_hopper import (
+    HopperPrefillPlan,
+    fresh_prefills,
+    hopper_prefill_reason,
+    launch_hopper_prefill,
+    plan_hopper_prefill,
 )
 from .prefill_launch import (
     PrefillPlan,
@@ -55,8 +65,9 @@ class TritonMetadata:
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
     tree_mask: Optional[torch.Tensor] = None  # [sum n_i^2] uint8 view of common.spec_tree_mask
     #: For a forward that brings the step's keys and values: the decodes' plan (None: no decodes) and the
-    #: prefill kernel's plan for the other requests, run instead of ``plan``. None: ``plan`` always runs.
-    prefill_split: Optional[tuple[Optional[LaunchPlan], PrefillPlan]] = None
+    #: prefill kernel's plan for the other requests (the Gluon kernel's when none of them has cached context),
+    #: run instead of ``plan``. None: ``plan`` always runs.
+    prefill_split: Optional[tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan"]] = None
     #: Run the split's decode launch and prefill kernel on two CUDA streams (the builder's ``overlap_decodes``).
     overlap_streams: bool = False
 
@@ -95,6 +106,23 @@ def deterministic_kernel_config(spec: AttentionSpec) -> KernelConfig:
     )
 
 
+def prefill_split_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *, interpreted: bool,
+                         wanted: Optional[bool] = None, deterministic: bool = False) -> Optional[str]:
+    """Why a builder's batches with prefills never run split into decodes and a prefill kernel (None: they do where
+    it pays), on a device of ``compute_capability`` (None: not a CUDA device); ``wanted``: the builder's
+    ``prefill_kernel`` option."""
+    if wanted is False:
+        return "turned off (prefill_kernel=False)"
+    if wanted is None and compute_capability is None:
+        return "off by default on the CPU (pass prefill_kernel=True to use it there)"
+    if not spec.attn_type.uses_kv_cache:
+        return "encoder attention"
+    return prefill_new_kv_unsupported_reason(
+        head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
+        use_alibi=spec.alibi_slopes is not None, compute_capability=compute_capability, interpreted=interpreted,
+        deterministic=deterministic)
+
+
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """Makes every launch decision of a batch (:class:`~attnbackends.triton.launch.LaunchPlan`) and owns the
     split-KV workspace (``max_num_reqs`` decode rows).
@@ -119,8 +147,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         devices where the kernel applies (sm_90, head 64/128), for the batches where it pays
         (:func:`.prefill_launch.prefill_kernel_pays`: new-token work at least the cached-context work), off on
         the CPU so the interpreter keeps covering the unified path that other GPUs and head sizes run;
-        True: every batch with prefills, wherever the kernel applies; False: off.
+        True: every batch with prefills, wherever the kernel applies; False: off (also for the Gluon kernel below).
         ``prefill_kernel_reason`` says why it is not used (None: used).
+    hopper_prefill : where the batch runs split and none of its prefills has cached context, run them on the
+        Gluon warp-specialised Hopper kernel (:mod:`attnbackends.triton.prefill_hopper`) in place of the Triton
+        prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
+        ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
@@ -132,13 +164,22 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
-                 prefill_kernel: Optional[bool] = None, overlap_decodes: bool = False, **kwargs) -> None:
+                 prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
+                 **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
-        self.num_sms = DeviceInfo.current(self.device).sm_count if self.device.type == "cuda" else 1
+        info = DeviceInfo.current(self.device)
+        self.num_sms = info.sm_count if info.is_cuda else 1
+        interpreted = info.triton_interpreted or is_triton_interpreted()  # the process's kernels, whatever the device
         #: Why batches with prefills cannot use the prefill kernel (None: they do, when the forward brings keys).
-        self.prefill_kernel_reason: Optional[str] = self._prefill_kernel_reason(prefill_kernel)
+        self.prefill_kernel_reason: Optional[str] = prefill_split_reason(
+            spec, info.compute_capability, interpreted=interpreted, wanted=prefill_kernel,
+            deterministic=self.deterministic)
+        #: Why split batches whose prefills have no cached context cannot use the Gluon kernel ("": they do).
+        self.hopper_prefill_reason: str = "turned off (hopper_prefill=False)" if not hopper_prefill else \
+            hopper_prefill_reason(spec, info.compute_capability, interpreted=interpreted,
+                                  deterministic=self.deterministic)
         self.prefill_kernel_forced = prefill_kernel is True
         self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
         self.workspace: Optional[SplitKVWorkspace] = None
@@ -152,18 +193,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, config=self.kernel_config,
             device=self.device,
         )
-
-    def _prefill_kernel_reason(self, wanted: Optional[bool]) -> Optional[str]:
-        spec = self.spec
-        if wanted is False:
-            return "turned off (prefill_kernel=False)"
-        if wanted is None and self.device.type != "cuda":
-            return "off by default on the CPU (pass prefill_kernel=True to use it there)"
-        if not spec.attn_type.uses_kv_cache:
-            return "encoder attention"
-        return prefill_new_kv_unsupported_reason(
-            head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
-            use_alibi=spec.alibi_slopes is not None, device=self.device, deterministic=self.deterministic)
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         if self.debug:
@@ -203,8 +232,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                               prefill_split, self.overlap_decodes and prefill_split is not None)
 
     def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
-                            causal: bool) -> tuple[Optional[LaunchPlan], PrefillPlan]:
-        """The decodes on the unified kernel's decode tiles, the rest on the prefill kernel."""
+                            causal: bool) -> tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan"]:
+        """The decodes on the unified kernel's decode tiles, the rest on the Gluon prefill kernel when none of them
+        has cached context and it serves the layer, else on the Triton prefill kernel."""
         decode_plan = None
         if num_decodes:
             decode_plan = plan_attention(
@@ -212,6 +242,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 max_query_len=self.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
                 num_decodes=num_decodes, num_kv_splits=1, decode_query_len=self.reorder_batch_threshold,
                 **self._plan_args)
+        if not self.hopper_prefill_reason and fresh_prefills(common.query_lens_cpu, common.seq_lens_cpu, num_decodes):
+            return decode_plan, plan_hopper_prefill(
+                num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
+                num_seqs=common.num_reqs, first_seq=num_decodes, max_query_len=common.max_query_len,
+                num_tokens=common.num_actual_tokens, num_sms=self.num_sms)
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
@@ -233,7 +268,9 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
     """Writes K/V with the shared write op, then runs the batch's launch plan: one unified-attention launch (plus a
-    reduction for split-KV)."""
+    reduction for split-KV), or, when the metadata carries a prefill split and the forward brings the step's keys
+    and values in a layout the prefill kernels' descriptors take (checked on every call: four stride comparisons;
+    otherwise the unified plan runs), the decodes' launch and the planned prefill kernel."""
 
     can_return_lse = True
 
@@ -300,9 +337,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 side = _side_stream(query.device)
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
-                                          common.block_table, common.seq_lens, common.query_start_loc, self.scale,
-                                          self._soft_cap, sinks)
+                    self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common,
+                                          sinks)
             if decode_plan is not None:
                 launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc,
                                  common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
@@ -310,15 +346,22 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             if overlap:
                 main.wait_stream(side)
             else:
-                launch_prefill_new_kv(prefill_plan, query, key, value, output, key_cache, value_cache,
-                                      common.block_table, common.seq_lens, common.query_start_loc, self.scale,
-                                      self._soft_cap, sinks)
+                self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common, sinks)
             return output
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
                          self.k_scale, self.v_scale, cache_key=cache_key, tree_mask=metadata.tree_mask,
                          tree_indptr=common.spec_tree_mask_indptr)
         return output
+
+    def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,
+                         value_cache, common: CommonAttentionMetadata, sinks: Optional[torch.Tensor]) -> None:
+        """The prefill kernel the builder planned for the split's prefills."""
+        if isinstance(plan, HopperPrefillPlan):
+            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
+        else:
+            launch_prefill_new_kv(plan, query, key, value, output, key_cache, value_cache, common.block_table,
+                                  common.seq_lens, common.query_start_loc, self.scale, self._soft_cap, sinks)
 
     def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
                          output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,6 +417,21 @@ class TritonAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_sinks = True
     cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """The prefill kernel a default builder runs for batches with prefills (when the forward brings the step's
+        keys and values), with the reason where the Gluon Hopper kernel is ruled out."""
+        why = prefill_split_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
+        if why is not None:
+            return [f"prefill kernel: the unified kernel (the prefill kernels are not used: {why})"]
+        triton = ("the Triton prefill kernel (new tokens' keys from the forward, cached context from the pages) where "
+                  "the new tokens' work is at least the cached context's, else the unified kernel")
+        hopper = hopper_prefill_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
+        if hopper:
+            return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {hopper}"]
+        return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong consumer "
+                f"warpgroups, persistent) for batches whose prefills have no cached context; for others {triton}"]
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:

@@ -2,8 +2,10 @@
 
 The builder asks :func:`prefill_new_kv_unsupported_reason` once per layer spec and device; where the kernel
 applies, a batch with prefills gets a :class:`PrefillPlan` for its prefill sequences next to a decode-only
-unified plan, and the impl runs that pair whenever the forward brings the step's new keys and values (without
-them, the batch's single unified plan runs instead).
+unified plan, and the impl runs that pair whenever the forward brings the step's new keys and values in a layout
+the kernels' descriptors take (:func:`tma_compatible`; otherwise, or without them, the batch's single unified plan
+runs instead). A batch whose prefills have no cached context gets the Gluon kernel's plan in place of the
+:class:`PrefillPlan` where that kernel serves the layer (:mod:`.prefill_hopper`).
 """
 
 from __future__ import annotations
@@ -72,23 +74,23 @@ class PrefillPlan:
 
 
 def prefill_new_kv_unsupported_reason(
-    *, head_size: int, dtype: torch.dtype, kv_fp8: bool, causal: bool, use_alibi: bool, device: torch.device,
-    deterministic: bool = False,
+    *, head_size: int, dtype: torch.dtype, kv_fp8: bool, causal: bool, use_alibi: bool,
+    compute_capability: "tuple[int, int] | None", interpreted: bool = False, deterministic: bool = False,
 ) -> Optional[str]:
-    """Why the prefill kernel cannot run a layer of this shape on ``device`` (None: it can). Under the Triton
-    interpreter any power-of-two head size from 16 runs, on any device, but not bfloat16 (the interpreter's
-    descriptor loads of bfloat16 return wrong values)."""
+    """Why the prefill kernel cannot run a layer of this shape on a device of ``compute_capability`` (None: not a
+    CUDA device) (None: it can). Under the Triton interpreter (``interpreted``) any power-of-two head size from 16
+    runs, on any device, but not bfloat16 (the interpreter's descriptor loads of bfloat16 return wrong values)."""
     for bad, what in ((kv_fp8, "an fp8 KV cache"), (not causal, "non-causal attention"), (use_alibi, "ALiBi"),
                       (deterministic, "deterministic mode")):
         if bad:
             return f"does not take {what}"
-    if is_triton_interpreted():
+    if interpreted:
         if dtype == torch.bfloat16:
             return "bfloat16 under the Triton interpreter"
         return None if head_size >= 16 and head_size & (head_size - 1) == 0 else f"head_size {head_size}"
-    if device.type != "cuda":
-        return f"needs a CUDA device (got {device.type})"
-    if torch.cuda.get_device_capability(device) < (9, 0):
+    if compute_capability is None:
+        return "needs a CUDA device"
+    if tuple(compute_capability) < (9, 0):
         return "needs TMA (sm_90 or newer)"
     if head_size not in HEAD_SIZES:
         return f"does not take head_size {head_size} (takes {HEAD_SIZES})"
@@ -133,7 +135,8 @@ def _row_tma_ok(t: torch.Tensor) -> bool:
 
 
 def tma_compatible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> bool:
-    """Whether the four token tensors have the row layout the prefill kernel's descriptors need."""
+    """Whether the four token tensors have the row layout the prefill kernels' descriptors need (both kernels': unit
+    stride in the head dimension, heads contiguous, 16-byte aligned row strides and data pointers)."""
     return _row_tma_ok(query) and _row_tma_ok(key) and _row_tma_ok(value) and _row_tma_ok(output)
 
 

@@ -190,13 +190,14 @@ def test_prefill_kernel_pays_where_new_tokens_dominate(query_lens, seq_lens, fir
     assert prefill_kernel_pays(q, s, first) is pays
 
 
-def test_gpu_reasons():
+def test_reasons_per_device():
     kw = dict(dtype=torch.bfloat16, kv_fp8=False, causal=True, use_alibi=False)
-    if not ON_GPU:
-        pytest.skip("needs a CUDA GPU to ask its compute capability")
-    cuda = torch.device("cuda")
-    assert prefill_new_kv_unsupported_reason(head_size=128, device=cuda, **kw) is None
-    assert "head_size 96" in prefill_new_kv_unsupported_reason(head_size=96, device=cuda, **kw)
+    assert prefill_new_kv_unsupported_reason(head_size=128, compute_capability=(9, 0), **kw) is None
+    assert "head_size 96" in prefill_new_kv_unsupported_reason(head_size=96, compute_capability=(9, 0), **kw)
+    assert "sm_90" in prefill_new_kv_unsupported_reason(head_size=128, compute_capability=(8, 9), **kw)
+    assert "CUDA" in prefill_new_kv_unsupported_reason(head_size=128, compute_capability=None, **kw)
+    assert "bfloat16" in prefill_new_kv_unsupported_reason(head_size=128, compute_capability=None, interpreted=True,
+                                                           **kw)
 
 
 GPU_SHAPES = [S(1, 700), S(1, 33), S(300, 517), S(1000, 0), S(129, 4096), S(64, 64), S(7, 1)]

@@ -1,0 +1,498 @@
+"""Hopper causal prefill in Gluon, warp-specialised as FlashAttention-3 is, for prefills whose keys are all the
+step's new tokens (no cached context): Q / K / V / O ``[tokens, heads, 128]`` 16-bit rows, sequences given by
+``query_start_loc`` (varlen), GQA, causal; no window, soft-cap, ALiBi or sinks (:func:`hopper_prefill_reason`).
+
+The builder picks it per batch (:func:`fresh_prefills`) for the prefill sequences of a batch whose prefills all
+start at position 0; the decodes before them run on the unified kernel, and batches with cached context on the
+Triton prefill kernel (:mod:`.prefill_launch`) or the unified one.
+
+Work items are (head, sequence, 128-row query block), head fastest (the query heads of one KV head run side by
+side, so their K/V tiles come from L2), the last (heaviest) query blocks first. Program p of P runs item
+r * P + p in round r, in reverse order (r * P + P - 1 - p) on odd rounds (P = one per SM when ``persistent``, else
+one program per item). Each program runs three partitions over NBUF stages of shared memory:
+
+- **loader** (worker, 1 warp, REGS_LOAD registers): per item Q once ([128, 128] box, once both consumers are done
+  with the previous item's Q), K_0, then per tile j K_{j+1} (one tile ahead: S_{j+1} is issued before P_j.V_j)
+  and V_j, each into its own stage by TMA as soon as both consumers have released that stage;
+- **consumer 0 / consumer 1** (the default partition and a 4-warp worker, one warpgroup each, REGS_CONSUMER
+  registers): rows r0 = m0 + 64 * WG .. r0 + 63 of the query tile. Iteration j issues S_j = Q.K_j^T
+  (``m64nBLOCK_Nk16``) and O += P_{j-1}.V_{j-1} (``m64n128k16``, P from registers), waits for S_j only, releases
+  K_j, masks S_j (tiles on the diagonal only), runs the online softmax (log2 domain, the scale in the exp2's FMA)
+  while P.V runs, then waits for P.V, releases V_{j-1} and rescales O. No instruction touches the accumulator of
+  a wgmma in flight (ptxas would serialise every wgmma of the kernel otherwise). After the last S the consumer
+  releases Q, issues the last P.V, normalises and stores its 64 rows while the loader already brings the next
+  item's Q and first tiles;
+- **ping-pong** (``PINGPONG``): the two consumers take turns issuing their wgmma (a turn = the one or two wgmma
+  of an iteration), so the tensor cores run one warpgroup's products while the other one exponentiates.
+
+Barriers. Counters carried across a program's items: i (items done), it (tiles done; tile j of the item is
+g = it + j, in stage s = g % NBUF with use parity (g // NBUF) & 1), and turns (n_tiles + 1 per item, so an item
+starts at turn it + i):
+
+    q_ready       count 1  loader expect-tx (+ Q bytes) per item; consumers wait parity i & 1
+    q_empty       count 2  each consumer arrives once its last S of the item is complete; the loader waits parity
+                           (i & 1) ^ 1 before Q of item i (a fresh barrier passes parity 1: item 0 goes at once)
+    k_ready[s]    count 1  loader expect-tx (+ K bytes); consumers wait parity (g // NBUF) & 1 before S_g
+    v_ready[s]    count 1  loader expect-tx (+ V bytes); consumers wait the same parity before P_g.V_g
+    k_empty[s]    count 2  each consumer arrives once S_g is complete; the loader waits parity ((g // NBUF) & 1)
+                           ^ 1 before loading tile g into stage s (the first NBUF loads pass at once)
+    v_empty[s]    count 2  each consumer arrives once P_g.V_g is complete; the loader as for K
+    turn[w]       count 1  (PINGPONG) consumer w's k-th turn waits turn[w] parity (k & 1) ^ (1 - w) (consumer
+                           0's first turn passes at once); after issuing, a consumer arrives on turn[1 - w]
+
+Both consumers run the same n_tiles per item (the other warpgroup's extra diagonal tile is fully masked for
+its rows, P = 0 there), so they make the same number of turns and arrivals, and every barrier anyone waits on
+gets all its arrivals. No barrier can run a phase ahead of a waiter: a stage (or Q) is refilled only after both
+consumers released its previous content, which each does only after waiting for that content.
+
+Tails. The descriptors end at the batch's last token (``num_tokens``): rows past it, padding included, read as
+zeros. Keys past a sequence's end (the next sequence's keys, or those zeros) lie above the causal diagonal of
+every valid row, so they are masked (diagonal tiles are the only ones that reach past a valid row); their values
+enter P.V with weight 0, so they must be finite: a NaN or inf in one sequence's values reaches the rows of the
+sequence before it in the same key tile. Query rows past the end (the next sequence's queries or zeros) compute
+values that are not stored. O is written by a TMA store of the warpgroup's 64 rows staged in shared memory when
+all 64 rows are valid (``EPI_TMA``), by masked pointer stores otherwise: a TMA box would run into the next
+sequence's rows.
+
+Registers: ``gl.warp_specialize`` pads the 5 worker warps to 2 warpgroups (12 warps, 384 threads, kernel
+.maxnreg 168, one program per SM); setmaxnreg gives the consumer worker REGS_CONSUMER, the loader's warpgroup
+REGS_LOAD and the default partition what is left: (240, 24) gives both consumers 240.
+
+Gluon does not run under the Triton interpreter: the GPU tests (``tests/triton_backend/test_prefill_hopper.py``)
+check the kernel against the oracle; on a CPU it is only compiled for sm_90
+(``python -m benchmarks.prefill_explore_gluon_ws --compile-only``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..mla.decode_hopper import gluon_available
+from ..ops.launch_math import cdiv
+from ..spec import AttentionSpec, AttentionType
+
+__all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "fresh_prefills",
+           "hopper_prefill_args", "hopper_prefill_reason", "launch_hopper_prefill", "plan_hopper_prefill"]
+
+HOPPER_PREFILL_HEAD_SIZE = 128  # P.V is one m64n128 wgmma per warpgroup; Q and O tiles [128, 128]
+BLOCK_M = 128  # query rows per work item: two consumer warpgroups of one wgmma M tile (64 rows) each
+ROWS_PER_WG = 64
+CONSUMER_WARPS = 4  # the default partition: consumer 0
+_LOG2E = 1.4426950408889634
+
+if gluon_available():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+
+@dataclass(frozen=True)
+class HopperPrefillConfig:
+    """The kernel's tile and schedule options; the defaults are the backend's config.
+
+    block_n : keys per tile (64 or 128). nbuf : shared-memory stages for K and for V (>= 2). pingpong : the two
+    consumer warpgroups take turns issuing wgmma. persistent : one program per SM looping over the work items (else
+    one program per item). epi_tma : O of a warpgroup's 64 rows goes out by one TMA store when all are valid.
+    regs : setmaxnreg of the consumer worker and of the loader warp (the default consumer gets the rest)."""
+
+    block_n: int = 128
+    nbuf: int = 2
+    pingpong: bool = True
+    persistent: bool = True
+    epi_tma: bool = True
+    regs: tuple[int, int] = (240, 24)
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (64, 128) or self.nbuf < 2:
+            raise ValueError(f"block_n must be 64 or 128 and nbuf >= 2, got block_n {self.block_n}, nbuf {self.nbuf}")
+        regs = tuple(self.regs)
+        if len(regs) != 2 or regs[0] % 8 or regs[1] % 8 or not 24 <= regs[1] <= regs[0] <= 256:
+            raise ValueError(f"regs must be (consumer, loader) multiples of 8 with 24 <= loader <= consumer <= 256, "
+                             f"got {self.regs}")
+        object.__setattr__(self, "regs", regs)
+
+
+@dataclass(frozen=True)
+class HopperPrefillPlan:
+    """The kernel's launch for one batch: sequences ``first_seq`` .. ``first_seq + num_seqs - 1``, every one with
+    no cached context, within the batch's first ``num_tokens`` token rows."""
+
+    grid: tuple[int]
+    first_seq: int
+    num_seqs: int
+    num_q_blocks: int  # query blocks of BLOCK_M rows of the longest sequence
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    config: HopperPrefillConfig
+
+
+def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
+                          interpreted: bool = False, deterministic: bool = False) -> str:
+    """Why the kernel cannot serve the prefills of a layer ``spec`` on a device of ``compute_capability`` (None: not
+    a CUDA device) ("" if it can): causal decoder self-attention; query, key and value heads of 128; a 16-bit model
+    dtype; a 16-bit cache (it reads the step's keys and values as given, where an fp8 cache would round them); no
+    sliding window, soft-cap, ALiBi or sinks; not the builder's deterministic mode (the kernel serves only batches
+    whose prefills are all fresh, so a request's kernel, and its rounding, would depend on the rest of its batch);
+    compute capability 9.0 (wgmma, setmaxnreg), not under the Triton interpreter; Gluon installed."""
+    if spec.attn_type is not AttentionType.DECODER:
+        return f"{spec.attn_type.value} attention (needs causal decoder self-attention)"
+    if spec.head_size != HOPPER_PREFILL_HEAD_SIZE:
+        return f"head_size {spec.head_size} (needs {HOPPER_PREFILL_HEAD_SIZE})"
+    if spec.value_head_size != HOPPER_PREFILL_HEAD_SIZE:
+        return f"value head size {spec.value_head_size} (needs {HOPPER_PREFILL_HEAD_SIZE})"
+    if spec.torch_dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {spec.dtype} (needs float16 or bfloat16)"
+    if spec.is_fp8_kv_cache:
+        return "an fp8 KV cache"
+    for present, what in ((spec.sliding_window, "a sliding window"), (spec.logits_soft_cap, "a logits soft-cap"),
+                          (spec.alibi_slopes is not None, "ALiBi"), (spec.has_sinks, "attention sinks"),
+                          (deterministic, "deterministic mode")):
+        if present:
+            return what
+    if interpreted:
+        return "the Triton interpreter (Gluon compiles for the GPU only)"
+    if compute_capability != (9, 0):
+        return "compute capability is not 9.0"
+    if not gluon_available():
+        return "triton.experimental.gluon is not installed"
+    return ""
+
+
+def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first_seq: int) -> bool:
+    """Whether requests ``first_seq`` onwards have no cached context (every key is a new token): int32 CPU tensors
+    [num_reqs]."""
+    return bool(np.array_equal(query_lens_cpu.numpy()[first_seq:], seq_lens_cpu.numpy()[first_seq:]))
+
+
+def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, num_seqs: int, first_seq: int,
+                        max_query_len: int, num_tokens: int, num_sms: int,
+                        config: Optional[HopperPrefillConfig] = None) -> HopperPrefillPlan:
+    """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` (the longest has ``max_query_len`` tokens) of a
+    batch of ``num_tokens`` tokens, on a GPU of ``num_sms`` SMs."""
+    config = config or HopperPrefillConfig()
+    if head_size != HOPPER_PREFILL_HEAD_SIZE or num_heads % num_kv_heads:
+        raise ValueError(f"head_size must be {HOPPER_PREFILL_HEAD_SIZE} and num_heads a multiple of num_kv_heads, "
+                         f"got head_size {head_size}, {num_heads} / {num_kv_heads} heads")
+    seqs = num_seqs - first_seq
+    num_q_blocks = cdiv(max(int(max_query_len), 1), BLOCK_M)
+    items = num_heads * seqs * num_q_blocks
+    grid = (min(items, num_sms) if config.persistent else items,)
+    return HopperPrefillPlan(grid, first_seq, seqs, num_q_blocks, int(num_tokens), num_heads, num_kv_heads,
+                             head_size, config)
+
+
+@lru_cache(maxsize=None)
+def _smem_layout(dtype: torch.dtype, rows: int, head: int):
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, head], gdt)
+
+
+def _rows_descriptor(t: torch.Tensor, num_tokens: int, rows: int):
+    """TMA over ``t[:num_tokens]`` [tokens, heads, head] as [tokens, heads * head] rows (heads contiguous, row
+    stride ``t.stride(0)``), boxes of [rows, head]."""
+    head = t.shape[2]
+    return GluonTensorDescriptor(t, [num_tokens, t.shape[1] * head], [t.stride(0), 1], [rows, head],
+                                 _smem_layout(t.dtype, rows, head))
+
+
+def hopper_prefill_args(plan: HopperPrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float):
+    """(grid, args, kwargs) of ``plan``'s launch of the kernel (also what an offline compile uses); tensors as in
+    :func:`launch_hopper_prefill`."""
+    cfg, n = plan.config, plan.num_tokens
+    qsl = query_start_loc[plan.first_seq:] if plan.first_seq else query_start_loc
+    args = (_rows_descriptor(query, n, BLOCK_M), _rows_descriptor(key, n, cfg.block_n),
+            _rows_descriptor(value, n, cfg.block_n), _rows_descriptor(output, n, ROWS_PER_WG), output, qsl,
+            output.stride(0), plan.num_seqs, plan.num_q_blocks, softmax_scale * _LOG2E)
+    kwargs = dict(HQ=plan.num_heads, HKV=plan.num_kv_heads, HEAD=plan.head_size, BLOCK_M=BLOCK_M,
+                  BLOCK_N=cfg.block_n, NBUF=cfg.nbuf, PINGPONG=cfg.pingpong, EPI_TMA=cfg.epi_tma,
+                  REGS_CONSUMER=cfg.regs[0], REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
+    return plan.grid, args, kwargs
+
+
+def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Run ``plan`` (no checks): causal attention of each planned sequence's queries over its own new keys.
+
+    Parameters
+    ----------
+    query, output : [>= num_tokens, num_heads, 128] float16 / bfloat16; key, value : [>= num_tokens, num_kv_heads,
+        128], same dtype (rows as in query). Each with unit stride in the head dimension, heads contiguous, a row
+        stride and a data pointer 16-byte aligned (:func:`.prefill_launch.tma_compatible`); views of a fused
+        projection qualify.
+    query_start_loc : [num_reqs + 1] int32 on the device: the whole batch's offsets.
+    softmax_scale : the scale of q.k.
+    """
+    if plan.grid[0] <= 0:
+        return output
+    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale)
+    device = query.device
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _prefill_hopper_kernel[grid](*args, **kwargs)
+    else:
+        _prefill_hopper_kernel[grid](*args, **kwargs)
+    return output
+
+
+if gluon_available():
+
+    @gluon.jit
+    def _masked_scores(s, j, m0, n_unmasked, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """S with the keys above the causal diagonal at -inf (tiles below the diagonal pass unchanged)."""
+        if j >= n_unmasked:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1)
+            s = gl.where(keep, s, gl.full_like(s, float("-inf")))
+        return s
+
+    @gluon.jit
+    def _softmax_step(s, l_i, m_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+        """Online softmax of a score tile in the log2 domain: (P as the A operand of P.V, l_i, m_new, alpha)."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2((m_i - m_new) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return gl.convert_layout(p.to(dtype), p_layout), l_i, m_new, alpha
+
+    @gluon.jit
+    def _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, BLOCK_M: gl.constexpr):
+        """This program's item of round r -> (head, first token of the sequence, its length, first row of the query
+        tile, whether there is work). Items run head fastest (the query heads of one KV head side by side), then
+        sequence, then query block from the last (heaviest) down; round r gives item r * P + p to program p of P, in
+        reverse order on odd rounds (a snake: the programs that got the heavier item of one round get the lighter
+        one of the next). Past the last item, or a tile that starts past its sequence's end, there is no work."""
+        P = gl.num_programs(0)
+        p = gl.program_id(0)
+        w = r * P + p + (r & 1) * (P - 1 - 2 * p)
+        wc = gl.minimum(w, num_items - 1)
+        h = wc % HQ
+        rest = wc // HQ
+        seq = rest % num_seqs
+        qb = num_q_blocks - 1 - rest // num_seqs
+        start = gl.load(QSL + seq)
+        q_len = gl.load(QSL + seq + 1) - start
+        m0 = qb * BLOCK_M
+        return h, start, q_len, m0, (w < num_items) & (m0 < q_len)
+
+    @gluon.jit
+    def _load_tile(desc, bufs, ready, empty, row, col, g, NBUF: gl.constexpr):
+        """TMA the [BLOCK_N, HEAD] tile starting at token ``row`` into stage g % NBUF (g: the program's running tile
+        count) once both consumers released the stage's previous tile, g - NBUF."""
+        s = g % NBUF
+        mbarrier.wait(empty.index(s), ((g // NBUF) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(s))
+
+    @gluon.jit
+    def _loader_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, QSL, num_seqs, num_q_blocks, num_items,
+                          HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+        """1 warp. Per work item: Q (once both consumers' last Q.K^T of the previous item is complete), K_0, then
+        per tile j K_{j+1} (one tile ahead: S_{j+1} is issued before P_j.V_j) and V_j."""
+        it = 0
+        i = 0
+        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+            h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
+            if has_work:
+                col_kv = (h // (HQ // HKV)) * HEAD
+                n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
+                mbarrier.wait(q_empty, (i & 1) ^ 1)
+                mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
+                _load_tile(k_desc, k_bufs, k_ready, k_empty, start, col_kv, it, NBUF)
+                for j in range(n_tiles):
+                    if j + 1 < n_tiles:
+                        _load_tile(k_desc, k_bufs, k_ready, k_empty, start + (j + 1) * BLOCK_N, col_kv, it + j + 1,
+                                   NBUF)
+                    _load_tile(v_desc, v_bufs, v_ready, v_empty, start + j * BLOCK_N, col_kv, it + j, NBUF)
+                it += n_tiles
+                i += 1
+
+    @gluon.jit
+    def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait for this warpgroup's k-th turn to issue wgmma (consumer 0's first turn is free)."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: this warpgroup's wgmma are issued; the other warpgroup's turn."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, r0, n_tiles, it, t, qk_scale,
+                WG: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                PINGPONG: gl.constexpr):
+        """One warpgroup's 64 query rows (from r0) against key tiles 0 .. n_tiles - 1 of its sequence: (O
+        unnormalised [64, HEAD] float32, row sums [64]). ``it``: the program's running tile count before this item
+        (stage and parity of every tile), ``t``: its running turn count (n_tiles + 1 turns per item)."""
+        ROWS: gl.constexpr = 64
+        dtype: gl.constexpr = q.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        n_unmasked = r0 // BLOCK_N  # tiles whose last key is <= r0: visible to every row of this warpgroup
+
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        o = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
+
+        s0 = it % NBUF
+        mbarrier.wait(k_ready.index(s0), (it // NBUF) & 1)
+        _turn_wait(turn, t, WG, PINGPONG)
+        s_tok = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(s0), count=1)
+        s = _masked_scores(s, 0, r0, n_unmasked, s_layout, ROWS, BLOCK_N)
+        p, l_i, m_i, alpha = _softmax_step(s, l_i, m_i, qk_scale, p_layout, dtype)
+        for j in range(1, n_tiles):
+            g = it + j
+            buf = g % NBUF
+            prev = (g - 1) % NBUF
+            mbarrier.wait(k_ready.index(buf), (g // NBUF) & 1)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // NBUF) & 1)
+            _turn_wait(turn, t + j, WG, PINGPONG)
+            s_tok = warpgroup_mma(q, k_bufs.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # wgmma groups retire in order: S_j is done
+            mbarrier.arrive(k_empty.index(buf), count=1)
+            s = _masked_scores(s, j, r0, n_unmasked, s_layout, ROWS, BLOCK_N)
+            p_next, l_i, m_i, alpha = _softmax_step(s, l_i, m_i, qk_scale, p_layout, dtype)
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))  # P_{j-1} lives until P.V is done
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            p = p_next
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        mbarrier.arrive(q_empty, count=1)  # every Q.K^T of the item is complete: the loader may bring the next Q
+        last = (it + n_tiles - 1) % NBUF
+        mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NBUF) & 1)
+        _turn_wait(turn, t + n_tiles, WG, PINGPONG)
+        o_tok = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+        return o, l_i
+
+    @gluon.jit
+    def _consumer_partition(q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                            turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t, qk_scale,
+                            WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
+                            EPI_TMA: gl.constexpr):
+        """One consumer warpgroup: rows r0 = m0 + 64 * WG .. r0 + 63 of each work item's query tile; normalises and
+        stores them (masked pointer stores, or a TMA store staged in ``o_smem`` when all 64 rows are valid)."""
+        ROWS: gl.constexpr = 64
+        dtype: gl.constexpr = q_smem.dtype
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD, 16])
+        q = q_smem.slice(WG * ROWS, ROWS, dim=0)
+        o_stage = o_smem.slice(WG * ROWS, ROWS, dim=0)
+        it = 0
+        i = 0
+        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+            h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
+            if has_work:
+                r0 = m0 + WG * ROWS
+                n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
+                mbarrier.wait(q_ready, i & 1)
+                o, l_i = _attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, r0, n_tiles,
+                                 it, it + i, qk_scale, WG, HEAD, BLOCK_N, NBUF, PINGPONG)
+                it += n_tiles
+                i += 1
+
+                inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+                out = (o * gl.expand_dims(inv, 1)).to(dtype)
+                if EPI_TMA and r0 + ROWS <= q_len:
+                    o_stage.store(out)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every warp's rows in shared memory before one thread issues the store
+                    tma.async_copy_shared_to_global(o_desc, [start + r0, h * HEAD], o_stage)
+                    tma.store_wait(0)  # o_stage is rewritten by the next item
+                else:
+                    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+                    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+                    ptrs = (O + gl.expand_dims((start + rows).to(gl.int64) * stride_o_t, 1) + h * HEAD
+                            + gl.expand_dims(cols, 0))
+                    gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_q_blocks"], do_not_specialize_on_alignment=["QSL"])
+    def _prefill_hopper_kernel(
+        q_desc, k_desc, v_desc, o_desc,  # TMA over Q [T, HQ * HEAD] (box BLOCK_M x HEAD), K / V [T, HKV * HEAD]
+                                         # (BLOCK_N x HEAD), O [T, HQ * HEAD] (64 x HEAD)
+        O, QSL,  # [T, HQ, HEAD] (heads contiguous); [num_seqs + 1] int32, the planned sequences' offsets
+        stride_o_t, num_seqs, num_q_blocks, qk_scale,  # qk_scale: softmax scale * log2(e)
+        HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NBUF: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, REGS_CONSUMER: gl.constexpr,
+        REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Grid (programs,): each program runs its share of the HQ * num_seqs * num_q_blocks work items in rounds
+        (:func:`_work_item`; one item each when programs = items, persistent when programs = SMs). Warps: 4
+        (consumer 0, the default partition) + 4 (consumer 1) + 1 (TMA loader). The batch's sizes are not
+        specialised on (one compiled kernel serves every batch of a layer)."""
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows each")
+        gl.static_assert(BLOCK_M % BLOCK_N == 0, "a query tile ends on a key tile boundary")
+        gl.static_assert(NBUF >= 2, "the next tile flies while this one is read")
+        dtype: gl.constexpr = q_desc.dtype
+        num_items = HQ * num_seqs * num_q_blocks
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], v_desc.layout)
+        if EPI_TMA:
+            o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], o_desc.layout)
+        else:
+            o_smem = q_smem  # not written: the masked pointer stores need no staging
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
+        mbarrier.init(q_empty, count=2)  # both consumers' last Q.K^T of the item is complete
+        for s in gl.static_range(NBUF):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=2)  # both consumers release the stage
+            mbarrier.init(v_empty.index(s), count=2)
+        for s in gl.static_range(2):
+            mbarrier.init(turn.index(s), count=1)  # the other consumer's arrival
+        fence_async_shared()  # the initialised barriers visible to the async proxy (TMA complete-tx)
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
+                                   qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
+            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
+                                   qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
+            (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, QSL, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M,
+                                 BLOCK_N, NBUF)),
+        ], [4, 1], [REGS_CONSUMER, REGS_LOAD])

@@ -1,0 +1,387 @@
+"""The Gluon Hopper prefill kernel (attnbackends/triton/prefill_hopper.py) in the Triton backend.
+
+CPU: the reason function, the builder's choice per batch (with a faked compute capability 9.0 device: plans
+only, nothing launches), ``explain``'s kernel note, and an offline sm_90 compile of the backend's config (no spill,
+shared memory within a block's limit, wgmma not serialised). GPU (sm_90): the public API (``builder.build`` once,
+``impl.forward`` with the step's keys and values, output poisoned with NaN, padding rows NaN that must neither be
+read nor written) against the float64 oracle, for fresh prefills, decodes before fresh prefills, batches that
+must fall back (cached context, the kernel turned off, layouts its descriptors cannot take), fused-projection
+views, repeated launches and a CUDA-graph replay.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
+from attnbackends.platform import DeviceInfo  # noqa: E402
+from attnbackends.testing import SequenceShape as S  # noqa: E402
+from attnbackends.testing import (  # noqa: E402
+    assert_close_to_oracle,
+    make_random_batch,
+    oracle_attention,
+    tolerance_for,
+)
+from attnbackends.triton import prefill_hopper  # noqa: E402
+from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+from attnbackends.triton.prefill_hopper import (  # noqa: E402
+    HopperPrefillConfig,
+    HopperPrefillPlan,
+    fresh_prefills,
+    hopper_prefill_reason,
+    plan_hopper_prefill,
+)
+from attnbackends.triton.prefill_launch import PrefillPlan, tma_compatible  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+H100 = (9, 0)
+needs_gluon = pytest.mark.skipif(not prefill_hopper.gluon_available(), reason="needs triton.experimental.gluon")
+
+
+# ----------------------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(head_size=64), "head_size 64"),
+    (dict(head_size=256), "head_size 256"),
+    (dict(head_size_v=64), "value head size 64"),
+    (dict(dtype="float32"), "dtype float32"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "fp8"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "fp8"),
+    (dict(sliding_window=256), "sliding window"),
+    (dict(logits_soft_cap=30.0), "soft-cap"),
+    (dict(alibi_slopes=tuple(2.0 ** -i for i in range(1, 33))), "ALiBi"),
+    (dict(has_sinks=True), "sinks"),
+    (dict(attn_type="encoder_only"), "encoder_only attention"),
+    (dict(attn_type="encoder_decoder"), "encoder_decoder attention"),
+])
+def test_reason_names_what_the_kernel_does_not_take(change, reason):
+    assert reason in hopper_prefill_reason(AttentionSpec(**{**SPEC.model_dump(), **change}), H100)
+
+
+@needs_gluon
+def test_reason_device_and_mode():
+    assert hopper_prefill_reason(SPEC, H100) == ""
+    assert hopper_prefill_reason(SPEC.model_copy(update=dict(dtype="float16")), H100) == ""
+    assert hopper_prefill_reason(AttentionSpec(num_heads=8, num_kv_heads=8, head_size=128), H100) == ""
+    for cc in ((8, 0), (8, 9), (10, 0), (12, 0), None):
+        assert "compute capability" in hopper_prefill_reason(SPEC, cc)
+    assert "interpreter" in hopper_prefill_reason(SPEC, H100, interpreted=True)
+    assert "deterministic" in hopper_prefill_reason(SPEC, H100, deterministic=True)
+
+
+def test_reason_without_gluon(monkeypatch):
+    monkeypatch.setattr(prefill_hopper, "gluon_available", lambda: False)
+    assert "gluon" in hopper_prefill_reason(SPEC, H100)
+
+
+def test_fresh_prefills_looks_only_past_the_decodes():
+    q = torch.tensor([1, 1, 300, 2], dtype=torch.int32)
+    assert fresh_prefills(q, torch.tensor([40, 1, 300, 2], dtype=torch.int32), 2)
+    assert fresh_prefills(q, torch.tensor([40, 1, 300, 2], dtype=torch.int32), 1)
+    assert not fresh_prefills(q, torch.tensor([40, 1, 300, 2], dtype=torch.int32), 0)
+    assert not fresh_prefills(q, torch.tensor([40, 1, 301, 2], dtype=torch.int32), 2)
+
+
+def test_plan_grid_and_config():
+    kw = dict(num_heads=32, num_kv_heads=8, head_size=128, num_seqs=5, first_seq=2, max_query_len=300,
+              num_tokens=700, num_sms=132)
+    plan = plan_hopper_prefill(**kw)
+    items = 32 * 3 * 3  # heads x planned sequences x 128-row blocks of the longest
+    assert (plan.grid, plan.first_seq, plan.num_seqs, plan.num_q_blocks) == ((132,), 2, 3, 3)
+    assert plan.config == HopperPrefillConfig() and plan.config.epi_tma and plan.config.persistent
+    assert plan_hopper_prefill(**dict(kw, num_sms=1000)).grid == (items,)
+    assert plan_hopper_prefill(**kw, config=HopperPrefillConfig(persistent=False)).grid == (items,)
+    with pytest.raises(ValueError, match="head_size"):
+        plan_hopper_prefill(**dict(kw, head_size=64))
+    with pytest.raises(ValueError, match="regs"):
+        HopperPrefillConfig(regs=(240, 20))
+    with pytest.raises(ValueError, match="block_n"):
+        HopperPrefillConfig(block_n=32)
+
+
+def _common(shapes, device="cpu"):
+    """Metadata of a batch of (query_len, context_len) requests on consecutive pages."""
+    tables, at = [], 0
+    for q, c in shapes:
+        n = -(-(q + c) // SPEC.block_size)
+        tables.append(list(range(at, at + n)))
+        at += n
+    return build_common_metadata([q for q, _ in shapes], [c for _, c in shapes], tables, SPEC.block_size, device)
+
+
+@pytest.fixture
+def fake_h100(monkeypatch):
+    """Builders on the CPU see an sm_90 device with 132 SMs, Triton not interpreted (they plan; nothing launches)."""
+    from attnbackends.triton import backend
+
+    monkeypatch.setattr(DeviceInfo, "current", classmethod(lambda cls, device=None: DeviceInfo.cuda(9, 0)))
+    monkeypatch.setattr(backend, "is_triton_interpreted", lambda: False)
+
+
+def _builder(spec=SPEC, **kw):
+    return TritonAttentionBackend.get_builder_cls()(spec, "cpu", **kw)
+
+
+@needs_gluon
+@pytest.mark.parametrize("shapes, decodes", [
+    ([(300, 0), (2, 0), (129, 0)], 0),  # only fresh prefills
+    ([(1, 40), (1, 0), (1, 7), (200, 0), (64, 0)], 3),  # decodes (one without context) before fresh prefills
+])
+def test_builder_puts_fresh_prefills_on_the_gluon_kernel(fake_h100, shapes, decodes):
+    builder = _builder()
+    assert builder.prefill_kernel_reason is None and builder.hopper_prefill_reason == ""
+    common = _common(shapes)
+    meta = builder.build(common)
+    decode_plan, plan = meta.prefill_split
+    assert isinstance(plan, HopperPrefillPlan)
+    assert (decode_plan is not None) == bool(decodes) and plan.first_seq == decodes
+    assert plan.num_seqs == len(shapes) - decodes and plan.num_tokens == common.num_actual_tokens
+    assert plan.num_q_blocks == -(-max(q for q, _ in shapes) // 128)
+    assert plan.grid == (min(132, SPEC.num_heads * plan.num_seqs * plan.num_q_blocks),)
+
+
+@needs_gluon
+def test_builder_keeps_the_other_paths(fake_h100):
+    fresh = _common([(1, 40), (300, 0), (129, 0)])
+    with_context = _common([(1, 40), (200, 0), (100, 64), (129, 0)])  # new-token work dominates: Triton kernel
+    context_heavy = _common([(1, 40), (16, 2000)])  # the unified kernel (prefill_kernel_pays)
+    builder = _builder()
+    assert isinstance(builder.build(with_context).prefill_split[1], PrefillPlan)
+    assert builder.build(context_heavy).prefill_split is None
+    off = _builder(hopper_prefill=False)
+    assert "hopper_prefill=False" in off.hopper_prefill_reason
+    assert isinstance(off.build(fresh).prefill_split[1], PrefillPlan)
+    assert _builder(prefill_kernel=False).build(fresh).prefill_split is None
+    deterministic = _builder(deterministic=True)
+    assert "deterministic" in deterministic.hopper_prefill_reason
+    assert deterministic.build(fresh).prefill_split is None
+    window = _builder(SPEC.model_copy(update=dict(sliding_window=256)))
+    assert "sliding window" in window.hopper_prefill_reason
+    assert isinstance(window.build(fresh).prefill_split[1], PrefillPlan)
+
+
+def test_builder_off_the_hopper():
+    builder = _builder(prefill_kernel=True)  # the real (CPU) device: interpreted, or no CUDA device
+    assert builder.hopper_prefill_reason
+    meta = builder.build(_common([(40, 0), (33, 0)]))
+    assert meta.prefill_split is None or isinstance(meta.prefill_split[1], PrefillPlan)
+
+
+@needs_gluon
+def test_kernel_note_names_the_prefill_kernel():
+    notes = TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.cuda(9, 0))
+    assert len(notes) == 1 and "Gluon warp-specialised Hopper kernel" in notes[0] and "no cached context" in notes[0]
+    notes = TritonAttentionBackend.kernel_notes(SPEC.model_copy(update=dict(has_sinks=True)), DeviceInfo.cuda(9, 0))
+    assert "Triton prefill kernel" in notes[0] and "not the Gluon Hopper kernel: attention sinks" in notes[0]
+    assert "compute capability" in TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.cuda(10, 0))[0]
+    assert "unified kernel (the prefill kernels are not used" in TritonAttentionBackend.kernel_notes(
+        SPEC, DeviceInfo.cuda(8, 0))[0]
+    assert "unified kernel" in TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.cpu())[0]
+
+
+@needs_gluon
+def test_explain_shows_the_note():
+    from attnbackends import AttentionConfig, explain
+
+    result = explain(SPEC, DeviceInfo.cuda(9, 0), AttentionConfig(backend="triton"))
+    assert any(n.startswith("triton: prefill kernel: the Gluon") for n in result.notes), result.notes
+
+
+@needs_gluon
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
+def test_backend_config_compiles_for_sm90():
+    """Offline sm_90 compile (a fresh process: the interpreter patches triton.language in this one) of the
+    backend's config through the library's own argument builder: no spill, consumers and loader within their
+    setmaxnreg limits, shared memory within a block's limit, wgmma not serialised."""
+    from benchmarks.prefill_explore_gluon_ws import compile_problems
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_explore_gluon_ws", "--compile-only", "--configs",
+                          "0"], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (rep,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert rep["config"] == {**dataclasses.asdict(HopperPrefillConfig()), "regs": [240, 24]}, rep
+    assert not compile_problems(rep), (compile_problems(rep), rep)
+    assert rep["maxnreg"] == 168 and rep["regs"] <= 168, rep  # 384 threads: one program per SM
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+
+needs_hopper = pytest.mark.skipif(not (HOPPER and prefill_hopper.gluon_available()),
+                                  reason="needs an sm_90 GPU and triton.experimental.gluon")
+NAN = float("nan")
+
+
+def _finish(timeout_s: float = 60.0) -> None:
+    """Wait for the launched work; one still running after ``timeout_s`` is a barrier deadlock: end the session
+    instead of hanging every later test."""
+    ev = torch.cuda.Event()
+    ev.record()
+    deadline = time.time() + timeout_s
+    while not ev.query():
+        if time.time() > deadline:
+            pytest.exit(f"the prefill did not finish in {timeout_s:.0f} s (deadlock)", returncode=3)
+        time.sleep(0.01)
+
+
+def _poison_cache(cache: torch.Tensor, batch) -> torch.Tensor:
+    """NaN in every slot that holds no request's cached context: nothing may be read from there."""
+    bs = batch.spec.block_size
+    used = torch.zeros(cache.shape[0], bs, dtype=torch.bool)
+    table = batch.common.block_table.cpu()
+    for r, shape in enumerate(batch.shapes):
+        for p in range(shape.context_len):
+            used[int(table[r, p // bs]), p % bs] = True
+    cache.permute(0, 2, 1, 3, 4)[~used.to(cache.device)] = NAN
+    return cache
+
+
+def run_forward(spec, shapes, *, seed=0, pad_tokens=3, layout=None, **builder_kw):
+    """One forward through the public API on fresh random data, padding rows of query / key / value NaN; checks
+    the output against the oracle and that the padding rows of the output stay untouched. ``layout`` rebuilds
+    (query, key, value, output) as other views of the same values. Returns (metadata, output)."""
+    batch = make_random_batch(spec, shapes, seed=seed, device="cuda", pad_tokens=pad_tokens)
+    n = batch.num_actual_tokens
+    for t in (batch.query, batch.key, batch.value):
+        t[n:] = NAN
+    builder = TritonAttentionBackend.get_builder_cls()(spec, "cuda", **builder_kw)
+    impl = TritonAttentionBackend.get_impl_cls()(spec)
+    meta = builder.build(batch.common)
+    query, key, value, out = batch.query, batch.key, batch.value, batch.new_output()
+    if layout is not None:
+        query, key, value, out = layout(query, key, value, out)
+    impl.forward(query, key, value, _poison_cache(batch.kv_cache.clone(), batch), meta, out)
+    _finish()
+    assert torch.isnan(out[n:]).all(), "rows past the batch's tokens were written"
+    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what="prefill")
+    return meta, out
+
+
+LENGTHS = {"mixed": [300, 2, 127, 128, 129, 1000, 64, 513], "127": [127], "128": [128], "129": [129],
+           "1000": [1000]}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("lengths", list(LENGTHS.values()), ids=list(LENGTHS))
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa4", "mha"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fresh_prefills_gpu(lengths, heads, dtype):
+    spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype=dtype, block_size=16)
+    meta, _ = run_forward(spec, [S(n, 0) for n in lengths], seed=sum(lengths) + heads[0])
+    assert meta.prefill_split[0] is None and isinstance(meta.prefill_split[1], HopperPrefillPlan)
+
+DECODES_THEN_FRESH = [S(1, 0), S(1, 700), S(1, 33), S(300, 0), S(2, 0), S(129, 0), S(1000, 0)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_decodes_then_fresh_prefills_gpu(overlap):
+    meta, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=11, overlap_decodes=overlap)
+    decode_plan, plan = meta.prefill_split
+    assert decode_plan is not None and decode_plan.num_decodes == 3
+    assert isinstance(plan, HopperPrefillPlan) and plan.first_seq == 3 and meta.overlap_streams == overlap
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["context", "turned_off"])
+def test_batches_that_fall_back_gpu(case):
+    """A prefill with cached context sends the batch's prefills to the Triton prefill kernel, as does
+    hopper_prefill=False for a fresh batch; both still match the oracle."""
+    if case == "context":
+        meta, _ = run_forward(SPEC, [S(1, 50), S(200, 0), S(100, 64), S(129, 0)], seed=12)
+    else:
+        meta, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=13, hopper_prefill=False)
+    assert isinstance(meta.prefill_split[1], PrefillPlan)
+
+
+def _fused_views(query, key, value, out):
+    """query / key / value as slices of one fused [tokens, heads + 2 kv_heads, 128] projection, the output a slice
+    of a wider buffer: strided rows the descriptors take."""
+    hq, hkv = query.shape[1], key.shape[1]
+    qkv = torch.cat([query, key, value], dim=1)
+    wide = torch.full((out.shape[0], hq + 2, out.shape[2]), NAN, dtype=out.dtype, device=out.device)
+    return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], wide[:, 1:hq + 1]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_fused_projection_views_gpu():
+    meta, out = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0)], seed=14, layout=_fused_views)
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and out.stride(0) == (SPEC.num_heads + 2) * 128
+
+
+def _padded_heads(query, key, value, out):
+    """key with a gap between heads (head stride 136): no row layout for TMA."""
+    padded = torch.full((*key.shape[:2], 136), NAN, dtype=key.dtype, device=key.device)
+    padded[..., :128] = key
+    return query, padded[..., :128], value, out
+
+
+def _odd_row_stride(query, key, value, out):
+    """value rows 8 bytes past a multiple of 16 apart: no TMA descriptor."""
+    t, h, d = value.shape
+    buf = torch.full((t, h * d + 4), NAN, dtype=value.dtype, device=value.device)
+    view = buf[:, :h * d].view(t, h, d)
+    view.copy_(value)
+    return query, key, view, out
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layout", [_padded_heads, _odd_row_stride], ids=["padded_heads", "odd_row_stride"])
+def test_layouts_the_descriptors_cannot_take_run_unified_gpu(layout):
+    t = torch.zeros(4, SPEC.num_heads, 128, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(4, SPEC.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
+    assert not tma_compatible(*layout(t, kv, kv.clone(), t.clone()))
+    run_forward(SPEC, [S(1, 40), S(300, 0), S(129, 0)], seed=15, layout=layout)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_repeated_launches_and_graph_replay_are_bitwise_gpu():
+    """The persistent schedule (16 x 8 query blocks x 32 heads on 132 SMs) gives the same bits every launch, eagerly
+    and replayed from a CUDA graph."""
+    batch = make_random_batch(SPEC, [S(1024, 0)] * 16, seed=16, device="cuda")
+    builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cuda")
+    impl = TritonAttentionBackend.get_impl_cls()(SPEC)
+    meta = builder.build(batch.common)
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
+    cache = batch.kv_cache.clone()
+    outs = []
+    for _ in range(3):
+        out = batch.new_output()
+        impl.forward(batch.query, batch.key, batch.value, cache, meta, out)
+        _finish()
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert_close_to_oracle(outs[0], oracle_attention(batch), tolerance_for(SPEC.torch_dtype), what="prefill")
+    graph_out = batch.new_output()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(batch.query, batch.key, batch.value, cache, meta, graph_out)
+    graph.replay()
+    _finish()
+    assert torch.equal(graph_out, outs[0])
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_kernel_note_on_this_gpu():
+    assert "Gluon warp-specialised Hopper kernel" in TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.current())[0]
