@@ -359,7 +359,7 @@ def test_repeated_launches_and_graph_replay_are_bitwise_gpu():
     """The persistent schedule (16 x 8 query blocks x 32 heads on 132 SMs) gives the same bits every launch, eagerly
     and replayed from a CUDA graph."""
     batch = make_random_batch(SPEC, [S(1024, 0)] * 16, seed=16, device="cuda")
-    builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cuda")
+    builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cuda", max_num_tokens=16 * 1024)
     impl = TritonAttentionBackend.get_impl_cls()(SPEC)
     meta = builder.build(batch.common)
     assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
