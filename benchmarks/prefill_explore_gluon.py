@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from attnbackends.triton.prefill_hopper import _masked_scores, _softmax_step  # the library kernel's device helpers
+
 RCP_LN2 = 1.4426950408889634
 BLOCK_M = 128
 NUM_WARPS = 8
@@ -60,27 +62,6 @@ def _issue_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, row, col, buf):
     vb = v_ready.index(buf)
     mbarrier.expect(vb, v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(v_desc, [row, col], vb, v_bufs.index(buf))
-
-
-@gluon.jit
-def _masked_scores(s, j, m0, n_unmasked, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """S with the keys above the causal diagonal at -inf (tiles below the diagonal pass unchanged)."""
-    if j >= n_unmasked:
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1)
-        s = gl.where(keep, s, gl.full_like(s, float("-inf")))
-    return s
-
-
-@gluon.jit
-def _softmax_step(s, l_i, m_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """Online softmax of a score tile in the log2 domain: (P as the A operand of P.V, l_i, m_new, alpha)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2((m_i - m_new) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return gl.convert_layout(p.to(dtype), p_layout), l_i, m_new, alpha
 
 
 @gluon.jit
