@@ -45,25 +45,34 @@ def _cpu_args(tokens=64, heads=8, kv_heads=2, head=128, dtype=torch.bfloat16):
     return q, k, v, torch.empty_like(q), qsl
 
 
+@pytest.mark.parametrize("module", ["benchmarks.prefill_explore_gluon", "benchmarks.prefill_explore_gluon_ws"])
 @pytest.mark.parametrize("change,exc,match", [
     (dict(head=64), NotImplementedError, "head_size"),
     (dict(dtype=torch.float32), ValueError, "bfloat16 or float16"),
     (dict(kv_heads=3, heads=8), ValueError, "multiple of kv heads"),
 ])
-def test_bad_shapes_and_dtypes_are_refused(change, exc, match):
+def test_bad_shapes_and_dtypes_are_refused(module, change, exc, match):
+    """Both Gluon prefill candidates (the plain one and the warp-specialised one) refuse these arguments."""
+    launch_args = pytest.importorskip(module).launch_args
     q, k, v, out, qsl = _cpu_args(**change)
     with pytest.raises(exc, match=match):
-        pg.launch_args(q, k, v, out, qsl, 32, 0.1)
+        launch_args(q, k, v, out, qsl, 32, 0.1)
+
+
+@pytest.mark.parametrize("module", ["benchmarks.prefill_explore_gluon", "benchmarks.prefill_explore_gluon_ws"])
+def test_bad_offsets_layout_and_tiles_are_refused_by_both(module):
+    launch_args = pytest.importorskip(module).launch_args
+    q, k, v, out, qsl = _cpu_args()
+    with pytest.raises(ValueError, match="query_start_loc"):
+        launch_args(q, k, v, out, qsl.long(), 32, 0.1)
+    with pytest.raises(ValueError, match="k must be contiguous"):
+        launch_args(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, out, qsl, 32, 0.1)
+    with pytest.raises(ValueError, match="block_n"):
+        launch_args(q, k, v, out, qsl, 32, 0.1, block_n=32)
 
 
 def test_bad_offsets_layout_and_config_are_refused():
     q, k, v, out, qsl = _cpu_args()
-    with pytest.raises(ValueError, match="query_start_loc"):
-        pg.launch_args(q, k, v, out, qsl.long(), 32, 0.1)
-    with pytest.raises(ValueError, match="k must be contiguous"):
-        pg.launch_args(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, out, qsl, 32, 0.1)
-    with pytest.raises(ValueError, match="block_n"):
-        pg.launch_args(q, k, v, out, qsl, 32, 0.1, block_n=32)
     with pytest.raises(ValueError, match="same tokens"):
         pg.launch_args(q, k[:-1], v[:-1], out, qsl, 32, 0.1)
 
