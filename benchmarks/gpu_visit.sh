@@ -25,6 +25,9 @@
 #   prefill-ws  speculative MLA GPU tests, then the warp-specialised Gluon prefill candidate's sweep
 #   fp8-check  fp8 pages on the Gluon MLA kernel: smoke, tests, memcheck, then the fp8 and multi-token rows
 #   prefill-hopper  the Gluon prefill in the Triton backend: tests, prefill regression, the Triton API suite
+#   prefill-write  the Gluon prefill writing the cache itself: its tests and the prefill regression, then memcheck
+#          over its tests (no CUDA graph under memcheck)
+#   triton-api  the Triton API suite alone
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -154,6 +157,18 @@ if [ "$what" = prefill-hopper ]; then  # the Gluon prefill in the Triton backend
   group prefill-kernel tests/triton_backend/test_prefill_kernel.py -k "not flashinfer" &
   wait
   step triton-api 260 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+fi
+if [ "$what" = prefill-write ]; then  # the Gluon prefill with its own cache write: tests, regression, memcheck
+  limit=200
+  group prefill-hopper tests/triton_backend/test_prefill_hopper.py -o faulthandler_timeout=150 &
+  group prefill-kernel tests/triton_backend/test_prefill_kernel.py -k "not flashinfer" &
+  wait
+  SANITIZE_TESTS=tests/triton_backend/test_prefill_hopper.py SANITIZE_K="not graph" \
+    timeout 330 bash benchmarks/sanitize.sh > "$OUT/sanitize-prefill-hopper.log" 2>&1
+  echo "sanitize: rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize-prefill-hopper.log" | tail -3
+fi
+if [ "$what" = triton-api ]; then
+  step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

@@ -13,8 +13,10 @@ timed call; ``prefill_kv_in_cache`` rows time the call without them), against ra
 - ``decode_eager``: B=1 L=1024, B=1 L=16384, B=16 L=4096, eager (no CUDA graph), do_bench medians and
   back-to-back wall time per call.
 - ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA; every token new, so on an H100
-  the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel; ``prefill_triton_kernel``: the same
-  batches on the Triton prefill kernel, ``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
+  the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel; ours is the forward with the step's
+  keys and values, cache write included, the peers' the attention alone on a cache that holds them:
+  ``kv_write_us`` is what the write costs as its own launch; ``prefill_triton_kernel``: the same batches on the
+  Triton prefill kernel, ``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
   one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the other choice, forced).
 
 ``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead.
@@ -67,19 +69,23 @@ def wall_us(fn, n: int = 200) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def host_us(fn, n: int = 300) -> float:
-    """Median over 5 rounds of the calling thread's CPU time per call (the GPU drained between rounds)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.thread_time_ns()
-        for _ in range(n):
+def host_us(*fns, n: int = 300, rounds: int = 9) -> list[float]:
+    """Per function, the median over ``rounds`` rounds of the calling thread's CPU time per call, the functions'
+    rounds interleaved (so a slow start-up or a noisy stretch of the host falls on all of them alike; the GPU
+    drained between rounds)."""
+    for fn in fns:
+        for _ in range(20):
             fn()
-        rounds.append((time.thread_time_ns() - t0) / n / 1e3)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t in zip(fns, times):
+            t0 = time.thread_time_ns()
+            for _ in range(n):
+                fn()
+            t.append((time.thread_time_ns() - t0) / n / 1e3)
+            torch.cuda.synchronize()
+    return [sorted(t)[rounds // 2] for t in times]
 
 
 class Batch:
@@ -243,11 +249,10 @@ def main(argv=None) -> int:
     b = Batch([(1, 15)])
     fi, fi_out = flashinfer_decode(b)
     x, y, z = (torch.randn(1024, device=DEV) for _ in range(3))
-    torch_op = host_us(lambda: torch.add(x, y, out=z))
-    fi_host = host_us(fi)
-    row("host_overhead", 1, 16, host_us(b.triton()), fi_host, torch_op_us=round(torch_op, 2))
-    row("host_overhead", 1, 16, host_us(b.triton(write=True)), fi_host, backend="triton_with_write",
-        torch_op_us=round(torch_op, 2))
+    torch_op, fi_host, ours, ours_write = host_us(lambda: torch.add(x, y, out=z), fi, b.triton(),
+                                                  b.triton(write=True))
+    row("host_overhead", 1, 16, ours, fi_host, torch_op_us=round(torch_op, 2))
+    row("host_overhead", 1, 16, ours_write, fi_host, backend="triton_with_write", torch_op_us=round(torch_op, 2))
 
     # Eager decode, small batches (host-bound) and bandwidth-bound ones.
     decode_shapes = [(1, 1024), (1, 16384), (16, 4096)]
@@ -297,8 +302,11 @@ def main(argv=None) -> int:
         sd = do_bench_us(sdpa_prefill(B, L))
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
         kernel = prefill_kernel_name(b.metadata)
-        row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d, prefill_kernel=kernel)
-        row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd), prefill_kernel=kernel)
+        write_us = round(do_bench_us(lambda: b.impl.update_kv_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping)),
+                         2)
+        extra = dict(prefill_kernel=kernel, kv_write_us=write_us)
+        row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d, **extra)
+        row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd), **extra)
         cached = do_bench_us(b.triton())
         row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
         if kernel == "gluon_hopper":  # the same batch on the Triton prefill kernel: what the Gluon kernel gains

@@ -17,7 +17,7 @@ import torch
 
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
-from ..ops.kv_cache_write import reshape_and_cache
+from ..ops.kv_cache_write import check_reshape_and_cache_args, reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec, AttentionType
@@ -37,6 +37,7 @@ from .launch import (
     unified_attention,
 )
 from .prefill_hopper import (
+    cache_write_fusable,
     HopperPrefillPlan,
     fresh_prefills,
     hopper_prefill_reason,
@@ -246,7 +247,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             return decode_plan, plan_hopper_prefill(
                 num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
                 num_seqs=common.num_reqs, first_seq=num_decodes, max_query_len=common.max_query_len,
-                num_tokens=common.num_actual_tokens, num_sms=self.num_sms)
+                num_tokens=common.num_actual_tokens, num_sms=self.num_sms, first_token=num_decode_tokens)
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
@@ -325,11 +326,15 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             launch_attention(metadata.plan, query, key, value, output, common.query_start_loc, None, None,
                              self.scale, self._soft_cap, alibi, sinks)
             return output
-        if key is not None:
+        split = metadata.prefill_split
+        on_prefill_kernel = split is not None and key is not None and tma_compatible(query, key, value, output)
+        fused_write = on_prefill_kernel and isinstance(split[1], HopperPrefillPlan) and cache_write_fusable(kv_cache)
+        if fused_write:
+            self._update_kv_cache_around(split[1], key, value, kv_cache, common.slot_mapping)
+        elif key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
         _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
-        split = metadata.prefill_split
-        if split is not None and key is not None and tma_compatible(query, key, value, output):
+        if on_prefill_kernel:
             decode_plan, prefill_plan = split
             overlap = decode_plan is not None and metadata.overlap_streams
             if overlap:  # the prefills on a side stream, after the cache write; the decodes here; then join
@@ -337,7 +342,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 side = _side_stream(query.device)
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common,
+                    self._launch_prefills(prefill_plan, query, key, value, output, kv_cache, fused_write, common,
                                           sinks)
             if decode_plan is not None:
                 launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc,
@@ -346,7 +351,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             if overlap:
                 main.wait_stream(side)
             else:
-                self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common, sinks)
+                self._launch_prefills(prefill_plan, query, key, value, output, kv_cache, fused_write, common, sinks)
             return output
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
@@ -354,12 +359,26 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                          tree_indptr=common.spec_tree_mask_indptr)
         return output
 
-    def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,
-                         value_cache, common: CommonAttentionMetadata, sinks: Optional[torch.Tensor]) -> None:
-        """The prefill kernel the builder planned for the split's prefills."""
+    def _update_kv_cache_around(self, plan: HopperPrefillPlan, key: torch.Tensor, value: torch.Tensor,
+                                kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The cache write of the tokens the Gluon prefill kernel does not write itself: those before its
+        sequences (the decodes) and past its last token (padding)."""
+        lo, hi = plan.first_token, plan.num_tokens
+        if lo:
+            self.update_kv_cache(key[:lo], value[:lo], kv_cache, slot_mapping[:lo])
+        if slot_mapping.shape[0] > hi:
+            self.update_kv_cache(key[hi:], value[hi:], kv_cache, slot_mapping[hi:])
+
+    def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output,
+                         kv_cache: torch.Tensor, fused_write: bool, common: CommonAttentionMetadata,
+                         sinks: Optional[torch.Tensor]) -> None:
+        """The prefill kernel the builder planned for the split's prefills; ``fused_write``: the Gluon kernel also
+        writes its tokens' keys and values into ``kv_cache``."""
         if isinstance(plan, HopperPrefillPlan):
-            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
+            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale,
+                                  kv_cache if fused_write else None, common.slot_mapping)
         else:
+            _, key_cache, value_cache, _ = self._views_of(kv_cache)
             launch_prefill_new_kv(plan, query, key, value, output, key_cache, value_cache, common.block_table,
                                   common.seq_lens, common.query_start_loc, self.scale, self._soft_cap, sinks)
 
@@ -389,6 +408,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 causal=spec.causal and common.causal, sliding_window=spec.sliding_window,
                 logits_soft_cap=spec.logits_soft_cap, alibi_slopes=alibi, sinks=sinks, k_scale=self.k_scale,
                 v_scale=self.v_scale, workspace=metadata.workspace)
+            if key is not None:
+                check_reshape_and_cache_args(key, value, kv_cache, common.slot_mapping, self.k_scale, self.v_scale)
         planned = metadata.plan.constexprs[:2]
         if planned != (spec.num_queries_per_kv, spec.head_size):
             raise ValueError(f"metadata was planned for {planned[0]} query heads per KV head and head_size "

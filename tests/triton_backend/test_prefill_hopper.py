@@ -24,6 +24,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
+from attnbackends.ops.kv_cache_write import reshape_and_cache_torch  # noqa: E402
+from attnbackends.ops.page_guard import PageTableError, raise_pending_faults  # noqa: E402
 from attnbackends.platform import DeviceInfo  # noqa: E402
 from attnbackends.testing import SequenceShape as S  # noqa: E402
 from attnbackends.testing import (  # noqa: E402
@@ -112,6 +114,15 @@ def test_plan_grid_and_config():
         HopperPrefillConfig(block_n=32)
 
 
+def test_cache_write_fusable_needs_contiguous_pages():
+    cache = torch.zeros(6, 2, 16, 8, 128, dtype=torch.bfloat16)
+    assert prefill_hopper.cache_write_fusable(cache)
+    assert prefill_hopper.cache_write_fusable(torch.zeros(2, 6, 2, 16, 8, 128, dtype=torch.bfloat16)[1])
+    assert prefill_hopper.cache_write_fusable(torch.zeros(12, 2, 16, 8, 128, dtype=torch.bfloat16)[::2])
+    assert not prefill_hopper.cache_write_fusable(torch.zeros(6, 16, 2, 8, 128, dtype=torch.bfloat16).transpose(1, 2))
+    assert not prefill_hopper.cache_write_fusable(torch.zeros(6, 2, 16, 8, 136, dtype=torch.bfloat16)[..., :128])
+
+
 def _common(shapes, device="cpu"):
     """Metadata of a batch of (query_len, context_len) requests on consecutive pages."""
     tables, at = [], 0
@@ -149,6 +160,7 @@ def test_builder_puts_fresh_prefills_on_the_gluon_kernel(fake_h100, shapes, deco
     assert isinstance(plan, HopperPrefillPlan)
     assert (decode_plan is not None) == bool(decodes) and plan.first_seq == decodes
     assert plan.num_seqs == len(shapes) - decodes and plan.num_tokens == common.num_actual_tokens
+    assert plan.first_token == decodes  # the decodes' tokens come first: the forward writes only those itself
     assert plan.num_q_blocks == -(-max(q for q, _ in shapes) // 128)
     assert plan.grid == (min(132, SPEC.num_heads * plan.num_seqs * plan.num_q_blocks),)
 
@@ -250,25 +262,49 @@ def _poison_cache(cache: torch.Tensor, batch) -> torch.Tensor:
     return cache
 
 
-def run_forward(spec, shapes, *, seed=0, pad_tokens=3, layout=None, **builder_kw):
+def _expected_cache(cache: torch.Tensor, batch, slots: torch.Tensor) -> torch.Tensor:
+    """``cache`` after the write of the batch's keys and values to ``slots`` (the torch write; slots outside the
+    cache skipped)."""
+    expected = cache.clone()
+    n = slots.shape[0]
+    inside = (slots < cache.shape[0] * cache.shape[2]).cpu()
+    keep = torch.nonzero(inside).flatten().to(slots.device)
+    reshape_and_cache_torch(batch.key[:n][keep], batch.value[:n][keep], expected, slots[keep])
+    return expected
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bitwise equality of 16-bit tensors, NaN payloads included."""
+    diff = (actual.view(torch.int16) != expected.view(torch.int16)).nonzero()
+    assert diff.numel() == 0, f"{what}: {diff.shape[0]} elements differ, first at {diff[0].tolist()}"
+
+
+def run_forward(spec, shapes, *, seed=0, pad_tokens=3, layout=None, slots=None, **builder_kw):
     """One forward through the public API on fresh random data, padding rows of query / key / value NaN; checks
-    the output against the oracle and that the padding rows of the output stay untouched. ``layout`` rebuilds
-    (query, key, value, output) as other views of the same values. Returns (metadata, output)."""
+    the output against the oracle, that the padding rows of the output stay untouched and that the cache holds
+    exactly what the write kernel would have written (every other slot poisoned with NaN and left as it was).
+    ``layout`` rebuilds (query, key, value, output) as other views of the same values; ``slots(batch)`` replaces
+    the batch's slot mapping. Returns (metadata, output, cache)."""
     batch = make_random_batch(spec, shapes, seed=seed, device="cuda", pad_tokens=pad_tokens)
     n = batch.num_actual_tokens
     for t in (batch.query, batch.key, batch.value):
         t[n:] = NAN
+    if slots is not None:
+        batch.common.slot_mapping.copy_(slots(batch))
     builder = TritonAttentionBackend.get_builder_cls()(spec, "cuda", **builder_kw)
     impl = TritonAttentionBackend.get_impl_cls()(spec)
     meta = builder.build(batch.common)
     query, key, value, out = batch.query, batch.key, batch.value, batch.new_output()
     if layout is not None:
         query, key, value, out = layout(query, key, value, out)
-    impl.forward(query, key, value, _poison_cache(batch.kv_cache.clone(), batch), meta, out)
+    cache = _poison_cache(batch.kv_cache.clone(), batch)
+    expected_cache = _expected_cache(cache, batch, batch.common.slot_mapping)
+    impl.forward(query, key, value, cache, meta, out)
     _finish()
     assert torch.isnan(out[n:]).all(), "rows past the batch's tokens were written"
     assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what="prefill")
-    return meta, out
+    assert_same_bits(cache, expected_cache, "the cache after the forward")
+    return meta, out, cache
 
 
 LENGTHS = {"mixed": [300, 2, 127, 128, 129, 1000, 64, 513], "127": [127], "128": [128], "129": [129],
@@ -282,7 +318,7 @@ LENGTHS = {"mixed": [300, 2, 127, 128, 129, 1000, 64, 513], "127": [127], "128":
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fresh_prefills_gpu(lengths, heads, dtype):
     spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype=dtype, block_size=16)
-    meta, _ = run_forward(spec, [S(n, 0) for n in lengths], seed=sum(lengths) + heads[0])
+    meta, _, _ = run_forward(spec, [S(n, 0) for n in lengths], seed=sum(lengths) + heads[0])
     assert meta.prefill_split[0] is None and isinstance(meta.prefill_split[1], HopperPrefillPlan)
 
 DECODES_THEN_FRESH = [S(1, 0), S(1, 700), S(1, 33), S(300, 0), S(2, 0), S(129, 0), S(1000, 0)]
@@ -292,7 +328,7 @@ DECODES_THEN_FRESH = [S(1, 0), S(1, 700), S(1, 33), S(300, 0), S(2, 0), S(129, 0
 @needs_hopper
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
 def test_decodes_then_fresh_prefills_gpu(overlap):
-    meta, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=11, overlap_decodes=overlap)
+    meta, _, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=11, overlap_decodes=overlap)
     decode_plan, plan = meta.prefill_split
     assert decode_plan is not None and decode_plan.num_decodes == 3
     assert isinstance(plan, HopperPrefillPlan) and plan.first_seq == 3 and meta.overlap_streams == overlap
@@ -305,10 +341,48 @@ def test_batches_that_fall_back_gpu(case):
     """A prefill with cached context sends the batch's prefills to the Triton prefill kernel, as does
     hopper_prefill=False for a fresh batch; both still match the oracle."""
     if case == "context":
-        meta, _ = run_forward(SPEC, [S(1, 50), S(200, 0), S(100, 64), S(129, 0)], seed=12)
+        meta, _, _ = run_forward(SPEC, [S(1, 50), S(200, 0), S(100, 64), S(129, 0)], seed=12)
     else:
-        meta, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=13, hopper_prefill=False)
+        meta, _, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=13, hopper_prefill=False)
     assert isinstance(meta.prefill_split[1], PrefillPlan)
+
+
+def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
+    """The batch's slots for its fresh prefills in a random order (not page-aligned runs), every seventh -1."""
+    slots = batch.common.slot_mapping.clone()
+    n = batch.num_actual_tokens
+    gen = torch.Generator().manual_seed(5)
+    slots[:n] = slots[:n][torch.randperm(n, generator=gen).to(slots.device)]
+    slots[:n:7] = -1
+    return slots
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_cache_write_follows_any_slot_mapping_gpu():
+    """The kernel's own cache write puts each token where its slot says, not where its page would be, and skips
+    -1 (the run checks every slot of the cache bitwise)."""
+    meta, _, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0), S(5, 0)], seed=17,
+                             slots=_shuffled_slots_with_gaps)
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu():
+    """A slot past the cache's end is not written (no illegal access: the rest of the cache is checked bitwise)
+    and is reported by the next check point, naming the token."""
+    raise_pending_faults("cuda")
+    bad_token = 310  # a key tile in the middle of the second sequence
+
+    def slots(batch):
+        slots = batch.common.slot_mapping.clone()
+        slots[bad_token] = batch.kv_cache.shape[0] * SPEC.block_size + 3
+        return slots
+
+    run_forward(SPEC, [S(300, 0), S(129, 0)], seed=18, slots=slots)
+    with pytest.raises(PageTableError, match=rf"slot_mapping\[{bad_token}\]"):
+        raise_pending_faults("cuda")
 
 
 def _fused_views(query, key, value, out):
@@ -323,7 +397,7 @@ def _fused_views(query, key, value, out):
 @pytest.mark.gpu
 @needs_hopper
 def test_fused_projection_views_gpu():
-    meta, out = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0)], seed=14, layout=_fused_views)
+    meta, out, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0)], seed=14, layout=_fused_views)
     assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and out.stride(0) == (SPEC.num_heads + 2) * 128
 
 
