@@ -15,7 +15,8 @@ timed call; ``prefill_kv_in_cache`` rows time the call without them), against ra
 - ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA; every token new, so on an H100
   the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel; ours is the forward with the step's
   keys and values, cache write included, the peers' the attention alone on a cache that holds them:
-  ``kv_write_us`` is what the write costs as its own launch; ``prefill_triton_kernel``: the same batches on the
+  ``kv_write_us`` is what the write costs as its own launch; ``prefill_separate_write``: the Gluon kernel with
+  that separate write (``hopper_cache_write=False``) in place of its own; ``prefill_triton_kernel``: the same batches on the
   Triton prefill kernel, ``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
   one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the other choice, forced).
 
@@ -309,6 +310,16 @@ def main(argv=None) -> int:
         row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd), **extra)
         cached = do_bench_us(b.triton())
         row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
+        if kernel == "gluon_hopper":  # the Gluon kernel with the separate cache write: what its own write gains
+            b.metadata = TritonAttentionBackend.get_builder_cls()(
+                b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, prefill_kernel=PREFILL_KERNEL,
+                hopper_cache_write=False).build(b.common)
+            sep = b.triton(write=True)
+            b.out.fill_(float("nan"))
+            sep()
+            s_us = do_bench_us(sep)
+            row("prefill_separate_write", B, L, s_us, peer, TFLOPs=tf(s_us), peer_TFLOPs=tf(peer),
+                max_abs_diff=diff(b.out, fi_out), prefill_kernel=prefill_kernel_name(b.metadata))
         if kernel == "gluon_hopper":  # the same batch on the Triton prefill kernel: what the Gluon kernel gains
             b.metadata = TritonAttentionBackend.get_builder_cls()(
                 b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, prefill_kernel=PREFILL_KERNEL,

@@ -154,6 +154,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         Gluon warp-specialised Hopper kernel (:mod:`attnbackends.triton.prefill_hopper`) in place of the Triton
         prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
         ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
+    hopper_cache_write : the Gluon kernel also writes its tokens' keys and values into the cache, from the tiles it
+        loads anyway, where the cache's pages are contiguous (:func:`.prefill_hopper.cache_write_fusable`); False:
+        the forward writes every token first with the write kernel, as for the other kernels.
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
@@ -165,8 +168,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
-                 prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
-                 **kwargs) -> None:
+                 prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, hopper_cache_write: bool = True,
+                 overlap_decodes: bool = False, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
@@ -182,6 +185,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             hopper_prefill_reason(spec, info.compute_capability, interpreted=interpreted,
                                   deterministic=self.deterministic)
         self.prefill_kernel_forced = prefill_kernel is True
+        self.hopper_cache_write = bool(hopper_cache_write)
         self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
@@ -247,7 +251,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             return decode_plan, plan_hopper_prefill(
                 num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
                 num_seqs=common.num_reqs, first_seq=num_decodes, max_query_len=common.max_query_len,
-                num_tokens=common.num_actual_tokens, num_sms=self.num_sms, first_token=num_decode_tokens)
+                num_tokens=common.num_actual_tokens, num_sms=self.num_sms, first_token=num_decode_tokens,
+                writes_cache=self.hopper_cache_write)
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
@@ -328,7 +333,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             return output
         split = metadata.prefill_split
         on_prefill_kernel = split is not None and key is not None and tma_compatible(query, key, value, output)
-        fused_write = on_prefill_kernel and isinstance(split[1], HopperPrefillPlan) and cache_write_fusable(kv_cache)
+        fused_write = (on_prefill_kernel and isinstance(split[1], HopperPrefillPlan) and split[1].writes_cache
+                       and cache_write_fusable(kv_cache))
         if fused_write:
             self._update_kv_cache_around(split[1], key, value, kv_cache, common.slot_mapping)
         elif key is not None:

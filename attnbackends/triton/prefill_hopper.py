@@ -141,6 +141,7 @@ class HopperPrefillPlan:
     num_kv_heads: int
     head_size: int
     config: HopperPrefillConfig
+    writes_cache: bool = True  # the kernel writes the planned tokens' keys and values (where the cache allows)
 
 
 def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
@@ -191,7 +192,7 @@ def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, fir
 
 def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, num_seqs: int, first_seq: int,
                         max_query_len: int, num_tokens: int, num_sms: int, first_token: int = 0,
-                        config: Optional[HopperPrefillConfig] = None) -> HopperPrefillPlan:
+                        config: Optional[HopperPrefillConfig] = None, writes_cache: bool = True) -> HopperPrefillPlan:
     """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` (the longest has ``max_query_len`` tokens, the
     first starts at token row ``first_token``) of a batch of ``num_tokens`` tokens, on a GPU of ``num_sms`` SMs."""
     config = config or HopperPrefillConfig()
@@ -203,7 +204,7 @@ def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, nu
     items = num_heads * seqs * num_q_blocks
     grid = (min(items, num_sms) if config.persistent else items,)
     return HopperPrefillPlan(grid, first_seq, int(first_token), seqs, num_q_blocks, int(num_tokens), num_heads,
-                             num_kv_heads, head_size, config)
+                             num_kv_heads, head_size, config, bool(writes_cache))
 
 
 @lru_cache(maxsize=None)
@@ -358,28 +359,45 @@ if gluon_available():
                 i += 1
 
     @gluon.jit
+    def _chunk_slots(SLOTS, tok0, n_rows, c, num_slots, CHUNK: gl.constexpr, layout: gl.constexpr):
+        """Rows c * CHUNK .. of a tile: (their slots, -1 past ``n_rows``; whether each is written; the row of a slot
+        outside the cache, else a row past the tile)."""
+        rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        valid = rows < n_rows
+        slot = gl.load(SLOTS + tok0 + rows, mask=valid, other=-1)
+        bad = gl.where(valid & ((slot < -1) | (slot >= num_slots)), rows, 4 * CHUNK)
+        return slot, valid & (slot >= 0) & (slot < num_slots), bad
+
+    @gluon.jit
+    def _chunk_to_cache(tile, c, slot, ok, cache, col, stride_cb, CHUNK: gl.constexpr, HKV: gl.constexpr,
+                        HEAD: gl.constexpr, CACHE_BLOCK: gl.constexpr, layout: gl.constexpr):
+        """Rows c * CHUNK .. of ``tile`` (shared memory) to their slots where ``ok``."""
+        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+        dst = cache + gl.expand_dims((slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * (HKV * HEAD) + col,
+                                     1) + gl.expand_dims(cols, 0)
+        x = tile.slice(c * CHUNK, CHUNK, dim=0).load(layout)
+        gl.store(dst, x, mask=gl.expand_dims(ok, 1) & gl.expand_dims(cols < HEAD, 0))
+
+    @gluon.jit
     def _tile_to_cache(tile, tok0, n_rows, cache, SLOTS, col, stride_cb, num_slots, fault_ptr, fault_flag_ptr,
                        BLOCK_N: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, CACHE_BLOCK: gl.constexpr):
         """Copy the first ``n_rows`` rows of ``tile`` (a [BLOCK_N, HEAD] K or V stage, tokens tok0 ..) from shared
         memory to their cache slots ``SLOTS[tok0 + row]``: page slot // CACHE_BLOCK, offset slot % CACHE_BLOCK,
         column ``col`` of ``cache``'s rows. Slot -1 is skipped; a slot outside the cache is skipped and the first
-        one recorded as a fault. Ends with a barrier of the warpgroup: every row is read before the caller
-        releases the stage."""
-        CHUNK: gl.constexpr = 32
+        one recorded as a fault. The four chunks' slots are loaded before any store (one memory latency, not four:
+        a load after a store may not pass it). Ends with a barrier of the warpgroup: every row is read before the
+        caller releases the stage."""
+        CHUNK: gl.constexpr = BLOCK_N // 4
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte pieces, 8 rows a pass
-        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
-        first_bad = gl.full([CHUNK], BLOCK_N, gl.int32, layout=gl.SliceLayout(1, layout))  # per row position
-        for c in gl.static_range(BLOCK_N // CHUNK):
-            rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            valid = rows < n_rows
-            slot = gl.load(SLOTS + tok0 + rows, mask=valid, other=-1)
-            ok = valid & (slot >= 0) & (slot < num_slots)
-            dst = cache + gl.expand_dims((slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * (HKV * HEAD) + col,
-                                         1) + gl.expand_dims(cols, 0)
-            x = tile.slice(c * CHUNK, CHUNK, dim=0).load(layout)
-            gl.store(dst, x, mask=gl.expand_dims(ok, 1) & gl.expand_dims(cols < HEAD, 0))
-            first_bad = gl.minimum(first_bad, gl.where(valid & ((slot < -1) | (slot >= num_slots)), rows, BLOCK_N))
-        first = gl.min(first_bad, axis=0)
+        s0, ok0, bad0 = _chunk_slots(SLOTS, tok0, n_rows, 0, num_slots, CHUNK, layout)
+        s1, ok1, bad1 = _chunk_slots(SLOTS, tok0, n_rows, 1, num_slots, CHUNK, layout)
+        s2, ok2, bad2 = _chunk_slots(SLOTS, tok0, n_rows, 2, num_slots, CHUNK, layout)
+        s3, ok3, bad3 = _chunk_slots(SLOTS, tok0, n_rows, 3, num_slots, CHUNK, layout)
+        _chunk_to_cache(tile, 0, s0, ok0, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
+        _chunk_to_cache(tile, 1, s1, ok1, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
+        _chunk_to_cache(tile, 2, s2, ok2, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
+        _chunk_to_cache(tile, 3, s3, ok3, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
+        first = gl.min(gl.minimum(gl.minimum(bad0, bad1), gl.minimum(bad2, bad3)), axis=0)
         if first < BLOCK_N:
             tok = tok0 + first
             record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, tok, gl.load(SLOTS + tok), num_slots)

@@ -347,6 +347,15 @@ def test_batches_that_fall_back_gpu(case):
     assert isinstance(meta.prefill_split[1], PrefillPlan)
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_separate_cache_write_gpu():
+    """hopper_cache_write=False: the forward writes every token with the write kernel, the Gluon kernel only
+    attends."""
+    meta, _, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=19, hopper_cache_write=False)
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and not meta.prefill_split[1].writes_cache
+
+
 def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
     """The batch's slots for its fresh prefills in a random order (not page-aligned runs), every seventh -1."""
     slots = batch.common.slot_mapping.clone()
