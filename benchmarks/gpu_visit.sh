@@ -25,8 +25,8 @@
 #   prefill-ws  speculative MLA GPU tests, then the warp-specialised Gluon prefill candidate's sweep
 #   fp8-check  fp8 pages on the Gluon MLA kernel: smoke, tests, memcheck, then the fp8 and multi-token rows
 #   prefill-hopper  the Gluon prefill in the Triton backend: tests, prefill regression, the Triton API suite
-#   prefill-write  the Gluon prefill writing the cache itself: its tests and the prefill regression, then memcheck
-#          over its tests (no CUDA graph under memcheck)
+#   prefill-write  the Gluon prefill's tests (with the cache checked bitwise) and the prefill regression, then
+#          memcheck over its tests (no CUDA graph under memcheck)
 #   triton-api  the Triton API suite alone
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
@@ -158,7 +158,7 @@ if [ "$what" = prefill-hopper ]; then  # the Gluon prefill in the Triton backend
   wait
   step triton-api 260 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
 fi
-if [ "$what" = prefill-write ]; then  # the Gluon prefill with its own cache write: tests, regression, memcheck
+if [ "$what" = prefill-write ]; then  # the Gluon prefill: tests, regression, memcheck
   limit=200
   group prefill-hopper tests/triton_backend/test_prefill_hopper.py -o faulthandler_timeout=150 &
   group prefill-kernel tests/triton_backend/test_prefill_kernel.py -k "not flashinfer" &

@@ -48,17 +48,16 @@ def _num_sms(device: torch.device) -> int:
     return 132  # H100 SXM: what an offline compile assumes
 
 
-def launch_args(q, k, v, out, query_start_loc, max_len: int, scale: float, kv_cache=None, slot_mapping=None, **cfg):
+def launch_args(q, k, v, out, query_start_loc, max_len: int, scale: float, **cfg):
     """(grid, args, kwargs) of one launch of the library kernel over every sequence of ``query_start_loc`` (also
-    what the offline compile uses), with the cache write when ``kv_cache`` is given; ``cfg``:
-    :class:`HopperPrefillConfig` fields (default: the backend's)."""
+    what the offline compile uses); ``cfg``: :class:`HopperPrefillConfig` fields (default: the backend's)."""
     config = HopperPrefillConfig(**cfg)
     _check(q, k, v, out, query_start_loc, config.block_n, config.nbuf)
     T, HQ, D = q.shape
     plan = plan_hopper_prefill(num_heads=HQ, num_kv_heads=k.shape[1], head_size=D,
                                num_seqs=query_start_loc.numel() - 1, first_seq=0, max_query_len=max_len,
                                num_tokens=T, num_sms=_num_sms(q.device), config=config)
-    return hopper_prefill_args(plan, q, k, v, out, query_start_loc, scale, kv_cache, slot_mapping)
+    return hopper_prefill_args(plan, q, k, v, out, query_start_loc, scale)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
@@ -149,11 +148,9 @@ def _sass_facts(sass: str) -> dict:
             "global_stores": dict(Counter(re.findall(r"\b(STG\.E(?:\.\w+)?)\b", sass)))}
 
 
-def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_asm: bool = False,
-                   write_kv: bool = False, **cfg) -> dict:
+def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_asm: bool = False, **cfg) -> dict:
     """Compile the kernel for sm_90 without a GPU, as the GPU's JIT would (arguments built on the CPU, with the
-    launch's divisibility attributes), for one config (``CONFIGS`` fields); ``write_kv``: the variant that also
-    writes the keys and values into a paged cache (pages of 16), as the backend launches it.
+    launch's divisibility attributes), for one config (``CONFIGS`` fields).
 
     Returns the keys of ``benchmarks.offline_compile.compile_call`` ("regs" is the kernel-level .maxnreg that
     warp specialisation sets; "stack" / "local" the spill stack; "shared", "shared_over_limit", "wgmma",
@@ -177,9 +174,7 @@ def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_a
     q = torch.zeros(tokens, heads, 128, dtype=torch.bfloat16)
     k = torch.zeros(tokens, kv_heads, 128, dtype=torch.bfloat16)
     qsl = torch.tensor([0, tokens], dtype=torch.int32)
-    cache = torch.zeros(tokens // 16 + 1, 2, 16, kv_heads, 128, dtype=torch.bfloat16) if write_kv else None
-    slots = torch.arange(tokens, dtype=torch.int64) if write_kv else None
-    _, args, kwargs = launch_args(q, k, k.clone(), torch.empty_like(q), qsl, tokens, 0.1, cache, slots, **cfg)
+    _, args, kwargs = launch_args(q, k, k.clone(), torch.empty_like(q), qsl, tokens, 0.1, **cfg)
     target = sm90_target()
     signature, constexprs, options = _signature(_prefill_hopper_kernel, args, kwargs)
     attrs = _launch_attrs(_prefill_hopper_kernel, args, kwargs)
@@ -211,7 +206,6 @@ def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_a
     rep["maxnreg"] = int(m.group(1)) if m else None
     rep.update(_sass_facts(sass))
     rep["config"] = {**cfg, "regs": list(cfg["regs"])}
-    rep["write_kv"] = write_kv
     if keep_asm:
         rep["asm"] = {"ttgir": compiled.asm.get("ttgir", ""), "ptx": ptx, "sass": sass}
     return rep
@@ -545,7 +539,6 @@ def main(argv=None) -> int:
                     help="indices into CONFIGS (default: all)")
     ap.add_argument("--quick", action="store_true", help="the first config only")
     ap.add_argument("--compile-only", action="store_true", help="sm_90 compile report, no GPU needed")
-    ap.add_argument("--write-kv", action="store_true", help="--compile-only: the variant with the cache write")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--probe-timeout-s", type=float, default=60.0,
                     help="per config (compile included; the first also pays the child's start-up)")
@@ -559,7 +552,7 @@ def main(argv=None) -> int:
     if ns.compile_only:
         configs = [CONFIGS[i] for i in ns.configs] if ns.configs else CONFIGS
         for cfg in configs:
-            print(json.dumps(compile_report(write_kv=ns.write_kv, **cfg)), flush=True)
+            print(json.dumps(compile_report(**cfg)), flush=True)
         return 0
     if ns.probe_configs:
         return _probe_main(ns)

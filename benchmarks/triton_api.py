@@ -5,19 +5,19 @@
 ``builder.build(common)`` once per batch, then ``impl.forward`` timed: decodes as ``forward(q, None, None,
 kv_cache, metadata, out)`` (the cache already holds every key); prefill and mixed batches as an engine runs them,
 ``forward(q, k, v, kv_cache, metadata, out)`` with the step's new keys and values (written to the cache inside the
-timed call; ``prefill_kv_in_cache`` rows time the call without them), against raw FlashInfer wrappers planned once on the same cache tensor
-(``run()`` timed) and torch SDPA for prefill. Rows use the names of PERF.md:
+timed call; ``prefill_kv_in_cache`` rows time the call without them), against raw FlashInfer wrappers planned once
+on the same cache tensor (``run()`` timed) and torch SDPA for prefill. Rows use the names of PERF.md:
 
 - ``host_overhead``: host (thread CPU) time of one call with the GPU idle: B=1 decode at L=16; ours (attention
   only, and with the KV write: ``triton_with_write``) vs FlashInfer ``run()``, and one torch op as the yardstick.
 - ``decode_eager``: B=1 L=1024, B=1 L=16384, B=16 L=4096, eager (no CUDA graph), do_bench medians and
   back-to-back wall time per call.
 - ``decode`` (bf16 and fp8 e4m3 KV), ``prefill`` (TFLOP/s vs FlashInfer and SDPA; every token new, so on an H100
-  the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel; ours is the forward with the step's
-  keys and values, cache write included, the peers' the attention alone on a cache that holds them:
-  ``kv_write_us`` is what the write costs as its own launch; ``prefill_separate_write``: the Gluon kernel with
-  that separate write (``hopper_cache_write=False``) in place of its own; ``prefill_triton_kernel``: the same batches on the
-  Triton prefill kernel, ``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
+  the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel). Ours is the forward with the
+  step's keys and values, cache write included; the peers' rows are the attention alone (FlashInfer on a cache
+  that already holds the keys): ``kv_write_us`` is the write as its own launch, ``attention_only_us`` the Gluon
+  kernel's launch alone. ``prefill_triton_kernel``: the same batches on the Triton prefill kernel
+  (``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
   one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the other choice, forced).
 
 ``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead.
@@ -38,7 +38,7 @@ import triton
 
 from attnbackends import AttentionSpec, build_common_metadata
 from attnbackends.triton.backend import TritonAttentionBackend, TritonMetadata
-from attnbackends.triton.prefill_hopper import HopperPrefillPlan
+from attnbackends.triton.prefill_hopper import HopperPrefillPlan, launch_hopper_prefill
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = 1.0 / math.sqrt(D)
@@ -306,20 +306,15 @@ def main(argv=None) -> int:
         write_us = round(do_bench_us(lambda: b.impl.update_kv_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping)),
                          2)
         extra = dict(prefill_kernel=kernel, kv_write_us=write_us)
+        if kernel == "gluon_hopper":  # the attention alone, as the peers' rows are timed
+            plan = b.metadata.prefill_split[1]
+            attn_us = do_bench_us(lambda: launch_hopper_prefill(plan, b.query, b.new_k, b.new_v, b.out,
+                                                                b.common.query_start_loc, SCALE))
+            extra.update(attention_only_us=round(attn_us, 2), attention_only_TFLOPs=tf(attn_us))
         row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d, **extra)
         row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd), **extra)
         cached = do_bench_us(b.triton())
         row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
-        if kernel == "gluon_hopper":  # the Gluon kernel with the separate cache write: what its own write gains
-            b.metadata = TritonAttentionBackend.get_builder_cls()(
-                b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, prefill_kernel=PREFILL_KERNEL,
-                hopper_cache_write=False).build(b.common)
-            sep = b.triton(write=True)
-            b.out.fill_(float("nan"))
-            sep()
-            s_us = do_bench_us(sep)
-            row("prefill_separate_write", B, L, s_us, peer, TFLOPs=tf(s_us), peer_TFLOPs=tf(peer),
-                max_abs_diff=diff(b.out, fi_out), prefill_kernel=prefill_kernel_name(b.metadata))
         if kernel == "gluon_hopper":  # the same batch on the Triton prefill kernel: what the Gluon kernel gains
             b.metadata = TritonAttentionBackend.get_builder_cls()(
                 b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, prefill_kernel=PREFILL_KERNEL,

@@ -37,7 +37,6 @@ from .launch import (
     unified_attention,
 )
 from .prefill_hopper import (
-    cache_write_fusable,
     HopperPrefillPlan,
     fresh_prefills,
     hopper_prefill_reason,
@@ -154,9 +153,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         Gluon warp-specialised Hopper kernel (:mod:`attnbackends.triton.prefill_hopper`) in place of the Triton
         prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
         ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
-    hopper_cache_write : the Gluon kernel also writes its tokens' keys and values into the cache, from the tiles it
-        loads anyway, where the cache's pages are contiguous (:func:`.prefill_hopper.cache_write_fusable`); False:
-        the forward writes every token first with the write kernel, as for the other kernels.
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
@@ -168,8 +164,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     supports_tree_mask = True
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
-                 prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, hopper_cache_write: bool = True,
-                 overlap_decodes: bool = False, **kwargs) -> None:
+                 prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
+                 **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
@@ -185,7 +181,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             hopper_prefill_reason(spec, info.compute_capability, interpreted=interpreted,
                                   deterministic=self.deterministic)
         self.prefill_kernel_forced = prefill_kernel is True
-        self.hopper_cache_write = bool(hopper_cache_write)
         self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
@@ -251,8 +246,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             return decode_plan, plan_hopper_prefill(
                 num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
                 num_seqs=common.num_reqs, first_seq=num_decodes, max_query_len=common.max_query_len,
-                num_tokens=common.num_actual_tokens, num_sms=self.num_sms, first_token=num_decode_tokens,
-                writes_cache=self.hopper_cache_write)
+                num_tokens=common.num_actual_tokens, num_sms=self.num_sms)
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
@@ -331,16 +325,11 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             launch_attention(metadata.plan, query, key, value, output, common.query_start_loc, None, None,
                              self.scale, self._soft_cap, alibi, sinks)
             return output
-        split = metadata.prefill_split
-        on_prefill_kernel = split is not None and key is not None and tma_compatible(query, key, value, output)
-        fused_write = (on_prefill_kernel and isinstance(split[1], HopperPrefillPlan) and split[1].writes_cache
-                       and cache_write_fusable(kv_cache))
-        if fused_write:
-            self._update_kv_cache_around(split[1], key, value, kv_cache, common.slot_mapping)
-        elif key is not None:
+        if key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
         _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
-        if on_prefill_kernel:
+        split = metadata.prefill_split
+        if split is not None and key is not None and tma_compatible(query, key, value, output):
             decode_plan, prefill_plan = split
             overlap = decode_plan is not None and metadata.overlap_streams
             if overlap:  # the prefills on a side stream, after the cache write; the decodes here; then join
@@ -348,7 +337,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 side = _side_stream(query.device)
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    self._launch_prefills(prefill_plan, query, key, value, output, kv_cache, fused_write, common,
+                    self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common,
                                           sinks)
             if decode_plan is not None:
                 launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc,
@@ -357,7 +346,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             if overlap:
                 main.wait_stream(side)
             else:
-                self._launch_prefills(prefill_plan, query, key, value, output, kv_cache, fused_write, common, sinks)
+                self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common, sinks)
             return output
         launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
                          common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
@@ -365,26 +354,12 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                          tree_indptr=common.spec_tree_mask_indptr)
         return output
 
-    def _update_kv_cache_around(self, plan: HopperPrefillPlan, key: torch.Tensor, value: torch.Tensor,
-                                kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The cache write of the tokens the Gluon prefill kernel does not write itself: those before its
-        sequences (the decodes) and past its last token (padding)."""
-        lo, hi = plan.first_token, plan.num_tokens
-        if lo:
-            self.update_kv_cache(key[:lo], value[:lo], kv_cache, slot_mapping[:lo])
-        if slot_mapping.shape[0] > hi:
-            self.update_kv_cache(key[hi:], value[hi:], kv_cache, slot_mapping[hi:])
-
-    def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output,
-                         kv_cache: torch.Tensor, fused_write: bool, common: CommonAttentionMetadata,
-                         sinks: Optional[torch.Tensor]) -> None:
-        """The prefill kernel the builder planned for the split's prefills; ``fused_write``: the Gluon kernel also
-        writes its tokens' keys and values into ``kv_cache``."""
+    def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,
+                         value_cache, common: CommonAttentionMetadata, sinks: Optional[torch.Tensor]) -> None:
+        """The prefill kernel the builder planned for the split's prefills."""
         if isinstance(plan, HopperPrefillPlan):
-            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale,
-                                  kv_cache if fused_write else None, common.slot_mapping)
+            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
         else:
-            _, key_cache, value_cache, _ = self._views_of(kv_cache)
             launch_prefill_new_kv(plan, query, key, value, output, key_cache, value_cache, common.block_table,
                                   common.seq_lens, common.query_start_loc, self.scale, self._soft_cap, sinks)
 

@@ -74,12 +74,10 @@ import torch
 
 from ..mla.decode_hopper import gluon_available
 from ..ops.launch_math import cdiv
-from ..ops.page_guard import FAULT_SLOT, fault_record, record_fault
 from ..spec import AttentionSpec, AttentionType
 
-__all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "cache_write_fusable",
-           "fresh_prefills", "hopper_prefill_args", "hopper_prefill_reason", "launch_hopper_prefill",
-           "plan_hopper_prefill"]
+__all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "fresh_prefills",
+           "hopper_prefill_args", "hopper_prefill_reason", "launch_hopper_prefill", "plan_hopper_prefill"]
 
 HOPPER_PREFILL_HEAD_SIZE = 128  # P.V is one m64n128 wgmma per warpgroup; Q and O tiles [128, 128]
 BLOCK_M = 128  # query rows per work item: two consumer warpgroups of one wgmma M tile (64 rows) each
@@ -133,7 +131,6 @@ class HopperPrefillPlan:
 
     grid: tuple[int]
     first_seq: int
-    first_token: int  # the first planned sequence's first token row (the decodes' tokens come before it)
     num_seqs: int
     num_q_blocks: int  # query blocks of BLOCK_M rows of the longest sequence
     num_tokens: int
@@ -141,7 +138,6 @@ class HopperPrefillPlan:
     num_kv_heads: int
     head_size: int
     config: HopperPrefillConfig
-    writes_cache: bool = True  # the kernel writes the planned tokens' keys and values (where the cache allows)
 
 
 def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
@@ -176,14 +172,6 @@ def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, i
     return ""
 
 
-def cache_write_fusable(kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel can write the keys and values into ``kv_cache`` [num_blocks, 2, block_size, num_kv_heads,
-    head_size] itself: each page's [2, block_size, num_kv_heads, head_size] contiguous (any page stride)."""
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    return tuple(kv_cache.stride()[1:]) == (block_size * num_kv_heads * head_size, num_kv_heads * head_size,
-                                            head_size, 1)
-
-
 def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first_seq: int) -> bool:
     """Whether requests ``first_seq`` onwards have no cached context (every key is a new token): int32 CPU tensors
     [num_reqs]."""
@@ -191,10 +179,10 @@ def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, fir
 
 
 def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, num_seqs: int, first_seq: int,
-                        max_query_len: int, num_tokens: int, num_sms: int, first_token: int = 0,
-                        config: Optional[HopperPrefillConfig] = None, writes_cache: bool = True) -> HopperPrefillPlan:
-    """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` (the longest has ``max_query_len`` tokens, the
-    first starts at token row ``first_token``) of a batch of ``num_tokens`` tokens, on a GPU of ``num_sms`` SMs."""
+                        max_query_len: int, num_tokens: int, num_sms: int,
+                        config: Optional[HopperPrefillConfig] = None) -> HopperPrefillPlan:
+    """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` (the longest has ``max_query_len`` tokens) of a
+    batch of ``num_tokens`` tokens, on a GPU of ``num_sms`` SMs."""
     config = config or HopperPrefillConfig()
     if head_size != HOPPER_PREFILL_HEAD_SIZE or num_heads % num_kv_heads:
         raise ValueError(f"head_size must be {HOPPER_PREFILL_HEAD_SIZE} and num_heads a multiple of num_kv_heads, "
@@ -203,8 +191,8 @@ def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, nu
     num_q_blocks = cdiv(max(int(max_query_len), 1), BLOCK_M)
     items = num_heads * seqs * num_q_blocks
     grid = (min(items, num_sms) if config.persistent else items,)
-    return HopperPrefillPlan(grid, first_seq, int(first_token), seqs, num_q_blocks, int(num_tokens), num_heads,
-                             num_kv_heads, head_size, config, bool(writes_cache))
+    return HopperPrefillPlan(grid, first_seq, seqs, num_q_blocks, int(num_tokens), num_heads, num_kv_heads,
+                             head_size, config)
 
 
 @lru_cache(maxsize=None)
@@ -222,37 +210,23 @@ def _rows_descriptor(t: torch.Tensor, num_tokens: int, rows: int):
 
 
 def hopper_prefill_args(plan: HopperPrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
-                        kv_cache: Optional[torch.Tensor] = None, slot_mapping: Optional[torch.Tensor] = None):
+                        output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float):
     """(grid, args, kwargs) of ``plan``'s launch of the kernel (also what an offline compile uses); tensors as in
     :func:`launch_hopper_prefill`."""
     cfg, n = plan.config, plan.num_tokens
     qsl = query_start_loc[plan.first_seq:] if plan.first_seq else query_start_loc
-    if kv_cache is not None:
-        faults = fault_record(kv_cache.device)
-        block_size = kv_cache.shape[2]
-        cache_args = (kv_cache, slot_mapping, kv_cache.stride(0), kv_cache.shape[0] * block_size, faults.record,
-                      faults.host_flag)
-    else:
-        block_size = 1
-        cache_args = (output, query_start_loc, 0, 0, query_start_loc, query_start_loc)
     args = (_rows_descriptor(query, n, BLOCK_M), _rows_descriptor(key, n, cfg.block_n),
             _rows_descriptor(value, n, cfg.block_n), _rows_descriptor(output, n, ROWS_PER_WG), output, qsl,
-            output.stride(0), plan.num_seqs, plan.num_q_blocks, softmax_scale * _LOG2E, *cache_args)
+            output.stride(0), plan.num_seqs, plan.num_q_blocks, softmax_scale * _LOG2E)
     kwargs = dict(HQ=plan.num_heads, HKV=plan.num_kv_heads, HEAD=plan.head_size, BLOCK_M=BLOCK_M,
                   BLOCK_N=cfg.block_n, NBUF=cfg.nbuf, PINGPONG=cfg.pingpong, EPI_TMA=cfg.epi_tma,
-                  WRITE_KV=kv_cache is not None, CACHE_BLOCK=block_size, REGS_CONSUMER=cfg.regs[0],
-                  REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
+                  REGS_CONSUMER=cfg.regs[0], REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
     return plan.grid, args, kwargs
 
 
 def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
-                          kv_cache: Optional[torch.Tensor] = None,
-                          slot_mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Run ``plan`` (no checks): causal attention of each planned sequence's queries over its own new keys, and,
-    with ``kv_cache``, the write of those keys and values into the cache (what :func:`.reshape_and_cache` does for
-    the planned tokens, from the tiles the kernel loads anyway).
+                          output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Run ``plan`` (no checks): causal attention of each planned sequence's queries over its own new keys.
 
     Parameters
     ----------
@@ -262,16 +236,10 @@ def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: tor
         projection qualify.
     query_start_loc : [num_reqs + 1] int32 on the device: the whole batch's offsets.
     softmax_scale : the scale of q.k.
-    kv_cache : [num_blocks, 2, block_size, num_kv_heads, 128] in the key dtype, unit stride in the last dimension,
-        or None (the cache is written elsewhere).
-    slot_mapping : [>= num_tokens] int64, the whole batch's slots (with ``kv_cache``): a planned token's key and
-        value go to slot ``slot_mapping[t]``; -1 skips it, a slot outside the cache is skipped and recorded in the
-        device's fault record (:mod:`attnbackends.ops.page_guard`), as the write kernel does.
     """
     if plan.grid[0] <= 0:
         return output
-    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale,
-                                             kv_cache, slot_mapping)
+    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale)
     device = query.device
     if device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
@@ -359,63 +327,6 @@ if gluon_available():
                 i += 1
 
     @gluon.jit
-    def _chunk_slots(SLOTS, tok0, n_rows, c, num_slots, CHUNK: gl.constexpr, layout: gl.constexpr):
-        """Rows c * CHUNK .. of a tile: (their slots, -1 past ``n_rows``; whether each is written; the row of a slot
-        outside the cache, else a row past the tile)."""
-        rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-        valid = rows < n_rows
-        slot = gl.load(SLOTS + tok0 + rows, mask=valid, other=-1)
-        bad = gl.where(valid & ((slot < -1) | (slot >= num_slots)), rows, 4 * CHUNK)
-        return slot, valid & (slot >= 0) & (slot < num_slots), bad
-
-    @gluon.jit
-    def _chunk_to_cache(tile, c, slot, ok, cache, col, stride_cb, CHUNK: gl.constexpr, HKV: gl.constexpr,
-                        HEAD: gl.constexpr, CACHE_BLOCK: gl.constexpr, layout: gl.constexpr):
-        """Rows c * CHUNK .. of ``tile`` (shared memory) to their slots where ``ok``."""
-        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
-        dst = cache + gl.expand_dims((slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * (HKV * HEAD) + col,
-                                     1) + gl.expand_dims(cols, 0)
-        x = tile.slice(c * CHUNK, CHUNK, dim=0).load(layout)
-        gl.store(dst, x, mask=gl.expand_dims(ok, 1) & gl.expand_dims(cols < HEAD, 0))
-
-    @gluon.jit
-    def _tile_to_cache(tile, tok0, n_rows, cache, SLOTS, col, stride_cb, num_slots, fault_ptr, fault_flag_ptr,
-                       BLOCK_N: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, CACHE_BLOCK: gl.constexpr):
-        """Copy the first ``n_rows`` rows of ``tile`` (a [BLOCK_N, HEAD] K or V stage, tokens tok0 ..) from shared
-        memory to their cache slots ``SLOTS[tok0 + row]``: page slot // CACHE_BLOCK, offset slot % CACHE_BLOCK,
-        column ``col`` of ``cache``'s rows. Slot -1 is skipped; a slot outside the cache is skipped and the first
-        one recorded as a fault. The four chunks' slots are loaded before any store (one memory latency, not four:
-        a load after a store may not pass it). Ends with a barrier of the warpgroup: every row is read before the
-        caller releases the stage."""
-        CHUNK: gl.constexpr = BLOCK_N // 4
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte pieces, 8 rows a pass
-        s0, ok0, bad0 = _chunk_slots(SLOTS, tok0, n_rows, 0, num_slots, CHUNK, layout)
-        s1, ok1, bad1 = _chunk_slots(SLOTS, tok0, n_rows, 1, num_slots, CHUNK, layout)
-        s2, ok2, bad2 = _chunk_slots(SLOTS, tok0, n_rows, 2, num_slots, CHUNK, layout)
-        s3, ok3, bad3 = _chunk_slots(SLOTS, tok0, n_rows, 3, num_slots, CHUNK, layout)
-        _chunk_to_cache(tile, 0, s0, ok0, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
-        _chunk_to_cache(tile, 1, s1, ok1, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
-        _chunk_to_cache(tile, 2, s2, ok2, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
-        _chunk_to_cache(tile, 3, s3, ok3, cache, col, stride_cb, CHUNK, HKV, HEAD, CACHE_BLOCK, layout)
-        first = gl.min(gl.minimum(gl.minimum(bad0, bad1), gl.minimum(bad2, bad3)), axis=0)
-        if first < BLOCK_N:
-            tok = tok0 + first
-            record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, tok, gl.load(SLOTS + tok), num_slots)
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _own_tile_to_cache(tile, j, w, WG: gl.constexpr, HKV: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD: gl.constexpr, CACHE_BLOCK: gl.constexpr):
-        """Key tile j's keys (consumer 0) or values (consumer 1) to the cache if this item writes it (j at or past
-        the item's first tile to write). ``w``: (first tile to write, KV head, the sequence's first token and
-        length, then the kernel's cache arguments), used only in the branch to keep them out of the hot loop."""
-        first_own, kv_head, start, q_len, KC, SLOTS, stride_cb, num_slots, fault_ptr, fault_flag_ptr = w
-        if j >= first_own:
-            _tile_to_cache(tile, start + j * BLOCK_N, q_len - j * BLOCK_N, KC + WG * (CACHE_BLOCK * HKV * HEAD),
-                           SLOTS, kv_head * HEAD, stride_cb, num_slots, fault_ptr, fault_flag_ptr, BLOCK_N, HKV, HEAD,
-                           CACHE_BLOCK)
-
-    @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Ping-pong: wait for this warpgroup's k-th turn to issue wgmma (consumer 0's first turn is free)."""
         if PINGPONG:
@@ -429,15 +340,11 @@ if gluon_available():
 
     @gluon.jit
     def _attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, r0, n_tiles, it, t, qk_scale,
-                w, WG: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                NBUF: gl.constexpr,
-                PINGPONG: gl.constexpr, WRITE_KV: gl.constexpr, CACHE_BLOCK: gl.constexpr):
+                WG: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                PINGPONG: gl.constexpr):
         """One warpgroup's 64 query rows (from r0) against key tiles 0 .. n_tiles - 1 of its sequence: (O
         unnormalised [64, HEAD] float32, row sums [64]). ``it``: the program's running tile count before this item
-        (stage and parity of every tile), ``t``: its running turn count (n_tiles + 1 turns per item).
-
-        ``WRITE_KV``: the item's own K tiles go to the cache from consumer 0 while its Q.K^T runs, its own V tiles
-        from consumer 1 while its P.V runs (``w``: :func:`_own_tile_to_cache`), before the stage is released."""
+        (stage and parity of every tile), ``t``: its running turn count (n_tiles + 1 turns per item)."""
         ROWS: gl.constexpr = 64
         dtype: gl.constexpr = q.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -457,8 +364,6 @@ if gluon_available():
         _turn_wait(turn, t, WG, PINGPONG)
         s_tok = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
-        if WRITE_KV and WG == 0:
-            _own_tile_to_cache(k_bufs.index(s0), 0, w, WG, HKV, BLOCK_N, HEAD, CACHE_BLOCK)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(s0), count=1)
         s = _masked_scores(s, 0, r0, n_unmasked, s_layout, ROWS, BLOCK_N)
@@ -473,11 +378,6 @@ if gluon_available():
             s_tok = warpgroup_mma(q, k_bufs.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
-            if WRITE_KV:
-                if WG == 0:
-                    _own_tile_to_cache(k_bufs.index(buf), j, w, WG, HKV, BLOCK_N, HEAD, CACHE_BLOCK)
-                else:
-                    _own_tile_to_cache(v_bufs.index(prev), j - 1, w, WG, HKV, BLOCK_N, HEAD, CACHE_BLOCK)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # wgmma groups retire in order: S_j is done
             mbarrier.arrive(k_empty.index(buf), count=1)
             s = _masked_scores(s, j, r0, n_unmasked, s_layout, ROWS, BLOCK_N)
@@ -492,23 +392,18 @@ if gluon_available():
         _turn_wait(turn, t + n_tiles, WG, PINGPONG)
         o_tok = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
-        if WRITE_KV and WG == 1:
-            _own_tile_to_cache(v_bufs.index(last), n_tiles - 1, w, WG, HKV, BLOCK_N, HEAD, CACHE_BLOCK)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
         mbarrier.arrive(v_empty.index(last), count=1)
         return o, l_i
 
     @gluon.jit
     def _consumer_partition(q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t, qk_scale, KC, SLOTS,
-                            stride_cb, num_slots, fault_ptr, fault_flag_ptr,
-                            WG: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
-                            EPI_TMA: gl.constexpr, WRITE_KV: gl.constexpr, CACHE_BLOCK: gl.constexpr):
+                            turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t, qk_scale,
+                            WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
+                            EPI_TMA: gl.constexpr):
         """One consumer warpgroup: rows r0 = m0 + 64 * WG .. r0 + 63 of each work item's query tile; normalises and
-        stores them (masked pointer stores, or a TMA store staged in ``o_smem`` when all 64 rows are valid). With
-        ``WRITE_KV`` it also writes its share of the keys (consumer 0) or values (consumer 1) into the cache: the
-        items of each KV head's first query head write their own tiles (:func:`_own_tile_to_cache`)."""
+        stores them (masked pointer stores, or a TMA store staged in ``o_smem`` when all 64 rows are valid)."""
         ROWS: gl.constexpr = 64
         dtype: gl.constexpr = q_smem.dtype
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -522,14 +417,9 @@ if gluon_available():
             if has_work:
                 r0 = m0 + WG * ROWS
                 n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
-                # the items of each KV head's first query head write their own tiles, from the first at or past m0
-                first_own = gl.where(h % (HQ // HKV) == 0, m0 // BLOCK_N, num_q_blocks * (BLOCK_M // BLOCK_N))
-                w = (first_own, h // (HQ // HKV), start, q_len, KC, SLOTS, stride_cb, num_slots, fault_ptr,
-                     fault_flag_ptr)
                 mbarrier.wait(q_ready, i & 1)
                 o, l_i = _attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, r0, n_tiles,
-                                 it, it + i, qk_scale, w, WG, HQ, HKV, HEAD, BLOCK_N, NBUF, PINGPONG, WRITE_KV,
-                                 CACHE_BLOCK)
+                                 it, it + i, qk_scale, WG, HEAD, BLOCK_N, NBUF, PINGPONG)
                 it += n_tiles
                 i += 1
 
@@ -548,20 +438,15 @@ if gluon_available():
                             + gl.expand_dims(cols, 0))
                     gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
 
-    @gluon.jit(do_not_specialize=["num_seqs", "num_q_blocks", "num_slots"],
-               do_not_specialize_on_alignment=["QSL", "SLOTS", "fault_ptr", "fault_flag_ptr"])
+    @gluon.jit(do_not_specialize=["num_seqs", "num_q_blocks"], do_not_specialize_on_alignment=["QSL"])
     def _prefill_hopper_kernel(
         q_desc, k_desc, v_desc, o_desc,  # TMA over Q [T, HQ * HEAD] (box BLOCK_M x HEAD), K / V [T, HKV * HEAD]
                                          # (BLOCK_N x HEAD), O [T, HQ * HEAD] (64 x HEAD)
         O, QSL,  # [T, HQ, HEAD] (heads contiguous); [num_seqs + 1] int32, the planned sequences' offsets
         stride_o_t, num_seqs, num_q_blocks, qk_scale,  # qk_scale: softmax scale * log2(e)
-        KC, SLOTS,  # WRITE_KV: the cache [num_blocks, 2, CACHE_BLOCK, HKV, HEAD] (pages of stride_cb elements,
-                    # each contiguous); [T] int64 slots of the batch
-        stride_cb, num_slots,
-        fault_ptr, fault_flag_ptr,  # the device's fault record (a slot outside the cache)
         HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NBUF: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, WRITE_KV: gl.constexpr,
-        CACHE_BLOCK: gl.constexpr, REGS_CONSUMER: gl.constexpr, REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
+        NBUF: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, REGS_CONSUMER: gl.constexpr,
+        REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Grid (programs,): each program runs its share of the HQ * num_seqs * num_q_blocks work items in rounds
         (:func:`_work_item`; one item each when programs = items, persistent when programs = SMs). Warps: 4
@@ -603,12 +488,10 @@ if gluon_available():
         gl.warp_specialize([
             (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                                    v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                   qk_scale, KC, SLOTS, stride_cb, num_slots, fault_ptr, fault_flag_ptr, 0, HQ, HKV,
-                                   HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA, WRITE_KV, CACHE_BLOCK)),
+                                   qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
             (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                                    v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                   qk_scale, KC, SLOTS, stride_cb, num_slots, fault_ptr, fault_flag_ptr, 1, HQ, HKV,
-                                   HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA, WRITE_KV, CACHE_BLOCK)),
+                                   qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
             (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                                  k_empty, v_empty, QSL, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M,
                                  BLOCK_N, NBUF)),

@@ -114,15 +114,6 @@ def test_plan_grid_and_config():
         HopperPrefillConfig(block_n=32)
 
 
-def test_cache_write_fusable_needs_contiguous_pages():
-    cache = torch.zeros(6, 2, 16, 8, 128, dtype=torch.bfloat16)
-    assert prefill_hopper.cache_write_fusable(cache)
-    assert prefill_hopper.cache_write_fusable(torch.zeros(2, 6, 2, 16, 8, 128, dtype=torch.bfloat16)[1])
-    assert prefill_hopper.cache_write_fusable(torch.zeros(12, 2, 16, 8, 128, dtype=torch.bfloat16)[::2])
-    assert not prefill_hopper.cache_write_fusable(torch.zeros(6, 16, 2, 8, 128, dtype=torch.bfloat16).transpose(1, 2))
-    assert not prefill_hopper.cache_write_fusable(torch.zeros(6, 2, 16, 8, 136, dtype=torch.bfloat16)[..., :128])
-
-
 def _common(shapes, device="cpu"):
     """Metadata of a batch of (query_len, context_len) requests on consecutive pages."""
     tables, at = [], 0
@@ -160,7 +151,6 @@ def test_builder_puts_fresh_prefills_on_the_gluon_kernel(fake_h100, shapes, deco
     assert isinstance(plan, HopperPrefillPlan)
     assert (decode_plan is not None) == bool(decodes) and plan.first_seq == decodes
     assert plan.num_seqs == len(shapes) - decodes and plan.num_tokens == common.num_actual_tokens
-    assert plan.first_token == decodes  # the decodes' tokens come first: the forward writes only those itself
     assert plan.num_q_blocks == -(-max(q for q, _ in shapes) // 128)
     assert plan.grid == (min(132, SPEC.num_heads * plan.num_seqs * plan.num_q_blocks),)
 
@@ -347,15 +337,6 @@ def test_batches_that_fall_back_gpu(case):
     assert isinstance(meta.prefill_split[1], PrefillPlan)
 
 
-@pytest.mark.gpu
-@needs_hopper
-def test_separate_cache_write_gpu():
-    """hopper_cache_write=False: the forward writes every token with the write kernel, the Gluon kernel only
-    attends."""
-    meta, _, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=19, hopper_cache_write=False)
-    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and not meta.prefill_split[1].writes_cache
-
-
 def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
     """The batch's slots for its fresh prefills in a random order (not page-aligned runs), every seventh -1."""
     slots = batch.common.slot_mapping.clone()
@@ -369,8 +350,8 @@ def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
 @pytest.mark.gpu
 @needs_hopper
 def test_cache_write_follows_any_slot_mapping_gpu():
-    """The kernel's own cache write puts each token where its slot says, not where its page would be, and skips
-    -1 (the run checks every slot of the cache bitwise)."""
+    """A batch on the Gluon kernel: the forward's cache write puts each token where its slot says, not where its
+    page would be, and skips -1 (the run checks every slot of the cache bitwise)."""
     meta, _, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0), S(5, 0)], seed=17,
                              slots=_shuffled_slots_with_gaps)
     assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
