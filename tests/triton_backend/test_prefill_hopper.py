@@ -4,9 +4,10 @@ CPU: the reason function, the builder's choice per batch (with a faked compute c
 only, nothing launches), ``explain``'s kernel note, and an offline sm_90 compile of the backend's config (no spill,
 shared memory within a block's limit, wgmma not serialised). GPU (sm_90): the public API (``builder.build`` once,
 ``impl.forward`` with the step's keys and values, output poisoned with NaN, padding rows NaN that must neither be
-read nor written) against the float64 oracle, for fresh prefills, decodes before fresh prefills, batches that
-must fall back (cached context, the kernel turned off, layouts its descriptors cannot take), fused-projection
-views, repeated launches and a CUDA-graph replay.
+read nor written; the whole cache compared bitwise with the torch write) against the float64 oracle, for fresh
+prefills, decodes before fresh prefills, batches that must fall back (cached context, the kernel turned off,
+layouts its descriptors cannot take), fused-projection views, shuffled and bad slots, repeated launches and a
+CUDA-graph replay.
 """
 
 import dataclasses
@@ -274,7 +275,7 @@ def run_forward(spec, shapes, *, seed=0, pad_tokens=3, layout=None, slots=None, 
     the output against the oracle, that the padding rows of the output stay untouched and that the cache holds
     exactly what the write kernel would have written (every other slot poisoned with NaN and left as it was).
     ``layout`` rebuilds (query, key, value, output) as other views of the same values; ``slots(batch)`` replaces
-    the batch's slot mapping. Returns (metadata, output, cache)."""
+    the batch's slot mapping. Returns (metadata, output)."""
     batch = make_random_batch(spec, shapes, seed=seed, device="cuda", pad_tokens=pad_tokens)
     n = batch.num_actual_tokens
     for t in (batch.query, batch.key, batch.value):
@@ -294,7 +295,7 @@ def run_forward(spec, shapes, *, seed=0, pad_tokens=3, layout=None, slots=None, 
     assert torch.isnan(out[n:]).all(), "rows past the batch's tokens were written"
     assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what="prefill")
     assert_same_bits(cache, expected_cache, "the cache after the forward")
-    return meta, out, cache
+    return meta, out
 
 
 LENGTHS = {"mixed": [300, 2, 127, 128, 129, 1000, 64, 513], "127": [127], "128": [128], "129": [129],
@@ -308,7 +309,7 @@ LENGTHS = {"mixed": [300, 2, 127, 128, 129, 1000, 64, 513], "127": [127], "128":
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fresh_prefills_gpu(lengths, heads, dtype):
     spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype=dtype, block_size=16)
-    meta, _, _ = run_forward(spec, [S(n, 0) for n in lengths], seed=sum(lengths) + heads[0])
+    meta, _ = run_forward(spec, [S(n, 0) for n in lengths], seed=sum(lengths) + heads[0])
     assert meta.prefill_split[0] is None and isinstance(meta.prefill_split[1], HopperPrefillPlan)
 
 DECODES_THEN_FRESH = [S(1, 0), S(1, 700), S(1, 33), S(300, 0), S(2, 0), S(129, 0), S(1000, 0)]
@@ -318,7 +319,7 @@ DECODES_THEN_FRESH = [S(1, 0), S(1, 700), S(1, 33), S(300, 0), S(2, 0), S(129, 0
 @needs_hopper
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
 def test_decodes_then_fresh_prefills_gpu(overlap):
-    meta, _, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=11, overlap_decodes=overlap)
+    meta, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=11, overlap_decodes=overlap)
     decode_plan, plan = meta.prefill_split
     assert decode_plan is not None and decode_plan.num_decodes == 3
     assert isinstance(plan, HopperPrefillPlan) and plan.first_seq == 3 and meta.overlap_streams == overlap
@@ -331,9 +332,9 @@ def test_batches_that_fall_back_gpu(case):
     """A prefill with cached context sends the batch's prefills to the Triton prefill kernel, as does
     hopper_prefill=False for a fresh batch; both still match the oracle."""
     if case == "context":
-        meta, _, _ = run_forward(SPEC, [S(1, 50), S(200, 0), S(100, 64), S(129, 0)], seed=12)
+        meta, _ = run_forward(SPEC, [S(1, 50), S(200, 0), S(100, 64), S(129, 0)], seed=12)
     else:
-        meta, _, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=13, hopper_prefill=False)
+        meta, _ = run_forward(SPEC, DECODES_THEN_FRESH, seed=13, hopper_prefill=False)
     assert isinstance(meta.prefill_split[1], PrefillPlan)
 
 
@@ -352,8 +353,8 @@ def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
 def test_cache_write_follows_any_slot_mapping_gpu():
     """A batch on the Gluon kernel: the forward's cache write puts each token where its slot says, not where its
     page would be, and skips -1 (the run checks every slot of the cache bitwise)."""
-    meta, _, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0), S(5, 0)], seed=17,
-                             slots=_shuffled_slots_with_gaps)
+    meta, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0), S(5, 0)], seed=17,
+                          slots=_shuffled_slots_with_gaps)
     assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
 
 
@@ -363,7 +364,7 @@ def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu():
     """A slot past the cache's end is not written (no illegal access: the rest of the cache is checked bitwise)
     and is reported by the next check point, naming the token."""
     raise_pending_faults("cuda")
-    bad_token = 310  # a key tile in the middle of the second sequence
+    bad_token = 310  # a token of the second sequence
 
     def slots(batch):
         slots = batch.common.slot_mapping.clone()
@@ -387,7 +388,7 @@ def _fused_views(query, key, value, out):
 @pytest.mark.gpu
 @needs_hopper
 def test_fused_projection_views_gpu():
-    meta, out, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0)], seed=14, layout=_fused_views)
+    meta, out = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0)], seed=14, layout=_fused_views)
     assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and out.stride(0) == (SPEC.num_heads + 2) * 128
 
 
