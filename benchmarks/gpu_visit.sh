@@ -28,6 +28,9 @@
 #   prefill-write  the Gluon prefill's tests (with the cache checked bitwise) and the prefill regression, then
 #          memcheck over its tests (no CUDA graph under memcheck)
 #   triton-api  the Triton API suite alone
+#   write-beside  the cache write's tests (alone and beside the Gluon prefill), its sweeps (tokens per program, SMs
+#          left to it), then the Triton API suite
+#   final-api  the Triton API suite, then memcheck over the Gluon prefill's and the write kernel's tests
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
 # Logs and results land in $OUT.   bash benchmarks/gpu_visit.sh [all|tests|bench|focus-tests|focus-bench]
@@ -169,6 +172,19 @@ if [ "$what" = prefill-write ]; then  # the Gluon prefill: tests, regression, me
 fi
 if [ "$what" = triton-api ]; then
   step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+fi
+if [ "$what" = write-beside ]; then
+  limit=150
+  group write-beside tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
+    tests/test_page_guard.py -o faulthandler_timeout=120
+  step write-sweep 200 python3 benchmarks/triton_api.py --write-sweep --out "$OUT/write-sweep.json"
+  step triton-api 220 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+fi
+if [ "$what" = final-api ]; then
+  step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+  SANITIZE_TESTS="tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py" \
+    SANITIZE_K="not graph" timeout 200 bash benchmarks/sanitize.sh > "$OUT/sanitize-write-beside.log" 2>&1
+  echo "sanitize: rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize-write-beside.log" | tail -3
 fi
 if [ "$what" = next-bench ]; then  # the Triton suite with this session's defaults, then speculation end to end
   step triton-api 170 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

@@ -20,7 +20,10 @@ on the same cache tensor (``run()`` timed) and torch SDPA for prefill. Rows use 
   (``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
   one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the other choice, forced).
 
-``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead.
+``--prefill-sweep`` times the prefill kernel's tile configs on the prefill shapes instead; ``--write-sweep`` the
+cache write instead: ``kv_write`` rows (the write kernel alone at each tokens-per-program, against torch copying
+the same keys and values) and ``prefill_write_sms`` rows (the prefill forward with the Gluon kernel leaving each
+number of SMs to the cache write beside it; 0: the write first).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 import triton
 
 from attnbackends import AttentionSpec, build_common_metadata
+from attnbackends.ops.kv_cache_write import reshape_and_cache
 from attnbackends.triton.backend import TritonAttentionBackend, TritonMetadata
 from attnbackends.triton.prefill_hopper import HopperPrefillPlan, launch_hopper_prefill
 
@@ -45,6 +49,7 @@ SCALE = 1.0 / math.sqrt(D)
 DEV = "cuda"
 PREFILL_KERNEL = None  # the Triton builder's prefill_kernel option: None its default, True forced, False off
 HOPPER_PREFILL = True  # the Triton builder's hopper_prefill option (the Gluon kernel for fresh prefills)
+PREFILL_SHAPES = [(1, 8192), (4, 4096), (16, 1024)]
 
 
 def prefill_kernel_name(metadata: TritonMetadata) -> str:
@@ -93,7 +98,7 @@ class Batch:
     """One batch on one random cache (pages shuffled), through the public API and as FlashInfer's page table."""
 
     def __init__(self, shapes, kv_cache_dtype="auto", seed=0, max_num_reqs=256, head_size=D, num_heads=HQ,
-                 num_kv_heads=HKV):
+                 num_kv_heads=HKV, **builder_kw):
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.shapes = shapes
         q_lens = [q for q, _ in shapes]
@@ -130,7 +135,7 @@ class Batch:
         self.flops = 4.0 * HQ * D * visible
         self.builder = TritonAttentionBackend.get_builder_cls()(
             self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192),
-            prefill_kernel=PREFILL_KERNEL, hopper_prefill=HOPPER_PREFILL)
+            prefill_kernel=PREFILL_KERNEL, hopper_prefill=HOPPER_PREFILL, **builder_kw)
         self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale)
         self.metadata = self.builder.build(self.common)
         self.out = torch.full_like(self.query, float("nan"))
@@ -211,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="host overhead and eager decode rows only")
     ap.add_argument("--profile", action="store_true", help="print where the host time of one forward goes")
     ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
+    ap.add_argument("--write-sweep", action="store_true",
+                    help="time the cache write alone (tokens per program) and beside the prefill (SMs left to it)")
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="build with prefill_kernel=False (prefills on the unified kernel)")
     ap.add_argument("--force-prefill-kernel", action="store_true",
@@ -245,6 +252,8 @@ def main(argv=None) -> int:
 
     if args.prefill_sweep:
         return prefill_sweep(row, diff)
+    if args.write_sweep:
+        return write_sweep(row, diff)
 
     # Host time per call, GPU idle (tiny decode).
     b = Batch([(1, 15)])
@@ -292,7 +301,7 @@ def main(argv=None) -> int:
     del b
 
     # Causal prefill, every token new.
-    for B, L in [(1, 8192), (4, 4096), (16, 1024)]:
+    for B, L in PREFILL_SHAPES:
         b = Batch([(L, 0)] * B)
         fi, fi_out = flashinfer_prefill(b)
         fn = b.triton(write=True)
@@ -305,9 +314,10 @@ def main(argv=None) -> int:
         kernel = prefill_kernel_name(b.metadata)
         write_us = round(do_bench_us(lambda: b.impl.update_kv_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping)),
                          2)
-        extra = dict(prefill_kernel=kernel, kv_write_us=write_us)
-        if kernel == "gluon_hopper":  # the attention alone, as the peers' rows are timed
-            plan = b.metadata.prefill_split[1]
+        extra = dict(prefill_kernel=kernel, kv_write_us=write_us, cache_write_sms=b.metadata.cache_write_sms)
+        if kernel == "gluon_hopper":  # the attention alone on every SM, as the peers' rows are timed
+            plan = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
+                                       cache_write_sms=0).build(b.common).prefill_split[1]
             attn_us = do_bench_us(lambda: launch_hopper_prefill(plan, b.query, b.new_k, b.new_v, b.out,
                                                                 b.common.query_start_loc, SCALE))
             extra.update(attention_only_us=round(attn_us, 2), attention_only_TFLOPs=tf(attn_us))
@@ -350,6 +360,42 @@ def main(argv=None) -> int:
         other()
         row("mixed_other_split", 64, 4096, do_bench_us(other), peer, prefill_kernel=forced,
             max_abs_diff=max(diff(b.out[:60], d_out), diff(b.out[60:], p_out)))
+    return 0
+
+
+WRITE_TOKENS_PER_PROGRAM = [1, 2, 4, 8]
+WRITE_SMS_SWEEP = [0, 2, 4, 6, 8, 12, 16, 24]
+
+
+def write_sweep(row, diff) -> int:
+    """The cache write alone at each tokens-per-program (``kv_write``, against ``torch.Tensor.copy_`` of the same
+    keys and values into contiguous buffers: the bytes' roof), then each prefill forward with the Gluon kernel
+    leaving each number of SMs to the write beside it (``prefill_write_sms``, against SDPA and against the
+    builder's own choice: ``chosen_sms``)."""
+    for B, L in PREFILL_SHAPES:
+        b = Batch([(L, 0)] * B)
+        k_dst, v_dst = torch.empty_like(b.new_k), torch.empty_like(b.new_v)
+        copy_us = do_bench_us(lambda: (k_dst.copy_(b.new_k), v_dst.copy_(b.new_v)))
+        nbytes = 2 * 2 * b.new_k.numel() * b.new_k.element_size()
+        for t in WRITE_TOKENS_PER_PROGRAM:
+            us = do_bench_us(lambda: reshape_and_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping,
+                                                       validate=False, tokens_per_program=t))
+            row("kv_write", B, L, us, copy_us, peer="torch_copy", tokens_per_program=t,
+                GBps=round(nbytes / us / 1e3, 1), peer_GBps=round(nbytes / copy_us / 1e3, 1))
+        fi, fi_out = flashinfer_prefill(b)
+        fi()
+        sd = do_bench_us(sdpa_prefill(B, L))
+        tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
+        chosen = b.metadata.cache_write_sms
+        for k in WRITE_SMS_SWEEP:
+            b.metadata = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
+                                             cache_write_sms=k).build(b.common)
+            fn = b.triton(write=True)
+            b.out.fill_(float("nan"))
+            fn()
+            us = do_bench_us(fn)
+            row("prefill_write_sms", B, L, us, sd, peer="sdpa", cache_write_sms=k, chosen_sms=chosen,
+                TFLOPs=tf(us), peer_TFLOPs=tf(sd), max_abs_diff=diff(b.out, fi_out))
     return 0
 
 

@@ -12,7 +12,7 @@ back (dequantised), the torch read every pure-torch path shares.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import triton
@@ -24,7 +24,12 @@ from ..validation import check_tensor
 from .launch_math import cdiv, next_power_of_2
 from .page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
 from .quant import (
-    FP8_DTYPES, dequantize_from_cache, fp8_grid, load_kv_scales, quantize_for_cache, saturate_to_fp8,
+    FP8_DTYPES,
+    dequantize_from_cache,
+    fp8_grid,
+    load_kv_scales,
+    quantize_for_cache,
+    saturate_to_fp8,
 )
 
 __all__ = [
@@ -37,39 +42,49 @@ __all__ = [
 Scale = Union[float, torch.Tensor]
 
 
-@triton.jit(do_not_specialize=["num_slots"],
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"],
             do_not_specialize_on_alignment=["slot_mapping_ptr", "k_scale", "v_scale", "fault_ptr", "fault_flag_ptr"])
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
-    num_kv_heads, num_slots, fault_ptr, fault_flag_ptr,
+    num_kv_heads, num_tokens, num_slots, fault_ptr, fault_flag_ptr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Grid: (num_tokens, cdiv(num_kv_heads, HEADS_PER_PROGRAM)). A slot outside ``[-1, num_slots)`` is skipped
-    and recorded as a fault (reported by :func:`attnbackends.ops.page_guard.raise_pending_faults`)."""
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok)
-    if (slot < -1) | (slot >= num_slots):
-        if tl.program_id(1) == 0:
-            record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, tok, slot, num_slots)
-    elif slot >= 0:
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-        offs_d = tl.arange(0, HEAD_PAD)
-        mask = (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_SIZE)
-        k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
-        v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        if FP8:
-            ks, vs = load_kv_scales(k_scale, v_scale, SCALES_ARE_PTRS)
-            k = saturate_to_fp8(k, ks, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
-            v = saturate_to_fp8(v, vs, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
-        dst = cache_ptr + blk * stride_cb + off * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    """Grid: (cdiv(num_tokens, TOKENS_PER_PROGRAM), cdiv(num_kv_heads, HEADS_PER_PROGRAM)). Each program moves
+    ``[TOKENS_PER_PROGRAM, HEADS_PER_PROGRAM, HEAD_PAD]`` of keys and of values; the slots and the rows are loaded
+    together (no load waits for another). A slot outside ``[-1, num_slots)`` is skipped and recorded as a fault
+    (reported by :func:`attnbackends.ops.page_guard.raise_pending_faults`)."""
+    toks = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
+    in_batch = toks < num_tokens
+    slots = tl.load(slot_mapping_ptr + toks, mask=in_batch, other=-1)
+    heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row_mask = (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_SIZE)  # [H, D]
+    load_mask = in_batch[:, None, None] & row_mask[None, :, :]
+    row = heads[None, :, None] * stride_kh + offs_d[None, None, :]
+    k = tl.load(key_ptr + toks[:, None, None] * stride_kt + row, mask=load_mask)
+    v = tl.load(value_ptr + toks[:, None, None] * stride_vt + heads[None, :, None] * stride_vh
+                + offs_d[None, None, :], mask=load_mask)
+    bad = (slots < -1) | (slots >= num_slots)
+    if tl.program_id(1) == 0:
+        if tl.max(bad.to(tl.int32), 0) > 0:
+            first = tl.min(tl.where(bad, toks, num_tokens), 0)
+            record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, first,
+                         tl.sum(tl.where(toks == first, slots, 0), 0), num_slots)
+    if FP8:
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALES_ARE_PTRS)
+        k = saturate_to_fp8(k, ks, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
+        v = saturate_to_fp8(v, vs, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
+    write = (slots >= 0) & (slots < num_slots)
+    safe = tl.where(write, slots, 0)
+    dst = (cache_ptr + (safe // BLOCK_SIZE)[:, None, None] * stride_cb + (safe % BLOCK_SIZE)[:, None, None] * stride_cs
+           + heads[None, :, None] * stride_ch + offs_d[None, None, :])
+    store_mask = write[:, None, None] & row_mask[None, :, :]
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -152,8 +167,20 @@ def gather_kv_torch(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: in
     return dequantize_from_cache(key, dtype, k_scale), dequantize_from_cache(value, dtype, v_scale)
 
 
+#: Batches of at least this many tokens move :data:`WIDE_TOKENS_PER_PROGRAM` tokens per program (fewer, larger
+#: programs keep more bytes in flight per thread); smaller ones one token per program (as many programs as tokens).
+WIDE_WRITE_MIN_TOKENS = 1024
+WIDE_TOKENS_PER_PROGRAM = 2
+
+
+def write_tokens_per_program(num_tokens: int) -> int:
+    """Tokens one program of the write kernel moves for a batch of ``num_tokens``."""
+    return WIDE_TOKENS_PER_PROGRAM if num_tokens >= WIDE_WRITE_MIN_TOKENS else 1
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      k_scale: Scale = 1.0, v_scale: Scale = 1.0, *, validate: bool = True) -> None:
+                      k_scale: Scale = 1.0, v_scale: Scale = 1.0, *, validate: bool = True,
+                      tokens_per_program: Optional[int] = None) -> None:
     """Write the new tokens' keys and values into the paged cache.
 
     Parameters
@@ -170,6 +197,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         fp8 quantisation scales (python floats or 1-element float32 tensors); ignored for a non-fp8 cache.
     validate : bool
         Check the arguments first (:func:`check_reshape_and_cache_args`).
+    tokens_per_program : int, optional
+        Tokens each program of the write kernel moves (a power of two); None: :func:`write_tokens_per_program`.
     """
     if validate:
         check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -179,17 +208,21 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     if not _use_triton(kv_cache.device):
         reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         return
+    if tokens_per_program is None:
+        tokens_per_program = write_tokens_per_program(num_tokens)
+    elif tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
+        raise ValueError(f"tokens_per_program must be a power of two, got {tokens_per_program}")
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
     constexprs, heads_per_program, num_warps = _write_config(head_size, num_kv_heads, block_size, kv_cache.dtype,
-                                                             scales_are_ptrs)
-    grid = (num_tokens, cdiv(num_kv_heads, heads_per_program), 1)
+                                                             scales_are_ptrs, tokens_per_program)
+    grid = (cdiv(num_tokens, tokens_per_program), cdiv(num_kv_heads, heads_per_program), 1)
     faults = fault_record(kv_cache.device)
     strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1), *kv_cache.stride()[:4])
     args = (
         key, value, kv_cache, slot_mapping,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
-        *strides, num_kv_heads, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
+        *strides, num_kv_heads, num_tokens, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
     )
     launch_key = (constexprs, key.dtype, kv_cache.dtype, strides, num_kv_heads, key.data_ptr() % 16,
                   value.data_ptr() % 16, kv_cache.data_ptr() % 16)
@@ -200,18 +233,19 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 @lru_cache(maxsize=None)
 def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtype: torch.dtype,
-                  scales_are_ptrs: bool) -> tuple[tuple, int, int]:
+                  scales_are_ptrs: bool, tokens_per_program: int) -> tuple[tuple, int, int]:
     """(constexprs, heads per program, num_warps) of the write kernel for one cache layout."""
     head_pad = next_power_of_2(head_size)
     heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
     fp8 = cache_dtype in FP8_DTYPES
     constexprs = (
-        head_size, head_pad, heads_per_program, block_size, fp8, float(torch.finfo(cache_dtype).max) if fp8 else 0.0,
-        scales_are_ptrs, *fp8_grid(cache_dtype), is_triton_interpreted(),
+        head_size, head_pad, heads_per_program, block_size, tokens_per_program, fp8,
+        float(torch.finfo(cache_dtype).max) if fp8 else 0.0, scales_are_ptrs, *fp8_grid(cache_dtype),
+        is_triton_interpreted(),
     )
-    return constexprs, heads_per_program, 4 if heads_per_program * head_pad >= 1024 else 2
+    return constexprs, heads_per_program, 4 if tokens_per_program * heads_per_program * head_pad >= 1024 else 2
 
 
 _write_launcher = DirectLauncher(_reshape_and_cache_kernel, (
-    "HEAD_SIZE", "HEAD_PAD", "HEADS_PER_PROGRAM", "BLOCK_SIZE", "FP8", "FP8_MAX", "SCALES_ARE_PTRS", "FP8_MANT_BITS",
-    "FP8_MIN_EXP", "INTERPRET"))
+    "HEAD_SIZE", "HEAD_PAD", "HEADS_PER_PROGRAM", "BLOCK_SIZE", "TOKENS_PER_PROGRAM", "FP8", "FP8_MAX",
+    "SCALES_ARE_PTRS", "FP8_MANT_BITS", "FP8_MIN_EXP", "INTERPRET"))

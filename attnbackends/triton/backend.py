@@ -39,6 +39,7 @@ from .launch import (
 from .prefill_hopper import (
     HopperPrefillPlan,
     fresh_prefills,
+    hopper_prefill_items,
     hopper_prefill_reason,
     launch_hopper_prefill,
     plan_hopper_prefill,
@@ -51,6 +52,7 @@ from .prefill_launch import (
     prefill_new_kv_unsupported_reason,
     tma_compatible,
 )
+from .write_beside import cache_write_bytes, cache_write_sms
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
 
@@ -70,6 +72,9 @@ class TritonMetadata:
     prefill_split: Optional[tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan"]] = None
     #: Run the split's decode launch and prefill kernel on two CUDA streams (the builder's ``overlap_decodes``).
     overlap_streams: bool = False
+    #: SMs the Gluon prefill (planned on the others) leaves to the step's cache write, which then runs beside it:
+    #: the prefill on a high-priority stream, the write on the forward's (:mod:`.write_beside`). 0: the write first.
+    cache_write_sms: int = 0
 
     @property
     def num_decodes(self) -> int:
@@ -153,6 +158,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         Gluon warp-specialised Hopper kernel (:mod:`attnbackends.triton.prefill_hopper`) in place of the Triton
         prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
         ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
+    cache_write_sms : for a batch of fresh prefills only (no decodes) on the Gluon kernel: the SMs its persistent
+        grid leaves to the step's cache write, which then runs beside it (:mod:`attnbackends.triton.write_beside`).
+        None (default): the cost model's choice per batch (:func:`.write_beside.cache_write_sms`); 0: the write
+        runs first, alone; k > 0: k SMs for every such batch.
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
@@ -165,7 +174,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
                  prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
-                 **kwargs) -> None:
+                 cache_write_sms: Optional[int] = None, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
@@ -182,6 +191,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                                   deterministic=self.deterministic)
         self.prefill_kernel_forced = prefill_kernel is True
         self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
+        if cache_write_sms is not None and not 0 <= int(cache_write_sms) < max(self.num_sms, 1):
+            raise ValueError(f"cache_write_sms must be None or in [0, {self.num_sms}) (the device's SMs), got "
+                             f"{cache_write_sms}")
+        self.cache_write_sms = None if cache_write_sms is None else int(cache_write_sms)
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
@@ -223,18 +236,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
             decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
-        prefill_split = None
+        prefill_split, write_sms = None, 0
         if (self.prefill_kernel_reason is None and causal and split.num_prefills and tree is None
                 and (self.prefill_kernel_forced
                      or prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
-            prefill_split = self._plan_prefill_split(common, num_decodes, split.num_decode_tokens, causal)
+            decode_plan, prefill_plan, write_sms = self._plan_prefill_split(common, num_decodes,
+                                                                             split.num_decode_tokens, causal)
+            prefill_split = (decode_plan, prefill_plan)
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
-                              prefill_split, self.overlap_decodes and prefill_split is not None)
+                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms)
 
     def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
-                            causal: bool) -> tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan"]:
+                            causal: bool) -> tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan", int]:
         """The decodes on the unified kernel's decode tiles, the rest on the Gluon prefill kernel when none of them
-        has cached context and it serves the layer, else on the Triton prefill kernel."""
+        has cached context and it serves the layer, else on the Triton prefill kernel; and the SMs the Gluon
+        kernel leaves to the cache write (:meth:`_cache_write_sms`; 0 with decodes or the Triton kernel)."""
         decode_plan = None
         if num_decodes:
             decode_plan = plan_attention(
@@ -243,16 +259,32 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 num_decodes=num_decodes, num_kv_splits=1, decode_query_len=self.reorder_batch_threshold,
                 **self._plan_args)
         if not self.hopper_prefill_reason and fresh_prefills(common.query_lens_cpu, common.seq_lens_cpu, num_decodes):
-            return decode_plan, plan_hopper_prefill(
-                num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
-                num_seqs=common.num_reqs, first_seq=num_decodes, max_query_len=common.max_query_len,
-                num_tokens=common.num_actual_tokens, num_sms=self.num_sms)
+            hopper = dict(num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
+                          head_size=self.spec.head_size, num_seqs=common.num_reqs, first_seq=num_decodes,
+                          max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens)
+            write_sms = 0
+            if decode_plan is None:
+                write_sms = self._cache_write_sms(common)
+            return decode_plan, plan_hopper_prefill(**hopper, num_sms=self.num_sms - write_sms), write_sms
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
             max_query_len=common.max_query_len, sliding_window=self.spec.sliding_window,
             use_softcap=bool(self.spec.logits_soft_cap), use_sinks=self.spec.has_sinks)
-        return decode_plan, prefill_plan
+        return decode_plan, prefill_plan, 0
+
+    def _cache_write_sms(self, common: CommonAttentionMetadata) -> int:
+        """SMs a batch of fresh prefills (no decodes) leaves to its cache write: the builder's ``cache_write_sms``,
+        else the cost model's choice."""
+        if self.cache_write_sms is not None:
+            return self.cache_write_sms
+        q_lens = common.query_lens_cpu.tolist()
+        spec = self.spec
+        flops = 4.0 * spec.num_heads * spec.head_size * sum(q * (q + 1) // 2 for q in q_lens)
+        write_bytes = cache_write_bytes(common.num_actual_tokens, spec.num_kv_heads, spec.head_size,
+                                        spec.torch_dtype.itemsize, spec.kv_cache_torch_dtype.itemsize)
+        items = hopper_prefill_items(spec.num_heads, common.num_reqs, common.max_query_len)
+        return cache_write_sms(flops=flops, write_bytes=write_bytes, items=items, num_sms=self.num_sms)
 
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -263,6 +295,18 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     stream = _SIDE_STREAMS.get(device)
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+_PRIORITY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _priority_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A stream of ``device`` at the highest priority (made once): its kernels' programs are placed before those
+    of default-priority streams when both wait for SMs."""
+    stream = _PRIORITY_STREAMS.get(device)
+    if stream is None:
+        stream = _PRIORITY_STREAMS[device] = torch.cuda.Stream(device, priority=-1 << 10)
     return stream
 
 
@@ -325,11 +369,16 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             launch_attention(metadata.plan, query, key, value, output, common.query_start_loc, None, None,
                              self.scale, self._soft_cap, alibi, sinks)
             return output
+        split = metadata.prefill_split
+        if split is not None and (key is None or not tma_compatible(query, key, value, output)):
+            split = None
+        if split is not None and metadata.cache_write_sms:
+            self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common)
+            return output
         if key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
         _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
-        split = metadata.prefill_split
-        if split is not None and key is not None and tma_compatible(query, key, value, output):
+        if split is not None:
             decode_plan, prefill_plan = split
             overlap = decode_plan is not None and metadata.overlap_streams
             if overlap:  # the prefills on a side stream, after the cache write; the decodes here; then join
@@ -353,6 +402,20 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                          self.k_scale, self.v_scale, cache_key=cache_key, tree_mask=metadata.tree_mask,
                          tree_indptr=common.spec_tree_mask_indptr)
         return output
+
+    def _prefill_beside_cache_write(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
+                                    common: CommonAttentionMetadata) -> None:
+        """The Gluon prefill (planned on all but ``cache_write_sms`` SMs) on the high-priority stream, launched
+        first so that it holds its SMs, then the cache write on the forward's stream, where it runs on the SMs left
+        free; the forward's stream then waits for the prefill. The prefill reads ``key``/``value``, never the cache,
+        so the two are independent; both only read tensors made before the fork."""
+        main = torch.cuda.current_stream(query.device)
+        fast = _priority_stream(query.device)
+        fast.wait_stream(main)
+        with torch.cuda.stream(fast):
+            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
+        self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+        main.wait_stream(fast)
 
     def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,
                          value_cache, common: CommonAttentionMetadata, sinks: Optional[torch.Tensor]) -> None:

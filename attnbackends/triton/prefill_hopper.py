@@ -77,7 +77,8 @@ from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
 
 __all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "fresh_prefills",
-           "hopper_prefill_args", "hopper_prefill_reason", "launch_hopper_prefill", "plan_hopper_prefill"]
+           "hopper_prefill_args", "hopper_prefill_items", "hopper_prefill_reason", "launch_hopper_prefill",
+           "plan_hopper_prefill"]
 
 HOPPER_PREFILL_HEAD_SIZE = 128  # P.V is one m64n128 wgmma per warpgroup; Q and O tiles [128, 128]
 BLOCK_M = 128  # query rows per work item: two consumer warpgroups of one wgmma M tile (64 rows) each
@@ -178,6 +179,11 @@ def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, fir
     return bool(np.array_equal(query_lens_cpu.numpy()[first_seq:], seq_lens_cpu.numpy()[first_seq:]))
 
 
+def hopper_prefill_items(num_heads: int, num_seqs: int, max_query_len: int) -> int:
+    """Work items of the kernel: query heads x sequences x query blocks of the longest sequence."""
+    return num_heads * num_seqs * cdiv(max(int(max_query_len), 1), BLOCK_M)
+
+
 def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, num_seqs: int, first_seq: int,
                         max_query_len: int, num_tokens: int, num_sms: int,
                         config: Optional[HopperPrefillConfig] = None) -> HopperPrefillPlan:
@@ -189,7 +195,7 @@ def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, nu
                          f"got head_size {head_size}, {num_heads} / {num_kv_heads} heads")
     seqs = num_seqs - first_seq
     num_q_blocks = cdiv(max(int(max_query_len), 1), BLOCK_M)
-    items = num_heads * seqs * num_q_blocks
+    items = hopper_prefill_items(num_heads, seqs, max_query_len)
     grid = (min(items, num_sms) if config.persistent else items,)
     return HopperPrefillPlan(grid, first_seq, seqs, num_q_blocks, int(num_tokens), num_heads, num_kv_heads,
                              head_size, config)

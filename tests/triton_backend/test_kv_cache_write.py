@@ -48,24 +48,27 @@ def _inputs(cache_dtype, num_kv_heads=3, head_size=80, block_size=16, num_tokens
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("scales_as_tensors", [False, True])
-def test_reshape_and_cache(cache_dtype, scales_as_tensors):
+@pytest.mark.parametrize("tokens_per_program", [None, 4])
+def test_reshape_and_cache(cache_dtype, scales_as_tensors, tokens_per_program):
     key, value, cache, slots = _inputs(cache_dtype)
     k_scale, v_scale = (0.02, 0.05) if cache_dtype != torch.bfloat16 else (1.0, 1.0)
     expected = _expected(key.cpu(), value.cpu(), cache.cpu(), slots.cpu(), k_scale, v_scale)
     if scales_as_tensors:
         k_scale = torch.tensor([k_scale], dtype=torch.float32, device=DEVICE)
         v_scale = torch.tensor([v_scale], dtype=torch.float32, device=DEVICE)
-    reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
+    reshape_and_cache(key, value, cache, slots, k_scale, v_scale, tokens_per_program=tokens_per_program)
     # Bit-exact, padding slots (-1) untouched: every other slot keeps its random old contents.
     assert torch.equal(cache.cpu().view(torch.uint8) if cache.element_size() == 1 else cache.cpu(),
                        expected.view(torch.uint8) if expected.element_size() == 1 else expected)
 
 
-@pytest.mark.parametrize("block_size,num_kv_heads,head_size", [(32, 1, 32), (16, 8, 64), (16, 2, 256)])
-def test_reshape_and_cache_shapes(block_size, num_kv_heads, head_size):
+@pytest.mark.parametrize("block_size,num_kv_heads,head_size,tokens_per_program",
+                         [(32, 1, 32, 1), (16, 8, 64, 2), (16, 2, 256, 1), (16, 2, 256, 8)])
+def test_reshape_and_cache_shapes(block_size, num_kv_heads, head_size, tokens_per_program):
+    """Token counts that are not a multiple of the tokens per program: the last program's tail is masked."""
     key, value, cache, slots = _inputs(torch.bfloat16, num_kv_heads, head_size, block_size, num_tokens=7, seed=1)
     expected = _expected(key.cpu(), value.cpu(), cache.cpu(), slots.cpu(), 1.0, 1.0)
-    reshape_and_cache(key, value, cache, slots)
+    reshape_and_cache(key, value, cache, slots, tokens_per_program=tokens_per_program)
     assert torch.equal(cache.cpu(), expected)
 
 
@@ -97,3 +100,26 @@ def test_validation(change, match):
     change(a)
     with pytest.raises(ValueError, match=match):
         check_reshape_and_cache_args(**a)
+
+
+@pytest.mark.parametrize("tokens_per_program", [1, 4])
+def test_slot_outside_the_cache_is_skipped_and_reported(tokens_per_program):
+    """A slot past the cache (or below -1) is not written, the other tokens of its program are, and the first bad
+    token of the program is reported."""
+    from attnbackends.ops.page_guard import PageTableError, raise_pending_faults
+
+    key, value, cache, slots = _inputs(torch.bfloat16, num_tokens=9, seed=2)
+    slots[5] = cache.shape[0] * cache.shape[2] + 3
+    good = slots.clone()
+    good[5] = -1
+    expected = _expected(key.cpu(), value.cpu(), cache.cpu(), good.cpu(), 1.0, 1.0)
+    with pytest.raises(PageTableError, match=r"slot_mapping\[5\]"):
+        reshape_and_cache(key, value, cache, slots, tokens_per_program=tokens_per_program)
+        raise_pending_faults(cache.device)
+    assert torch.equal(cache.cpu(), expected)
+
+
+def test_tokens_per_program_must_be_a_power_of_two():
+    key, value, cache, slots = _inputs(torch.bfloat16)
+    with pytest.raises(ValueError, match="tokens_per_program"):
+        reshape_and_cache(key, value, cache, slots, tokens_per_program=3)

@@ -135,7 +135,7 @@ def fake_h100(monkeypatch):
 
 
 def _builder(spec=SPEC, **kw):
-    return TritonAttentionBackend.get_builder_cls()(spec, "cpu", **kw)
+    return TritonAttentionBackend.get_builder_cls()(spec, "cpu", **{"max_num_tokens": 32768, **kw})
 
 
 @needs_gluon
@@ -174,6 +174,28 @@ def test_builder_keeps_the_other_paths(fake_h100):
     window = _builder(SPEC.model_copy(update=dict(sliding_window=256)))
     assert "sliding window" in window.hopper_prefill_reason
     assert isinstance(window.build(fresh).prefill_split[1], PrefillPlan)
+
+
+@needs_gluon
+def test_builder_leaves_sms_to_the_cache_write(fake_h100):
+    """A batch of fresh prefills only, large enough for the cost model, runs its Gluon prefill on fewer programs
+    than SMs and the cache write beside it; with decodes, small batches, or cache_write_sms=0 the grid keeps every
+    SM and the write runs first."""
+    long_batch = _common([(1024, 0)] * 16)
+    meta = _builder().build(long_batch)
+    k = meta.cache_write_sms
+    assert 0 < k <= 132 // 4 and meta.prefill_split[0] is None and meta.prefill_split[1].grid == (132 - k,)
+    for builder, common in ((_builder(cache_write_sms=0), long_batch), (_builder(), _common([(64, 0), (3, 0)])),
+                            (_builder(), _common([(1, 40)] + [(1024, 0)] * 16))):
+        meta = builder.build(common)
+        assert meta.cache_write_sms == 0 and isinstance(meta.prefill_split[1], HopperPrefillPlan)
+        assert meta.prefill_split[1].grid[0] == min(132, 32 * meta.prefill_split[1].num_seqs
+                                                     * meta.prefill_split[1].num_q_blocks)
+    forced = _builder(cache_write_sms=7).build(long_batch)
+    assert forced.cache_write_sms == 7 and forced.prefill_split[1].grid == (125,)
+    assert _builder(hopper_prefill=False).build(long_batch).cache_write_sms == 0  # the Triton prefill kernel
+    with pytest.raises(ValueError, match="cache_write_sms"):
+        _builder(cache_write_sms=132)
 
 
 def test_builder_off_the_hopper():
@@ -350,17 +372,32 @@ def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
 
 @pytest.mark.gpu
 @needs_hopper
-def test_cache_write_follows_any_slot_mapping_gpu():
-    """A batch on the Gluon kernel: the forward's cache write puts each token where its slot says, not where its
-    page would be, and skips -1 (the run checks every slot of the cache bitwise)."""
+@pytest.mark.parametrize("write_sms", [0, 8], ids=["write_first", "write_beside"])
+def test_cache_write_follows_any_slot_mapping_gpu(write_sms):
+    """A batch on the Gluon kernel: the forward's cache write (first, or beside the prefill on the SMs it leaves)
+    puts each token where its slot says, not where its page would be, and skips -1 (the run checks every slot of
+    the cache bitwise)."""
     meta, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0), S(5, 0)], seed=17,
-                          slots=_shuffled_slots_with_gaps)
-    assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
+                          slots=_shuffled_slots_with_gaps, cache_write_sms=write_sms)
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and meta.cache_write_sms == write_sms
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu():
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa4", "mha"])
+def test_prefill_beside_the_cache_write_gpu(heads):
+    """The prefill on all but 16 SMs of a high-priority stream, the write beside it: the output against the oracle,
+    the whole cache bitwise, padding rows untouched."""
+    spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype="bfloat16", block_size=16)
+    meta, _ = run_forward(spec, [S(n, 0) for n in LENGTHS["mixed"]], seed=19, cache_write_sms=16)
+    assert meta.cache_write_sms == 16 and meta.prefill_split[1].grid[0] == torch.cuda.get_device_properties(
+        0).multi_processor_count - 16
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("write_sms", [0, 8], ids=["write_first", "write_beside"])
+def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu(write_sms):
     """A slot past the cache's end is not written (no illegal access: the rest of the cache is checked bitwise)
     and is reported by the next check point, naming the token."""
     raise_pending_faults("cuda")
@@ -371,7 +408,7 @@ def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu():
         slots[bad_token] = batch.kv_cache.shape[0] * SPEC.block_size + 3
         return slots
 
-    run_forward(SPEC, [S(300, 0), S(129, 0)], seed=18, slots=slots)
+    run_forward(SPEC, [S(300, 0), S(129, 0)], seed=18, slots=slots, cache_write_sms=write_sms)
     with pytest.raises(PageTableError, match=rf"slot_mapping\[{bad_token}\]"):
         raise_pending_faults("cuda")
 
@@ -421,14 +458,16 @@ def test_layouts_the_descriptors_cannot_take_run_unified_gpu(layout):
 @pytest.mark.gpu
 @needs_hopper
 def test_repeated_launches_and_graph_replay_are_bitwise_gpu():
-    """The persistent schedule (16 x 8 query blocks x 32 heads on 132 SMs) gives the same bits every launch, eagerly
-    and replayed from a CUDA graph."""
+    """The persistent schedule (16 x 8 query blocks x 32 heads; the cost model leaves SMs to the cache write beside
+    it) gives the same bits every launch, eagerly and replayed from a CUDA graph (the two streams captured as a fork
+    and a join); the cache holds every key and value after both."""
     batch = make_random_batch(SPEC, [S(1024, 0)] * 16, seed=16, device="cuda")
     builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cuda", max_num_tokens=16 * 1024)
     impl = TritonAttentionBackend.get_impl_cls()(SPEC)
     meta = builder.build(batch.common)
-    assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and meta.cache_write_sms > 0
     cache = batch.kv_cache.clone()
+    expected_cache = _expected_cache(cache, batch, batch.common.slot_mapping)
     outs = []
     for _ in range(3):
         out = batch.new_output()
@@ -441,9 +480,12 @@ def test_repeated_launches_and_graph_replay_are_bitwise_gpu():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         impl.forward(batch.query, batch.key, batch.value, cache, meta, graph_out)
+    assert_same_bits(cache, expected_cache, "the cache after the eager forwards")
+    cache.copy_(batch.kv_cache)
     graph.replay()
     _finish()
     assert torch.equal(graph_out, outs[0])
+    assert_same_bits(cache, expected_cache, "the cache after the graph replay")
 
 
 @pytest.mark.gpu
