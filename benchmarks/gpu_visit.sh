@@ -30,6 +30,7 @@
 #   triton-api  the Triton API suite alone
 #   write-beside  the cache write's tests (alone and beside the Gluon prefill), its sweeps (tokens per program, SMs
 #          left to it), then the Triton API suite
+#   write-sweep  the cache write's tests, then its sweep alone
 #   final-api  the Triton API suite, then memcheck over the Gluon prefill's and the write kernel's tests
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
@@ -179,6 +180,12 @@ if [ "$what" = write-beside ]; then
     tests/test_page_guard.py -o faulthandler_timeout=120
   step write-sweep 200 python3 benchmarks/triton_api.py --write-sweep --out "$OUT/write-sweep.json"
   step triton-api 220 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+fi
+if [ "$what" = write-sweep ]; then
+  limit=150
+  group write-beside tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
+    -o faulthandler_timeout=120
+  step write-sweep 300 python3 benchmarks/triton_api.py --write-sweep --out "$OUT/write-sweep.json"
 fi
 if [ "$what" = final-api ]; then
   step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

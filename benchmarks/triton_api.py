@@ -29,6 +29,7 @@ number of SMs to the cache write beside it; 0: the write first).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -363,39 +364,43 @@ def main(argv=None) -> int:
     return 0
 
 
-WRITE_TOKENS_PER_PROGRAM = [1, 2, 4, 8]
-WRITE_SMS_SWEEP = [0, 2, 4, 6, 8, 12, 16, 24]
+WRITE_TOKENS_PER_PROGRAM = [1, 2, 4, 8, 16]
+WRITE_SWEEP_SHAPES = PREFILL_SHAPES + [(8, 2048), (32, 512), (64, 256)]
+WRITE_SMS_SWEEP = [0, 2, 4, 6, 8]
+BESIDE_TOKENS_SWEEP = [2, 8, 16]
 
 
 def write_sweep(row, diff) -> int:
     """The cache write alone at each tokens-per-program (``kv_write``, against ``torch.Tensor.copy_`` of the same
-    keys and values into contiguous buffers: the bytes' roof), then each prefill forward with the Gluon kernel
-    leaving each number of SMs to the write beside it (``prefill_write_sms``, against SDPA and against the
-    builder's own choice: ``chosen_sms``)."""
-    for B, L in PREFILL_SHAPES:
+    keys and values into contiguous buffers), then each prefill forward with the Gluon kernel leaving each number
+    of SMs to the write beside it, at each tokens-per-program of the write (``prefill_write_sms``, against SDPA;
+    ``chosen_sms``: the builder's own choice for the batch)."""
+    for B, L in WRITE_SWEEP_SHAPES:
         b = Batch([(L, 0)] * B)
-        k_dst, v_dst = torch.empty_like(b.new_k), torch.empty_like(b.new_v)
-        copy_us = do_bench_us(lambda: (k_dst.copy_(b.new_k), v_dst.copy_(b.new_v)))
-        nbytes = 2 * 2 * b.new_k.numel() * b.new_k.element_size()
-        for t in WRITE_TOKENS_PER_PROGRAM:
-            us = do_bench_us(lambda: reshape_and_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping,
-                                                       validate=False, tokens_per_program=t))
-            row("kv_write", B, L, us, copy_us, peer="torch_copy", tokens_per_program=t,
-                GBps=round(nbytes / us / 1e3, 1), peer_GBps=round(nbytes / copy_us / 1e3, 1))
+        if (B, L) in PREFILL_SHAPES:
+            k_dst, v_dst = torch.empty_like(b.new_k), torch.empty_like(b.new_v)
+            copy_us = do_bench_us(lambda: (k_dst.copy_(b.new_k), v_dst.copy_(b.new_v)))
+            nbytes = 2 * 2 * b.new_k.numel() * b.new_k.element_size()
+            for t in WRITE_TOKENS_PER_PROGRAM:
+                us = do_bench_us(lambda: reshape_and_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping,
+                                                           validate=False, tokens_per_program=t))
+                row("kv_write", B, L, us, copy_us, peer="torch_copy", tokens_per_program=t,
+                    GBps=round(nbytes / us / 1e3, 1), peer_GBps=round(nbytes / copy_us / 1e3, 1))
         fi, fi_out = flashinfer_prefill(b)
         fi()
         sd = do_bench_us(sdpa_prefill(B, L))
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
         chosen = b.metadata.cache_write_sms
-        for k in WRITE_SMS_SWEEP:
-            b.metadata = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                             cache_write_sms=k).build(b.common)
+        for k, t in [(0, None)] + list(itertools.product(WRITE_SMS_SWEEP[1:], BESIDE_TOKENS_SWEEP)):
+            meta = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
+                                       cache_write_sms=k).build(b.common)
+            b.metadata = dataclasses.replace(meta, cache_write_tokens_per_program=t)
             fn = b.triton(write=True)
             b.out.fill_(float("nan"))
             fn()
             us = do_bench_us(fn)
-            row("prefill_write_sms", B, L, us, sd, peer="sdpa", cache_write_sms=k, chosen_sms=chosen,
-                TFLOPs=tf(us), peer_TFLOPs=tf(sd), max_abs_diff=diff(b.out, fi_out))
+            row("prefill_write_sms", B, L, us, sd, peer="sdpa", cache_write_sms=k, tokens_per_program=t,
+                chosen_sms=chosen, TFLOPs=tf(us), peer_TFLOPs=tf(sd), max_abs_diff=diff(b.out, fi_out))
     return 0
 
 

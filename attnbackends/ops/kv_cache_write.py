@@ -243,7 +243,8 @@ def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtyp
         float(torch.finfo(cache_dtype).max) if fp8 else 0.0, scales_are_ptrs, *fp8_grid(cache_dtype),
         is_triton_interpreted(),
     )
-    return constexprs, heads_per_program, 4 if tokens_per_program * heads_per_program * head_pad >= 1024 else 2
+    elements = tokens_per_program * heads_per_program * head_pad
+    return constexprs, heads_per_program, 8 if elements >= 8192 else 4 if elements >= 1024 else 2
 
 
 _write_launcher = DirectLauncher(_reshape_and_cache_kernel, (

@@ -52,7 +52,7 @@ from .prefill_launch import (
     prefill_new_kv_unsupported_reason,
     tma_compatible,
 )
-from .write_beside import cache_write_bytes, cache_write_sms
+from .write_beside import BESIDE_TOKENS_PER_PROGRAM, cache_write_bytes, cache_write_sms
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
 
@@ -75,6 +75,8 @@ class TritonMetadata:
     #: SMs the Gluon prefill (planned on the others) leaves to the step's cache write, which then runs beside it:
     #: the prefill on a high-priority stream, the write on the forward's (:mod:`.write_beside`). 0: the write first.
     cache_write_sms: int = 0
+    #: Tokens per program of the write kernel when it runs beside the prefill (None: its default for the batch).
+    cache_write_tokens_per_program: Optional[int] = None
 
     @property
     def num_decodes(self) -> int:
@@ -244,7 +246,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                                                                              split.num_decode_tokens, causal)
             prefill_split = (decode_plan, prefill_plan)
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
-                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms)
+                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms,
+                              BESIDE_TOKENS_PER_PROGRAM if write_sms else None)
 
     def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
                             causal: bool) -> tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan", int]:
@@ -373,7 +376,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         if split is not None and (key is None or not tma_compatible(query, key, value, output)):
             split = None
         if split is not None and metadata.cache_write_sms:
-            self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common)
+            self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common,
+                                             metadata.cache_write_tokens_per_program)
             return output
         if key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
@@ -404,7 +408,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         return output
 
     def _prefill_beside_cache_write(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
-                                    common: CommonAttentionMetadata) -> None:
+                                    common: CommonAttentionMetadata, tokens_per_program: Optional[int]) -> None:
         """The Gluon prefill (planned on all but ``cache_write_sms`` SMs) on the high-priority stream, launched
         first so that it holds its SMs, then the cache write on the forward's stream, where it runs on the SMs left
         free; the forward's stream then waits for the prefill. The prefill reads ``key``/``value``, never the cache,
@@ -414,7 +418,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         fast.wait_stream(main)
         with torch.cuda.stream(fast):
             launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
-        self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+        reshape_and_cache(key, value, kv_cache, common.slot_mapping, self.k_scale, self.v_scale, validate=False,
+                          tokens_per_program=tokens_per_program)
         main.wait_stream(fast)
 
     def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,

@@ -1,35 +1,35 @@
-"""The step's KV-cache write beside the persistent Gluon prefill: how many SMs the prefill leaves to it.
+"""The step's KV-cache write beside the persistent Gluon prefill: whether, and on how many SMs.
 
 A batch of fresh prefills reads its keys and values from the forward's ``key``/``value``, not from the cache, so
 the write into the cache need not come first. The prefill is compute-bound and keeps one program per SM (its
-registers fill the SM: nothing else fits beside a program); the write is bandwidth-bound and needs few SMs to move
-its bytes. The builder may therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority stream, and the
-write on the forward's stream, where the hardware runs it on the ``k`` SMs left free (and on every SM the prefill
-gives back when it ends). :func:`cache_write_sms` picks ``k`` from a cost model:
+registers fill the SM: nothing else fits beside a program); the write is bandwidth-bound. The builder may
+therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority stream, and the write on the forward's
+stream, where the hardware runs it on the ``k`` SMs left free and then on every SM the prefill gives back.
 
-- prefill on ``p`` programs: ``flops / (min(items, p) * PREFILL_FLOPS_PER_SM_US)``;
-- write on ``k`` SMs: ``bytes / (k * WRITE_BYTES_PER_SM_US)`` until the prefill ends, the rest at
-  ``WRITE_BYTES_PER_US`` (the whole GPU);
-- one after the other: the prefill on every SM, then the write at ``WRITE_BYTES_PER_US``.
-
-It returns 0 (the write first, on one stream) unless the overlap saves at least ``MIN_GAIN_US`` and
-``MIN_GAIN_FRACTION``. The constants are the H100 measurements in ``benchmarks/NOTES-triton.md``; near the optimum
-the time is flat in ``k`` (a quarter off in the prefill's estimate moves the result by about 1%).
+What the H100 measured (``benchmarks/NOTES-triton.md``): a few SMs move the write at well under their share of
+the GPU's bandwidth, and the write streaming through L2 beside a prefill of long sequences slows that prefill by
+more than the write saves. The overlap pays where the write is a large share of the step (many short prefills)
+and costs where it is small (long ones). :func:`cache_write_sms` encodes that: ``k`` SMs
+(:data:`WRITE_SM_FRACTION` of the GPU) when the write is at least :data:`MIN_WRITE_SHARE` of the write-then-prefill
+time and the prefill is long enough to hide the second stream's host cost, else 0 (the write first, one stream).
 """
 
 from __future__ import annotations
 
-__all__ = ["cache_write_bytes", "cache_write_sms", "overlapped_us", "serial_us"]
+__all__ = ["BESIDE_TOKENS_PER_PROGRAM", "cache_write_bytes", "cache_write_sms", "write_share"]
 
-#: Dense causal prefill work one SM of the Gluon kernel does per microsecond (FLOP), across the bench's shapes.
-PREFILL_FLOPS_PER_SM_US = 3.8e6
-#: Bytes the write kernel moves per microsecond on one SM when the rest of the GPU computes (read + written).
-WRITE_BYTES_PER_SM_US = 1.5e5
+#: Dense causal prefill work one SM of the Gluon kernel does per microsecond (FLOP), at its slowest bench shape.
+PREFILL_FLOPS_PER_SM_US = 3.5e6
 #: Bytes the write kernel moves per microsecond on the whole GPU (read + written).
 WRITE_BYTES_PER_US = 2.6e6
-#: Least saving (us, and fraction of the serial time) for which the forward runs the write beside the prefill.
-MIN_GAIN_US = 8.0
-MIN_GAIN_FRACTION = 0.02
+#: SMs left to the write, as a fraction of the GPU's (at least one).
+WRITE_SM_FRACTION = 0.03
+#: Least share of the write in the write-then-prefill time for which it runs beside the prefill.
+MIN_WRITE_SHARE = 0.10
+#: Least modelled prefill time (us) for which a second stream pays its host cost.
+MIN_PREFILL_US = 50.0
+#: Tokens per program of the write kernel when it runs beside the prefill.
+BESIDE_TOKENS_PER_PROGRAM = 2
 
 
 def cache_write_bytes(num_tokens: int, num_kv_heads: int, head_size: int, element_size: int,
@@ -39,18 +39,11 @@ def cache_write_bytes(num_tokens: int, num_kv_heads: int, head_size: int, elemen
     return 2 * num_tokens * num_kv_heads * head_size * (element_size + cache_element_size)
 
 
-def serial_us(flops: float, write_bytes: float, items: int, num_sms: int) -> float:
-    """Modelled time of the write and then the prefill, one after the other."""
-    return flops / (min(items, num_sms) * PREFILL_FLOPS_PER_SM_US) + write_bytes / WRITE_BYTES_PER_US
-
-
-def overlapped_us(flops: float, write_bytes: float, items: int, num_sms: int, k: int) -> float:
-    """Modelled time of the prefill on ``num_sms - k`` programs beside the write on the other ``k`` SMs."""
-    prefill = flops / (min(items, num_sms - k) * PREFILL_FLOPS_PER_SM_US)
-    beside = prefill * k * WRITE_BYTES_PER_SM_US  # bytes written while the prefill runs
-    if beside >= write_bytes:
-        return prefill
-    return prefill + (write_bytes - beside) / WRITE_BYTES_PER_US
+def write_share(flops: float, write_bytes: float, num_sms: int) -> tuple[float, float]:
+    """(modelled prefill us on ``num_sms`` SMs, the write's share of the write-then-prefill time)."""
+    prefill_us = flops / (num_sms * PREFILL_FLOPS_PER_SM_US)
+    write_us = write_bytes / WRITE_BYTES_PER_US
+    return prefill_us, write_us / (prefill_us + write_us)
 
 
 def cache_write_sms(*, flops: float, write_bytes: float, items: int, num_sms: int) -> int:
@@ -64,11 +57,6 @@ def cache_write_sms(*, flops: float, write_bytes: float, items: int, num_sms: in
     """
     if num_sms < 8 or flops <= 0 or write_bytes <= 0:
         return 0
-    serial = serial_us(flops, write_bytes, items, num_sms)
-    best_k, best = 0, serial
-    for k in range(1, num_sms // 4 + 1):
-        t = overlapped_us(flops, write_bytes, items, num_sms, k)
-        if t < best:
-            best_k, best = k, t
-    gain = serial - best
-    return best_k if gain >= MIN_GAIN_US and gain >= MIN_GAIN_FRACTION * serial else 0
+    k = max(1, round(num_sms * WRITE_SM_FRACTION))
+    prefill_us, share = write_share(flops, write_bytes, min(items, num_sms))
+    return k if prefill_us >= MIN_PREFILL_US and share >= MIN_WRITE_SHARE else 0
