@@ -501,7 +501,9 @@ class TritonAttentionBackend(AttentionBackend):
         if hopper:
             return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {hopper}"]
         return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong consumer "
-                f"warpgroups, persistent) for batches whose prefills have no cached context; for others {triton}"]
+                "warpgroups, persistent) for batches whose prefills have no cached context (where such a batch's "
+                "cache write is a large share of the step, the write runs beside the kernel on a few SMs it leaves "
+                f"free); for others {triton}"]
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:
