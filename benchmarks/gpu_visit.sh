@@ -31,6 +31,8 @@
 #   write-beside  the cache write's tests (alone and beside the Gluon prefill), its sweeps (tokens per program, SMs
 #          left to it), then the Triton API suite
 #   write-sweep  the cache write's tests, then its sweep alone
+#   kernel-write  the Gluon prefill writing the cache itself: a smoke test, its tests and the write kernel's,
+#          then the Triton API suite
 #   final-api  the Triton API suite, then memcheck over the Gluon prefill's and the write kernel's tests
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
@@ -186,6 +188,14 @@ if [ "$what" = write-sweep ]; then
   group write-beside tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
     -o faulthandler_timeout=120
   step write-sweep 300 python3 benchmarks/triton_api.py --write-sweep --out "$OUT/write-sweep.json"
+fi
+if [ "$what" = kernel-write ]; then
+  step kernel-write-smoke 120 python3 -m pytest -m gpu -x -v -p no:cacheprovider -o faulthandler_timeout=100 \
+    tests/triton_backend/test_prefill_hopper.py -k "stores_whole_pages or kernel_writes_the_cache"
+  limit=160
+  group kernel-write tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
+    -o faulthandler_timeout=120
+  step triton-api 240 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
 fi
 if [ "$what" = final-api ]; then
   step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

@@ -48,16 +48,19 @@ def _num_sms(device: torch.device) -> int:
     return 132  # H100 SXM: what an offline compile assumes
 
 
-def launch_args(q, k, v, out, query_start_loc, max_len: int, scale: float, **cfg):
+def launch_args(q, k, v, out, query_start_loc, max_len: int, scale: float, cache_write=None, **cfg):
     """(grid, args, kwargs) of one launch of the library kernel over every sequence of ``query_start_loc`` (also
-    what the offline compile uses); ``cfg``: :class:`HopperPrefillConfig` fields (default: the backend's)."""
+    what the offline compile uses); ``cfg``: :class:`HopperPrefillConfig` fields (default: the backend's);
+    ``cache_write``: (kv_cache, slot_mapping, todo) for the kernel's own cache write."""
     config = HopperPrefillConfig(**cfg)
     _check(q, k, v, out, query_start_loc, config.block_n, config.nbuf)
     T, HQ, D = q.shape
     plan = plan_hopper_prefill(num_heads=HQ, num_kv_heads=k.shape[1], head_size=D,
                                num_seqs=query_start_loc.numel() - 1, first_seq=0, max_query_len=max_len,
-                               num_tokens=T, num_sms=_num_sms(q.device), config=config)
-    return hopper_prefill_args(plan, q, k, v, out, query_start_loc, scale)
+                               num_tokens=T, num_sms=_num_sms(q.device), config=config,
+                               writes_cache=cache_write is not None,
+                               block_size=cache_write[0].shape[2] if cache_write is not None else 16)
+    return hopper_prefill_args(plan, q, k, v, out, query_start_loc, scale, *(cache_write or ()))
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
@@ -148,7 +151,8 @@ def _sass_facts(sass: str) -> dict:
             "global_stores": dict(Counter(re.findall(r"\b(STG\.E(?:\.\w+)?)\b", sass)))}
 
 
-def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_asm: bool = False, **cfg) -> dict:
+def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_asm: bool = False,
+                   cache_write: bool = False, **cfg) -> dict:
     """Compile the kernel for sm_90 without a GPU, as the GPU's JIT would (arguments built on the CPU, with the
     launch's divisibility attributes), for one config (``CONFIGS`` fields).
 
@@ -174,7 +178,11 @@ def compile_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, keep_a
     q = torch.zeros(tokens, heads, 128, dtype=torch.bfloat16)
     k = torch.zeros(tokens, kv_heads, 128, dtype=torch.bfloat16)
     qsl = torch.tensor([0, tokens], dtype=torch.int32)
-    _, args, kwargs = launch_args(q, k, k.clone(), torch.empty_like(q), qsl, tokens, 0.1, **cfg)
+    cache = None
+    if cache_write:  # the backend's own cache write: a cache of 16-token pages, slots, to-do flags
+        cache = (torch.zeros(tokens // 16 + 1, 2, 16, kv_heads, 128, dtype=torch.bfloat16),
+                 torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int8))
+    _, args, kwargs = launch_args(q, k, k.clone(), torch.empty_like(q), qsl, tokens, 0.1, cache_write=cache, **cfg)
     target = sm90_target()
     signature, constexprs, options = _signature(_prefill_hopper_kernel, args, kwargs)
     attrs = _launch_attrs(_prefill_hopper_kernel, args, kwargs)
@@ -539,6 +547,8 @@ def main(argv=None) -> int:
                     help="indices into CONFIGS (default: all)")
     ap.add_argument("--quick", action="store_true", help="the first config only")
     ap.add_argument("--compile-only", action="store_true", help="sm_90 compile report, no GPU needed")
+    ap.add_argument("--cache-write", action="store_true",
+                    help="with --compile-only: the kernel writing the paged cache itself, as the backend runs it")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--probe-timeout-s", type=float, default=60.0,
                     help="per config (compile included; the first also pays the child's start-up)")
@@ -552,7 +562,7 @@ def main(argv=None) -> int:
     if ns.compile_only:
         configs = [CONFIGS[i] for i in ns.configs] if ns.configs else CONFIGS
         for cfg in configs:
-            print(json.dumps(compile_report(**cfg)), flush=True)
+            print(json.dumps(compile_report(cache_write=ns.cache_write, **cfg)), flush=True)
         return 0
     if ns.probe_configs:
         return _probe_main(ns)

@@ -16,7 +16,10 @@ on the same cache tensor (``run()`` timed) and torch SDPA for prefill. Rows use 
   the Gluon Hopper prefill kernel runs: ``prefill_kernel`` names the kernel). Ours is the forward with the
   step's keys and values, cache write included; the peers' rows are the attention alone (FlashInfer on a cache
   that already holds the keys): ``kv_write_us`` is the write as its own launch, ``attention_only_us`` the Gluon
-  kernel's launch alone. ``prefill_triton_kernel``: the same batches on the Triton prefill kernel
+  kernel's launch alone; ``kernel_writes_cache``: the Gluon kernel writes the cache itself (the default for
+  batches of fresh prefills only), and ``prefill_write_beside`` / ``prefill_write_first`` rows time the same batch
+  with the separate write beside the kernel (the builder's rule) and first. ``prefill_triton_kernel``: the same
+  batches on the Triton prefill kernel
   (``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
   one unified launch and the prefill kernel for its prefills, and ``mixed_other_split``: the other choice, forced).
 
@@ -315,15 +318,27 @@ def main(argv=None) -> int:
         kernel = prefill_kernel_name(b.metadata)
         write_us = round(do_bench_us(lambda: b.impl.update_kv_cache(b.new_k, b.new_v, b.kv, b.common.slot_mapping)),
                          2)
-        extra = dict(prefill_kernel=kernel, kv_write_us=write_us, cache_write_sms=b.metadata.cache_write_sms)
+        split = b.metadata.prefill_split
+        extra = dict(prefill_kernel=kernel, kv_write_us=write_us, cache_write_sms=b.metadata.cache_write_sms,
+                     kernel_writes_cache=bool(split and getattr(split[1], "writes_cache", False)))
         if kernel == "gluon_hopper":  # the attention alone on every SM, as the peers' rows are timed
             plan = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                       cache_write_sms=0).build(b.common).prefill_split[1]
+                                       hopper_cache_write=False, cache_write_sms=0).build(b.common).prefill_split[1]
             attn_us = do_bench_us(lambda: launch_hopper_prefill(plan, b.query, b.new_k, b.new_v, b.out,
                                                                 b.common.query_start_loc, SCALE))
             extra.update(attention_only_us=round(attn_us, 2), attention_only_TFLOPs=tf(attn_us))
         row("prefill", B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer), max_abs_diff=d, **extra)
         row("prefill", B, L, us, sd, peer="sdpa", TFLOPs=tf(us), peer_TFLOPs=tf(sd), **extra)
+        if kernel == "gluon_hopper":  # the other ways to write the cache, in the same run
+            for case, opts in (("prefill_write_beside", dict(hopper_cache_write=False)),
+                               ("prefill_write_first", dict(hopper_cache_write=False, cache_write_sms=0))):
+                meta = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
+                                           **opts).build(b.common)
+                other = lambda: b.impl.forward(b.query, b.new_k, b.new_v, b.kv, meta, b.out)  # noqa: E731
+                other()
+                o_us = do_bench_us(other)
+                row(case, B, L, o_us, sd, peer="sdpa", TFLOPs=tf(o_us), peer_TFLOPs=tf(sd),
+                    cache_write_sms=meta.cache_write_sms, max_abs_diff=diff(b.out, fi_out))
         cached = do_bench_us(b.triton())
         row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
         if kernel == "gluon_hopper":  # the same batch on the Triton prefill kernel: what the Gluon kernel gains
@@ -393,7 +408,7 @@ def write_sweep(row, diff) -> int:
         chosen = b.metadata.cache_write_sms
         for k, t in [(0, None)] + list(itertools.product(WRITE_SMS_SWEEP[1:], BESIDE_TOKENS_SWEEP)):
             meta = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                       cache_write_sms=k).build(b.common)
+                                       hopper_cache_write=False, cache_write_sms=k).build(b.common)
             b.metadata = dataclasses.replace(meta, cache_write_tokens_per_program=t)
             fn = b.triton(write=True)
             b.out.fill_(float("nan"))

@@ -34,6 +34,7 @@ from .quant import (
 
 __all__ = [
     "check_reshape_and_cache_args",
+    "finish_cache_write",
     "gather_kv_torch",
     "reshape_and_cache",
     "reshape_and_cache_torch",
@@ -42,23 +43,32 @@ __all__ = [
 Scale = Union[float, torch.Tensor]
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_slots"],
-            do_not_specialize_on_alignment=["slot_mapping_ptr", "k_scale", "v_scale", "fault_ptr", "fault_flag_ptr"])
+@triton.jit(do_not_specialize=["num_tokens", "num_slots", "num_covered"],
+            do_not_specialize_on_alignment=["slot_mapping_ptr", "k_scale", "v_scale", "fault_ptr", "fault_flag_ptr",
+                                            "todo_ptr"])
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
-    num_kv_heads, num_tokens, num_slots, fault_ptr, fault_flag_ptr,
+    num_kv_heads, num_tokens, num_slots, fault_ptr, fault_flag_ptr, todo_ptr, num_covered,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr,
-    FP8_MANT_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr, ONLY_TODO: tl.constexpr,
 ):
     """Grid: (cdiv(num_tokens, TOKENS_PER_PROGRAM), cdiv(num_kv_heads, HEADS_PER_PROGRAM)). Each program moves
     ``[TOKENS_PER_PROGRAM, HEADS_PER_PROGRAM, HEAD_PAD]`` of keys and of values; the slots and the rows are loaded
     together (no load waits for another). A slot outside ``[-1, num_slots)`` is skipped and recorded as a fault
-    (reported by :func:`attnbackends.ops.page_guard.raise_pending_faults`)."""
+    (reported by :func:`attnbackends.ops.page_guard.raise_pending_faults`).
+
+    ``ONLY_TODO``: of the first ``num_covered`` tokens (those another kernel wrote) only the ones flagged in
+    ``todo_ptr`` (int8) are written, and their flags cleared; every token from ``num_covered`` on is written."""
     toks = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
     in_batch = toks < num_tokens
+    if ONLY_TODO:
+        covered = in_batch & (toks < num_covered)
+        flagged = tl.load(todo_ptr + toks, mask=covered, other=0) != 0
+        in_batch = in_batch & (flagged | (toks >= num_covered))
+        tl.store(todo_ptr + toks, tl.zeros_like(toks).to(tl.int8), mask=flagged)
     slots = tl.load(slot_mapping_ptr + toks, mask=in_batch, other=-1)
     heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -212,10 +222,30 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         tokens_per_program = write_tokens_per_program(num_tokens)
     elif tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
         raise ValueError(f"tokens_per_program must be a power of two, got {tokens_per_program}")
+    _launch_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, tokens_per_program, None, 0)
+
+
+def finish_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       todo: torch.Tensor, num_covered: int) -> None:
+    """The rest of a write that another kernel did for the first ``num_covered`` tokens (CUDA, 16-bit cache; no
+    checks): those of them flagged in ``todo`` (its flags cleared again), and every token from ``num_covered`` on.
+    Shapes as in :func:`reshape_and_cache`; ``todo`` [>= num_covered] int8."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens:
+        _launch_write(key, value, kv_cache, slot_mapping, 1.0, 1.0, TODO_TOKENS_PER_PROGRAM, todo, num_covered)
+
+
+#: Tokens per program of :func:`finish_cache_write` (most of them are skipped after one flag load).
+TODO_TOKENS_PER_PROGRAM = 16
+
+
+def _launch_write(key, value, kv_cache, slot_mapping, k_scale, v_scale, tokens_per_program: int,
+                  todo: Optional[torch.Tensor], num_covered: int) -> None:
+    num_tokens = slot_mapping.shape[0]
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     scales_are_ptrs = isinstance(k_scale, torch.Tensor)
     constexprs, heads_per_program, num_warps = _write_config(head_size, num_kv_heads, block_size, kv_cache.dtype,
-                                                             scales_are_ptrs, tokens_per_program)
+                                                             scales_are_ptrs, tokens_per_program, todo is not None)
     grid = (cdiv(num_tokens, tokens_per_program), cdiv(num_kv_heads, heads_per_program), 1)
     faults = fault_record(kv_cache.device)
     strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1), *kv_cache.stride()[:4])
@@ -223,6 +253,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         key, value, kv_cache, slot_mapping,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         *strides, num_kv_heads, num_tokens, kv_cache.shape[0] * block_size, faults.record, faults.host_flag,
+        todo if todo is not None else slot_mapping, int(num_covered),
     )
     launch_key = (constexprs, key.dtype, kv_cache.dtype, strides, num_kv_heads, key.data_ptr() % 16,
                   value.data_ptr() % 16, kv_cache.data_ptr() % 16)
@@ -233,7 +264,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 @lru_cache(maxsize=None)
 def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtype: torch.dtype,
-                  scales_are_ptrs: bool, tokens_per_program: int) -> tuple[tuple, int, int]:
+                  scales_are_ptrs: bool, tokens_per_program: int, only_todo: bool) -> tuple[tuple, int, int]:
     """(constexprs, heads per program, num_warps) of the write kernel for one cache layout."""
     head_pad = next_power_of_2(head_size)
     heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
@@ -241,7 +272,7 @@ def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtyp
     constexprs = (
         head_size, head_pad, heads_per_program, block_size, tokens_per_program, fp8,
         float(torch.finfo(cache_dtype).max) if fp8 else 0.0, scales_are_ptrs, *fp8_grid(cache_dtype),
-        is_triton_interpreted(),
+        is_triton_interpreted(), only_todo,
     )
     elements = tokens_per_program * heads_per_program * head_pad
     return constexprs, heads_per_program, 8 if elements >= 8192 else 4 if elements >= 1024 else 2
@@ -249,4 +280,4 @@ def _write_config(head_size: int, num_kv_heads: int, block_size: int, cache_dtyp
 
 _write_launcher = DirectLauncher(_reshape_and_cache_kernel, (
     "HEAD_SIZE", "HEAD_PAD", "HEADS_PER_PROGRAM", "BLOCK_SIZE", "TOKENS_PER_PROGRAM", "FP8", "FP8_MAX",
-    "SCALES_ARE_PTRS", "FP8_MANT_BITS", "FP8_MIN_EXP", "INTERPRET"))
+    "SCALES_ARE_PTRS", "FP8_MANT_BITS", "FP8_MIN_EXP", "INTERPRET", "ONLY_TODO"))

@@ -9,6 +9,7 @@ and replayed with new sequence lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -17,7 +18,7 @@ import torch
 
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
-from ..ops.kv_cache_write import check_reshape_and_cache_args, reshape_and_cache
+from ..ops.kv_cache_write import check_reshape_and_cache_args, finish_cache_write, reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec, AttentionType
@@ -37,7 +38,9 @@ from .launch import (
     unified_attention,
 )
 from .prefill_hopper import (
+    HopperPrefillConfig,
     HopperPrefillPlan,
+    cache_write_reason,
     fresh_prefills,
     hopper_prefill_items,
     hopper_prefill_reason,
@@ -77,6 +80,9 @@ class TritonMetadata:
     cache_write_sms: int = 0
     #: Tokens per program of the write kernel when it runs beside the prefill (None: its default for the batch).
     cache_write_tokens_per_program: Optional[int] = None
+    #: [max_num_tokens] int8: the tokens the Gluon prefill's own cache write left to the write kernel (the
+    #: builder's buffer; set where the planned prefill ``writes_cache``).
+    write_todo: Optional[torch.Tensor] = None
 
     @property
     def num_decodes(self) -> int:
@@ -160,10 +166,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         Gluon warp-specialised Hopper kernel (:mod:`attnbackends.triton.prefill_hopper`) in place of the Triton
         prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
         ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
-    cache_write_sms : for a batch of fresh prefills only (no decodes) on the Gluon kernel: the SMs its persistent
-        grid leaves to the step's cache write, which then runs beside it (:mod:`attnbackends.triton.write_beside`).
-        None (default): the cost model's choice per batch (:func:`.write_beside.cache_write_sms`); 0: the write
-        runs first, alone; k > 0: k SMs for every such batch.
+    hopper_cache_write : for a batch of fresh prefills only (no decodes) on the Gluon kernel, the kernel writes
+        the step's keys and values into the cache itself, from the tiles it loads: whole pages by TMA stores from
+        its loader warp, the tokens whose slots do not form whole pages in order by the write kernel after it
+        (:func:`attnbackends.ops.kv_cache_write.finish_cache_write`). Where the kernel cannot
+        (:func:`.prefill_hopper.cache_write_reason`) or False: the separate write (first, or beside the kernel).
+    cache_write_sms : for a batch of fresh prefills only on the Gluon kernel that does not write the cache
+        itself: the SMs its persistent grid leaves to the step's cache write, which then runs beside it
+        (:mod:`attnbackends.triton.write_beside`). None (default): the rule's choice per batch
+        (:func:`.write_beside.cache_write_sms`); 0: the write runs first, alone; k > 0: k SMs for every such batch.
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
@@ -176,7 +187,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
                  prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
-                 cache_write_sms: Optional[int] = None, **kwargs) -> None:
+                 hopper_cache_write: bool = True, cache_write_sms: Optional[int] = None, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
@@ -197,6 +208,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             raise ValueError(f"cache_write_sms must be None or in [0, {self.num_sms}) (the device's SMs), got "
                              f"{cache_write_sms}")
         self.cache_write_sms = None if cache_write_sms is None else int(cache_write_sms)
+        #: Why the Gluon kernel never writes the cache itself ("": it does, for batches of fresh prefills only).
+        self.hopper_cache_write_reason: str = "turned off (hopper_cache_write=False)" if not hopper_cache_write \
+            else cache_write_reason(HopperPrefillConfig(), spec.block_size)
+        self._write_todo: Optional[torch.Tensor] = None  # [max_num_tokens] int8 to-do flags of the kernel's write
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
@@ -245,9 +260,19 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             decode_plan, prefill_plan, write_sms = self._plan_prefill_split(common, num_decodes,
                                                                              split.num_decode_tokens, causal)
             prefill_split = (decode_plan, prefill_plan)
+        todo = None
+        if prefill_split is not None and getattr(prefill_split[1], "writes_cache", False):
+            todo = self._todo_flags()
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
                               prefill_split, self.overlap_decodes and prefill_split is not None, write_sms,
-                              BESIDE_TOKENS_PER_PROGRAM if write_sms else None)
+                              BESIDE_TOKENS_PER_PROGRAM if write_sms else None, todo)
+
+    def _todo_flags(self) -> torch.Tensor:
+        """The to-do flags of the Gluon kernel's own cache write ([max_num_tokens] int8, zero between forwards:
+        the write kernel clears what the prefill set), made once."""
+        if self._write_todo is None:
+            self._write_todo = torch.zeros(self.max_num_tokens, dtype=torch.int8, device=self.device)
+        return self._write_todo
 
     def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
                             causal: bool) -> tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan", int]:
@@ -265,10 +290,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             hopper = dict(num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
                           head_size=self.spec.head_size, num_seqs=common.num_reqs, first_seq=num_decodes,
                           max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens)
-            write_sms = 0
-            if decode_plan is None:
-                write_sms = self._cache_write_sms(common)
-            return decode_plan, plan_hopper_prefill(**hopper, num_sms=self.num_sms - write_sms), write_sms
+            writes_cache = decode_plan is None and not self.hopper_cache_write_reason
+            write_sms = self._cache_write_sms(common) if decode_plan is None and not writes_cache else 0
+            plan = plan_hopper_prefill(**hopper, num_sms=self.num_sms - write_sms, writes_cache=writes_cache,
+                                       block_size=self.spec.block_size)
+            return decode_plan, plan, write_sms
         prefill_plan = plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
@@ -375,6 +401,11 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         split = metadata.prefill_split
         if split is not None and (key is None or not tma_compatible(query, key, value, output)):
             split = None
+        if split is not None and isinstance(split[1], HopperPrefillPlan) and split[1].writes_cache:
+            if self._prefill_writes_cache(split[1], query, key, value, output, kv_cache, common,
+                                          metadata.write_todo):
+                return output
+            split = (split[0], dataclasses.replace(split[1], writes_cache=False))
         if split is not None and metadata.cache_write_sms:
             self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common,
                                              metadata.cache_write_tokens_per_program)
@@ -406,6 +437,20 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                          self.k_scale, self.v_scale, cache_key=cache_key, tree_mask=metadata.tree_mask,
                          tree_indptr=common.spec_tree_mask_indptr)
         return output
+
+    def _prefill_writes_cache(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
+                              common: CommonAttentionMetadata, todo: torch.Tensor) -> bool:
+        """The Gluon prefill writing the planned tokens into the cache itself, then the write kernel for the tokens
+        it left (and any past the planned ones); False (nothing launched) where this cache or slot mapping does not
+        allow it: a cache that is not contiguous, more slots than int32 holds, fewer slots than planned tokens."""
+        slots = common.slot_mapping
+        if (not kv_cache.is_contiguous() or kv_cache.shape[0] * kv_cache.shape[2] >= 2 ** 31
+                or slots.shape[0] < plan.num_tokens):
+            return False
+        launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale, kv_cache, slots,
+                              todo)
+        finish_cache_write(key, value, kv_cache, slots, todo, plan.num_tokens)
+        return True
 
     def _prefill_beside_cache_write(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
                                     common: CommonAttentionMetadata, tokens_per_program: Optional[int]) -> None:

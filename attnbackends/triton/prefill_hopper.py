@@ -76,9 +76,9 @@ from ..mla.decode_hopper import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
 
-__all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "fresh_prefills",
-           "hopper_prefill_args", "hopper_prefill_items", "hopper_prefill_reason", "launch_hopper_prefill",
-           "plan_hopper_prefill"]
+__all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "cache_write_reason",
+           "fresh_prefills", "hopper_prefill_args", "hopper_prefill_items", "hopper_prefill_reason",
+           "launch_hopper_prefill", "plan_hopper_prefill"]
 
 HOPPER_PREFILL_HEAD_SIZE = 128  # P.V is one m64n128 wgmma per warpgroup; Q and O tiles [128, 128]
 BLOCK_M = 128  # query rows per work item: two consumer warpgroups of one wgmma M tile (64 rows) each
@@ -139,6 +139,10 @@ class HopperPrefillPlan:
     num_kv_heads: int
     head_size: int
     config: HopperPrefillConfig
+    #: The kernel also writes the planned tokens' keys and values into the paged cache (pages of ``block_size``
+    #: tokens), leaving flagged tokens to :func:`attnbackends.ops.kv_cache_write.finish_cache_write`.
+    writes_cache: bool = False
+    block_size: int = 16
 
 
 def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
@@ -184,11 +188,23 @@ def hopper_prefill_items(num_heads: int, num_seqs: int, max_query_len: int) -> i
     return num_heads * num_seqs * cdiv(max(int(max_query_len), 1), BLOCK_M)
 
 
+def cache_write_reason(config: HopperPrefillConfig, block_size: int) -> str:
+    """Why the kernel cannot write the cache itself with ``config`` and pages of ``block_size`` tokens ("" if it
+    can): it stores whole pages of its diagonal key tiles, so a page must divide a tile of BLOCK_M keys."""
+    if config.block_n != BLOCK_M:
+        return f"key tiles of {config.block_n} rows (needs {BLOCK_M}: one diagonal tile per query block)"
+    if block_size < 8 or BLOCK_M % block_size:
+        return f"block_size {block_size} (needs a divisor of {BLOCK_M} of at least 8)"
+    return ""
+
+
 def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, num_seqs: int, first_seq: int,
                         max_query_len: int, num_tokens: int, num_sms: int,
-                        config: Optional[HopperPrefillConfig] = None) -> HopperPrefillPlan:
+                        config: Optional[HopperPrefillConfig] = None, writes_cache: bool = False,
+                        block_size: int = 16) -> HopperPrefillPlan:
     """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` (the longest has ``max_query_len`` tokens) of a
-    batch of ``num_tokens`` tokens, on a GPU of ``num_sms`` SMs."""
+    batch of ``num_tokens`` tokens, on a GPU of ``num_sms`` SMs; ``writes_cache``: the kernel writes the planned
+    tokens into a cache of ``block_size``-token pages (:func:`cache_write_reason` must be empty)."""
     config = config or HopperPrefillConfig()
     if head_size != HOPPER_PREFILL_HEAD_SIZE or num_heads % num_kv_heads:
         raise ValueError(f"head_size must be {HOPPER_PREFILL_HEAD_SIZE} and num_heads a multiple of num_kv_heads, "
@@ -197,8 +213,10 @@ def plan_hopper_prefill(*, num_heads: int, num_kv_heads: int, head_size: int, nu
     num_q_blocks = cdiv(max(int(max_query_len), 1), BLOCK_M)
     items = hopper_prefill_items(num_heads, seqs, max_query_len)
     grid = (min(items, num_sms) if config.persistent else items,)
+    if writes_cache and cache_write_reason(config, block_size):
+        raise ValueError(f"the kernel cannot write this cache: {cache_write_reason(config, block_size)}")
     return HopperPrefillPlan(grid, first_seq, seqs, num_q_blocks, int(num_tokens), num_heads, num_kv_heads,
-                             head_size, config)
+                             head_size, config, bool(writes_cache), int(block_size))
 
 
 @lru_cache(maxsize=None)
@@ -216,23 +234,37 @@ def _rows_descriptor(t: torch.Tensor, num_tokens: int, rows: int):
 
 
 def hopper_prefill_args(plan: HopperPrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float):
+                        output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
+                        kv_cache: Optional[torch.Tensor] = None, slot_mapping: Optional[torch.Tensor] = None,
+                        todo: Optional[torch.Tensor] = None):
     """(grid, args, kwargs) of ``plan``'s launch of the kernel (also what an offline compile uses); tensors as in
     :func:`launch_hopper_prefill`."""
     cfg, n = plan.config, plan.num_tokens
     qsl = query_start_loc[plan.first_seq:] if plan.first_seq else query_start_loc
-    args = (_rows_descriptor(query, n, BLOCK_M), _rows_descriptor(key, n, cfg.block_n),
-            _rows_descriptor(value, n, cfg.block_n), _rows_descriptor(output, n, ROWS_PER_WG), output, qsl,
-            output.stride(0), plan.num_seqs, plan.num_q_blocks, softmax_scale * _LOG2E)
+    k_desc = _rows_descriptor(key, n, cfg.block_n)
+    if plan.writes_cache:
+        num_blocks, _, page, hkv, head = kv_cache.shape
+        c_desc = GluonTensorDescriptor(kv_cache, [num_blocks * 2 * page, hkv * head], [hkv * head, 1], [page, head],
+                                       _smem_layout(kv_cache.dtype, cfg.block_n, head))
+        cache_args = (c_desc, slot_mapping, todo, num_blocks * page)
+    else:
+        cache_args = (k_desc, query_start_loc, query_start_loc, 0)  # not read: the kernel's cache write is off
+    args = (_rows_descriptor(query, n, BLOCK_M), k_desc, _rows_descriptor(value, n, cfg.block_n),
+            _rows_descriptor(output, n, ROWS_PER_WG), output, qsl, output.stride(0), plan.num_seqs,
+            plan.num_q_blocks, softmax_scale * _LOG2E, *cache_args)
     kwargs = dict(HQ=plan.num_heads, HKV=plan.num_kv_heads, HEAD=plan.head_size, BLOCK_M=BLOCK_M,
                   BLOCK_N=cfg.block_n, NBUF=cfg.nbuf, PINGPONG=cfg.pingpong, EPI_TMA=cfg.epi_tma,
-                  REGS_CONSUMER=cfg.regs[0], REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
+                  CACHE_WRITE=plan.writes_cache, PAGE=plan.block_size, REGS_CONSUMER=cfg.regs[0],
+                  REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
     return plan.grid, args, kwargs
 
 
 def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Run ``plan`` (no checks): causal attention of each planned sequence's queries over its own new keys.
+                          output: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
+                          kv_cache: Optional[torch.Tensor] = None, slot_mapping: Optional[torch.Tensor] = None,
+                          todo: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run ``plan`` (no checks): causal attention of each planned sequence's queries over its own new keys, and
+    for a plan that ``writes_cache``, their keys and values into the cache.
 
     Parameters
     ----------
@@ -242,10 +274,16 @@ def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: tor
         projection qualify.
     query_start_loc : [num_reqs + 1] int32 on the device: the whole batch's offsets.
     softmax_scale : the scale of q.k.
+    kv_cache : (``writes_cache``) [num_blocks, 2, block_size, num_kv_heads, 128] in the query dtype, contiguous.
+    slot_mapping : (``writes_cache``) [>= num_tokens] int64 contiguous: each token's slot (any values: a page is
+        stored by TMA only where its tokens' slots are that whole page in order).
+    todo : (``writes_cache``) [>= num_tokens] int8, zero on entry: the kernel sets the tokens it did not write;
+        :func:`attnbackends.ops.kv_cache_write.finish_cache_write` writes them and clears the flags.
     """
     if plan.grid[0] <= 0:
         return output
-    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale)
+    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale,
+                                             kv_cache, slot_mapping, todo)
     device = query.device
     if device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
@@ -307,12 +345,48 @@ if gluon_available():
         tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(s))
 
     @gluon.jit
-    def _loader_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, QSL, num_seqs, num_q_blocks, num_items,
+    def _page_runs(SLOTS, TODO, t0, n_rows, num_slots, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+        """The PAGE-token chunks of a key tile (rows t0 .. t0 + n_rows - 1 of the batch): [BLOCK_N // PAGE] (whether
+        the chunk's slots are one whole page in order, that page). The tokens of the other chunks are flagged in
+        ``TODO`` for the write kernel to finish (slots -1, outside the cache, out of order, or a partial page)."""
+        NCH: gl.constexpr = BLOCK_N // PAGE
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (PAGE // 4), PAGE // 4], [1, 1], [1, 0])
+        c = gl.arange(0, NCH, layout=gl.SliceLayout(1, layout))
+        k = gl.arange(0, PAGE, layout=gl.SliceLayout(0, layout))
+        row = gl.expand_dims(c, 1) * PAGE + gl.expand_dims(k, 0)
+        valid = row < n_rows
+        slot = gl.load(SLOTS + t0 + row, mask=valid, other=-1)
+        inside = valid & (slot >= 0) & (slot < num_slots)  # num_slots < 2**31: an inside slot fits in int32
+        base = gl.where(inside, slot, -1).to(gl.int32) - gl.expand_dims(k, 0)  # one value along a chunk in order
+        lo = gl.min(base, axis=1)
+        regular = (lo == gl.max(base, axis=1)) & (gl.min(inside.to(gl.int32), axis=1) == 1) & (lo % PAGE == 0)
+        todo = valid & gl.expand_dims(~regular, 1)
+        gl.store(TODO + t0 + row, gl.full([NCH, PAGE], 1, gl.int8, layout=layout), mask=todo)
+        return regular, lo // PAGE, c
+
+    @gluon.jit
+    def _store_pages(c_desc, tile, regular, page, chunk, kv: gl.constexpr, col, BLOCK_N: gl.constexpr,
+                     PAGE: gl.constexpr):
+        """TMA-store each regular chunk of a key (kv = 0) or value (kv = 1) tile in shared memory to its page: cache
+        rows (2 * page + kv) * PAGE .. + PAGE - 1 of the [num_blocks * 2 * PAGE, HKV * HEAD] view, columns col .."""
+        for ch in gl.static_range(BLOCK_N // PAGE):
+            if gl.max(gl.where((chunk == ch) & regular, 1, 0), axis=0) > 0:
+                pg = gl.max(gl.where(chunk == ch, page, 0), axis=0)
+                tma.async_copy_shared_to_global(c_desc, [(2 * pg + kv) * PAGE, col], tile.slice(ch * PAGE, PAGE))
+
+    @gluon.jit
+    def _loader_partition(q_desc, k_desc, v_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                          v_ready, k_empty, v_empty, QSL, SLOTS, TODO, num_slots, num_seqs, num_q_blocks, num_items,
                           HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+                          BLOCK_N: gl.constexpr, NBUF: gl.constexpr, CACHE_WRITE: gl.constexpr, PAGE: gl.constexpr):
         """1 warp. Per work item: Q (once both consumers' last Q.K^T of the previous item is complete), K_0, then
-        per tile j K_{j+1} (one tile ahead: S_{j+1} is issued before P_j.V_j) and V_j."""
+        per tile j K_{j+1} (one tile ahead: S_{j+1} is issued before P_j.V_j) and V_j.
+
+        ``CACHE_WRITE``: the items of each KV head's first query head also write their last (diagonal) key and value
+        tiles into the paged cache, so every tile of a sequence is written once: each chunk of PAGE tokens whose
+        slots are one whole page in order goes by one TMA store from the stage it was loaded into; the others are
+        flagged in ``TODO`` (:func:`_page_runs`). A stage whose tile is being stored is refilled only after
+        ``store_wait``."""
         it = 0
         i = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
@@ -324,13 +398,31 @@ if gluon_available():
                 mbarrier.expect(q_ready, q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
                 _load_tile(k_desc, k_bufs, k_ready, k_empty, start, col_kv, it, NBUF)
+                if CACHE_WRITE:
+                    tma.store_wait(0)  # the previous item's stores have read their stages: they may be refilled
                 for j in range(n_tiles):
                     if j + 1 < n_tiles:
                         _load_tile(k_desc, k_bufs, k_ready, k_empty, start + (j + 1) * BLOCK_N, col_kv, it + j + 1,
                                    NBUF)
                     _load_tile(v_desc, v_bufs, v_ready, v_empty, start + j * BLOCK_N, col_kv, it + j, NBUF)
+                if CACHE_WRITE:
+                    if h % (HQ // HKV) == 0:
+                        last = it + n_tiles - 1
+                        t0 = start + (n_tiles - 1) * BLOCK_N
+                        regular, page, chunk = _page_runs(SLOTS, TODO, t0, q_len - (n_tiles - 1) * BLOCK_N,
+                                                          num_slots, BLOCK_N, PAGE)
+                        mbarrier.wait(k_ready.index(last % NBUF), (last // NBUF) & 1)
+                        fence_async_shared()
+                        _store_pages(c_desc, k_bufs.index(last % NBUF), regular, page, chunk, 0, col_kv, BLOCK_N,
+                                     PAGE)
+                        mbarrier.wait(v_ready.index(last % NBUF), (last // NBUF) & 1)
+                        fence_async_shared()
+                        _store_pages(c_desc, v_bufs.index(last % NBUF), regular, page, chunk, 1, col_kv, BLOCK_N,
+                                     PAGE)
                 it += n_tiles
                 i += 1
+        if CACHE_WRITE:
+            tma.store_wait(0)  # the shared memory the last stores read stays allocated until they are done
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -444,15 +536,18 @@ if gluon_available():
                             + gl.expand_dims(cols, 0))
                     gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
 
-    @gluon.jit(do_not_specialize=["num_seqs", "num_q_blocks"], do_not_specialize_on_alignment=["QSL"])
+    @gluon.jit(do_not_specialize=["num_seqs", "num_q_blocks", "num_slots"],
+               do_not_specialize_on_alignment=["QSL", "SLOTS", "TODO"])
     def _prefill_hopper_kernel(
         q_desc, k_desc, v_desc, o_desc,  # TMA over Q [T, HQ * HEAD] (box BLOCK_M x HEAD), K / V [T, HKV * HEAD]
                                          # (BLOCK_N x HEAD), O [T, HQ * HEAD] (64 x HEAD)
         O, QSL,  # [T, HQ, HEAD] (heads contiguous); [num_seqs + 1] int32, the planned sequences' offsets
         stride_o_t, num_seqs, num_q_blocks, qk_scale,  # qk_scale: softmax scale * log2(e)
+        c_desc, SLOTS, TODO, num_slots,  # CACHE_WRITE: TMA over the cache [num_blocks * 2 * PAGE, HKV * HEAD] (box
+                                         # PAGE x HEAD), the planned tokens' slots (int64), their to-do flags (int8)
         HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NBUF: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, REGS_CONSUMER: gl.constexpr,
-        REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
+        NBUF: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, CACHE_WRITE: gl.constexpr,
+        PAGE: gl.constexpr, REGS_CONSUMER: gl.constexpr, REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Grid (programs,): each program runs its share of the HQ * num_seqs * num_q_blocks work items in rounds
         (:func:`_work_item`; one item each when programs = items, persistent when programs = SMs). Warps: 4
@@ -462,6 +557,8 @@ if gluon_available():
         gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows each")
         gl.static_assert(BLOCK_M % BLOCK_N == 0, "a query tile ends on a key tile boundary")
         gl.static_assert(NBUF >= 2, "the next tile flies while this one is read")
+        gl.static_assert(not CACHE_WRITE or (BLOCK_N == BLOCK_M and BLOCK_N % PAGE == 0 and PAGE >= 8),
+                         "the cache write stores whole pages of each query block's diagonal key tile")
         dtype: gl.constexpr = q_desc.dtype
         num_items = HQ * num_seqs * num_q_blocks
 
@@ -498,7 +595,7 @@ if gluon_available():
             (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                                    v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
                                    qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-            (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, QSL, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M,
-                                 BLOCK_N, NBUF)),
+            (_loader_partition, (q_desc, k_desc, v_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                 v_ready, k_empty, v_empty, QSL, SLOTS, TODO, num_slots, num_seqs, num_q_blocks,
+                                 num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE, PAGE)),
         ], [4, 1], [REGS_CONSUMER, REGS_LOAD])

@@ -123,3 +123,21 @@ def test_tokens_per_program_must_be_a_power_of_two():
     key, value, cache, slots = _inputs(torch.bfloat16)
     with pytest.raises(ValueError, match="tokens_per_program"):
         reshape_and_cache(key, value, cache, slots, tokens_per_program=3)
+
+
+def test_finish_cache_write_writes_flagged_and_uncovered_tokens_only():
+    """After a kernel that wrote the first ``num_covered`` tokens itself: only its flagged tokens and every token
+    from ``num_covered`` on are written (the others keep what the cache held), and the flags are cleared."""
+    from attnbackends.ops.kv_cache_write import finish_cache_write
+
+    key, value, cache, slots = _inputs(torch.bfloat16, num_tokens=9, seed=3)
+    todo = torch.zeros(12, dtype=torch.int8, device=DEVICE)
+    todo[[0, 4]] = 1
+    num_covered = 6
+    written = torch.full_like(slots, -1)
+    written[[0, 4]] = slots[[0, 4]]
+    written[num_covered:] = slots[num_covered:]
+    expected = _expected(key.cpu(), value.cpu(), cache.cpu(), written.cpu(), 1.0, 1.0)
+    finish_cache_write(key, value, cache, slots, todo, num_covered)
+    assert torch.equal(cache.cpu(), expected)
+    assert not todo.any()

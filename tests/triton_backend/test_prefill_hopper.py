@@ -177,21 +177,50 @@ def test_builder_keeps_the_other_paths(fake_h100):
 
 
 @needs_gluon
+def test_builder_lets_the_kernel_write_the_cache(fake_h100):
+    """A batch of fresh prefills only: the Gluon kernel writes the cache itself (to-do flags from the builder,
+    every SM for the kernel); with decodes before the prefills, 64-key tiles' configs, pages that do not divide a
+    128-key tile, or hopper_cache_write=False it does not."""
+    fresh = _common([(300, 0), (2, 0), (129, 0)])
+    builder = _builder()
+    assert builder.hopper_cache_write_reason == ""
+    meta = builder.build(fresh)
+    plan = meta.prefill_split[1]
+    assert plan.writes_cache and plan.block_size == 16 and meta.cache_write_sms == 0
+    assert meta.write_todo is not None and meta.write_todo.shape == (builder.max_num_tokens,)
+    assert meta.write_todo.dtype == torch.int8 and builder.build(fresh).write_todo is meta.write_todo
+    with_decodes = builder.build(_common([(1, 40), (300, 0)]))
+    assert not with_decodes.prefill_split[1].writes_cache and with_decodes.write_todo is None
+    off = _builder(hopper_cache_write=False)
+    assert "hopper_cache_write=False" in off.hopper_cache_write_reason
+    assert not off.build(fresh).prefill_split[1].writes_cache
+    odd_pages = _builder(SPEC.model_copy(update=dict(block_size=48)))
+    assert "block_size 48" in odd_pages.hopper_cache_write_reason
+    assert not odd_pages.build(fresh).prefill_split[1].writes_cache
+    assert prefill_hopper.cache_write_reason(HopperPrefillConfig(block_n=64), 16).startswith("key tiles of 64")
+    with pytest.raises(ValueError, match="cannot write this cache"):
+        plan_hopper_prefill(num_heads=32, num_kv_heads=8, head_size=128, num_seqs=1, first_seq=0, max_query_len=9,
+                            num_tokens=9, num_sms=132, config=HopperPrefillConfig(block_n=64), writes_cache=True)
+
+
+@needs_gluon
 def test_builder_leaves_sms_to_the_cache_write(fake_h100):
-    """A batch of fresh prefills only, large enough for the cost model, runs its Gluon prefill on fewer programs
-    than SMs and the cache write beside it; with decodes, small batches, or cache_write_sms=0 the grid keeps every
-    SM and the write runs first."""
+    """Where the kernel does not write the cache: a batch of fresh prefills only, large enough for the rule, runs
+    its Gluon prefill on fewer programs than SMs and the cache write beside it; with decodes, small batches, or
+    cache_write_sms=0 the grid keeps every SM and the write runs first."""
     long_batch = _common([(1024, 0)] * 16)
-    meta = _builder().build(long_batch)
+    meta = _builder(hopper_cache_write=False).build(long_batch)
     k = meta.cache_write_sms
     assert 0 < k <= 132 // 4 and meta.prefill_split[0] is None and meta.prefill_split[1].grid == (132 - k,)
-    for builder, common in ((_builder(cache_write_sms=0), long_batch), (_builder(), _common([(64, 0), (3, 0)])),
+    assert _builder().build(long_batch).cache_write_sms == 0  # the kernel writes the cache itself
+    for builder, common in ((_builder(cache_write_sms=0, hopper_cache_write=False), long_batch),
+                            (_builder(hopper_cache_write=False), _common([(64, 0), (3, 0)])),
                             (_builder(), _common([(1, 40)] + [(1024, 0)] * 16))):
         meta = builder.build(common)
         assert meta.cache_write_sms == 0 and isinstance(meta.prefill_split[1], HopperPrefillPlan)
         assert meta.prefill_split[1].grid[0] == min(132, 32 * meta.prefill_split[1].num_seqs
                                                      * meta.prefill_split[1].num_q_blocks)
-    forced = _builder(cache_write_sms=7).build(long_batch)
+    forced = _builder(cache_write_sms=7, hopper_cache_write=False).build(long_batch)
     assert forced.cache_write_sms == 7 and forced.prefill_split[1].grid == (125,)
     assert _builder(hopper_prefill=False).build(long_batch).cache_write_sms == 0  # the Triton prefill kernel
     with pytest.raises(ValueError, match="cache_write_sms"):
@@ -242,6 +271,25 @@ def test_backend_config_compiles_for_sm90():
     assert rep["config"] == {**dataclasses.asdict(HopperPrefillConfig()), "regs": [240, 24]}, rep
     assert not compile_problems(rep), (compile_problems(rep), rep)
     assert rep["maxnreg"] == 168 and rep["regs"] <= 168, rep  # 384 threads: one program per SM
+
+
+@needs_gluon
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
+def test_backend_config_with_its_cache_write_compiles_for_sm90():
+    """The same offline compile of the variant the backend runs for batches of fresh prefills only (the kernel
+    writing the cache itself): within every limit above except that the loader warp, at its few registers,
+    keeps a few scalars on the stack."""
+    from benchmarks.prefill_explore_gluon_ws import compile_problems
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_explore_gluon_ws", "--compile-only", "--configs",
+                          "0", "--cache-write"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (rep,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert all(p.startswith("spills") for p in compile_problems(rep)), (compile_problems(rep), rep)
+    assert rep["stack"] <= 32 and rep["regs_by_limit"]["24"] <= 24, rep
+    assert rep["maxnreg"] == 168 and rep["regs"] <= 168, rep
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -370,16 +418,25 @@ def _shuffled_slots_with_gaps(batch) -> torch.Tensor:
     return slots
 
 
+#: How the forward writes the cache for a batch of fresh prefills: the kernel itself (the default), the write kernel
+#: first, or the write kernel beside the prefill on 8 SMs it leaves.
+WRITE_MODES = {"kernel": {}, "write_first": dict(hopper_cache_write=False, cache_write_sms=0),
+               "write_beside": dict(hopper_cache_write=False, cache_write_sms=8)}
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("write_sms", [0, 8], ids=["write_first", "write_beside"])
-def test_cache_write_follows_any_slot_mapping_gpu(write_sms):
-    """A batch on the Gluon kernel: the forward's cache write (first, or beside the prefill on the SMs it leaves)
-    puts each token where its slot says, not where its page would be, and skips -1 (the run checks every slot of
-    the cache bitwise)."""
+@pytest.mark.parametrize("mode", list(WRITE_MODES))
+def test_cache_write_follows_any_slot_mapping_gpu(mode):
+    """A batch on the Gluon kernel: the forward's cache write puts each token where its slot says, not where its
+    page would be, and skips -1 (the run checks every slot of the cache bitwise)."""
     meta, _ = run_forward(SPEC, [S(300, 0), S(129, 0), S(1000, 0), S(5, 0)], seed=17,
-                          slots=_shuffled_slots_with_gaps, cache_write_sms=write_sms)
-    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and meta.cache_write_sms == write_sms
+                          slots=_shuffled_slots_with_gaps, **WRITE_MODES[mode])
+    plan = meta.prefill_split[1]
+    assert isinstance(plan, HopperPrefillPlan) and plan.writes_cache == (mode == "kernel")
+    assert meta.cache_write_sms == (8 if mode == "write_beside" else 0)
+    if mode == "kernel":
+        assert not meta.write_todo.any(), "the write kernel leaves every to-do flag cleared"
 
 
 @pytest.mark.gpu
@@ -389,15 +446,97 @@ def test_prefill_beside_the_cache_write_gpu(heads):
     """The prefill on all but 16 SMs of a high-priority stream, the write beside it: the output against the oracle,
     the whole cache bitwise, padding rows untouched."""
     spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype="bfloat16", block_size=16)
-    meta, _ = run_forward(spec, [S(n, 0) for n in LENGTHS["mixed"]], seed=19, cache_write_sms=16)
+    meta, _ = run_forward(spec, [S(n, 0) for n in LENGTHS["mixed"]], seed=19, hopper_cache_write=False,
+                          cache_write_sms=16)
     assert meta.cache_write_sms == 16 and meta.prefill_split[1].grid[0] == torch.cuda.get_device_properties(
         0).multi_processor_count - 16
 
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("write_sms", [0, 8], ids=["write_first", "write_beside"])
-def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu(write_sms):
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (40, 8)], ids=["gqa4", "mha", "gqa5"])
+def test_kernel_writes_the_cache_gpu(block_size, heads):
+    """The kernel's own cache write on pages of each size that divides a 128-key tile (whole pages by TMA, the
+    partial last page of each sequence by the write kernel): the output against the oracle, the whole cache
+    bitwise."""
+    spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype="bfloat16",
+                         block_size=block_size)
+    meta, _ = run_forward(spec, [S(n, 0) for n in LENGTHS["mixed"]], seed=20 + block_size)
+    assert meta.prefill_split[1].writes_cache and meta.prefill_split[1].block_size == block_size
+
+
+def _irregular_chunks(batch) -> torch.Tensor:
+    """The batch's slots with five 16-token chunks of the first sequence made irregular: one slot -1, two slots
+    swapped, a run of 16 slots that straddles two pages no request uses (in order, but not one page), one slot
+    past the cache."""
+    slots = batch.common.slot_mapping.clone()
+    bs = batch.spec.block_size
+    used = set(batch.common.block_table_cpu.flatten().tolist())
+    free = next(u for u in range(batch.kv_cache.shape[0] - 1) if u not in used and u + 1 not in used)
+    slots[16 * 1 + 5] = -1
+    slots[16 * 2 + 3], slots[16 * 2 + 4] = slots[16 * 2 + 4].item(), slots[16 * 2 + 3].item()
+    slots[16 * 3:16 * 4] = torch.arange(16, device=slots.device) + free * bs + bs // 2
+    slots[16 * 5 + 15] = batch.kv_cache.shape[0] * bs
+    return slots
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_kernel_stores_whole_pages_and_flags_the_rest_gpu():
+    """The kernel alone (no write kernel after it): every 16-token chunk of a sequence whose slots are one whole
+    page in order is in the cache, bitwise; every other token is flagged and its slot untouched. The write kernel
+    then completes the cache and clears the flags, and reports the slot past the cache."""
+    from attnbackends.ops.kv_cache_write import finish_cache_write
+
+    raise_pending_faults("cuda")
+    spec = SPEC
+    shapes = [S(300, 0), S(2, 0), S(129, 0), S(1000, 0), S(16, 0), S(17, 0)]
+    batch = make_random_batch(spec, shapes, seed=21, device="cuda", pad_tokens=3, num_blocks=400)
+    n = batch.num_actual_tokens
+    slots = _irregular_chunks(batch)
+    batch.common.slot_mapping.copy_(slots)
+    meta = TritonAttentionBackend.get_builder_cls()(spec, "cuda").build(batch.common)
+    plan = meta.prefill_split[1]
+    assert plan.writes_cache
+    cache = _poison_cache(batch.kv_cache.clone(), batch)
+    before = cache.clone()
+    todo = torch.zeros(n + 8, dtype=torch.int8, device="cuda")
+    out = batch.new_output()
+    prefill_hopper.launch_hopper_prefill(plan, batch.query, batch.key, batch.value, out, batch.common.query_start_loc,
+                                         spec.head_size ** -0.5, cache, slots, todo)
+    _finish()
+    bs, num_slots = spec.block_size, cache.shape[0] * spec.block_size
+    expected_flags = torch.zeros(n, dtype=torch.int8)
+    starts = batch.common.query_start_loc_cpu.tolist()
+    host_slots = slots.cpu()
+    for a, b in zip(starts[:-1], starts[1:]):
+        for c0 in range(a, b, bs):
+            chunk = host_slots[c0:min(c0 + bs, b)]
+            whole = (chunk.numel() == bs and 0 <= int(chunk[0]) and int(chunk[0]) % bs == 0
+                     and int(chunk[-1]) < num_slots and torch.equal(chunk - chunk[0], torch.arange(bs)))
+            if not whole:
+                expected_flags[c0:min(c0 + bs, b)] = 1
+    assert torch.equal(todo[:n].cpu(), expected_flags), "flags: " + str((todo[:n].cpu() != expected_flags).nonzero())
+    assert expected_flags.sum() > 0 and (expected_flags == 0).sum() > n // 2
+    stored = (expected_flags == 0).nonzero().flatten().to(slots.device)
+    flagged = expected_flags.nonzero().flatten().to(slots.device)
+    expected = _expected_cache(before, batch, torch.where(expected_flags.to(slots.device) == 0, slots[:n], -1))
+    assert_same_bits(cache, expected, "the cache after the kernel alone")
+    assert stored.numel() and flagged.numel()
+    finish_cache_write(batch.key, batch.value, cache, slots, todo, n)
+    _finish()
+    assert not todo.any(), "the write kernel clears every flag"
+    assert_same_bits(cache, _expected_cache(before, batch, slots), "the cache after the write kernel")
+    with pytest.raises(PageTableError, match=rf"slot_mapping\[{16 * 5 + 15}\]"):
+        raise_pending_faults("cuda")
+    assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype), what="prefill")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mode", list(WRITE_MODES))
+def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu(mode):
     """A slot past the cache's end is not written (no illegal access: the rest of the cache is checked bitwise)
     and is reported by the next check point, naming the token."""
     raise_pending_faults("cuda")
@@ -408,7 +547,7 @@ def test_cache_write_skips_and_reports_a_slot_outside_the_cache_gpu(write_sms):
         slots[bad_token] = batch.kv_cache.shape[0] * SPEC.block_size + 3
         return slots
 
-    run_forward(SPEC, [S(300, 0), S(129, 0)], seed=18, slots=slots, cache_write_sms=write_sms)
+    run_forward(SPEC, [S(300, 0), S(129, 0)], seed=18, slots=slots, **WRITE_MODES[mode])
     with pytest.raises(PageTableError, match=rf"slot_mapping\[{bad_token}\]"):
         raise_pending_faults("cuda")
 
@@ -458,14 +597,21 @@ def test_layouts_the_descriptors_cannot_take_run_unified_gpu(layout):
 @pytest.mark.gpu
 @needs_hopper
 def test_repeated_launches_and_graph_replay_are_bitwise_gpu():
-    """The persistent schedule (16 x 8 query blocks x 32 heads; the cost model leaves SMs to the cache write beside
-    it) gives the same bits every launch, eagerly and replayed from a CUDA graph (the two streams captured as a fork
-    and a join); the cache holds every key and value after both."""
+    """The persistent schedule (16 x 8 query blocks x 32 heads) gives the same bits every launch, eagerly and
+    replayed from a CUDA graph, with the kernel writing the cache itself and with the write beside it (the two
+    streams captured as a fork and a join); the cache holds every key and value after both."""
+    for kernel_writes in (True, False):
+        _repeat_and_replay(kernel_writes)
+
+
+def _repeat_and_replay(kernel_writes: bool) -> None:
     batch = make_random_batch(SPEC, [S(1024, 0)] * 16, seed=16, device="cuda")
-    builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cuda", max_num_tokens=16 * 1024)
+    builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cuda", max_num_tokens=16 * 1024,
+                                                       hopper_cache_write=kernel_writes)
     impl = TritonAttentionBackend.get_impl_cls()(SPEC)
     meta = builder.build(batch.common)
-    assert isinstance(meta.prefill_split[1], HopperPrefillPlan) and meta.cache_write_sms > 0
+    assert isinstance(meta.prefill_split[1], HopperPrefillPlan)
+    assert meta.prefill_split[1].writes_cache == kernel_writes and (meta.cache_write_sms > 0) != kernel_writes
     cache = batch.kv_cache.clone()
     expected_cache = _expected_cache(cache, batch, batch.common.slot_mapping)
     outs = []
