@@ -68,6 +68,7 @@ def _reshape_and_cache_kernel(
         covered = in_batch & (toks < num_covered)
         flagged = tl.load(todo_ptr + toks, mask=covered, other=0) != 0
         in_batch = in_batch & (flagged | (toks >= num_covered))
+        tl.debug_barrier()  # every thread holding a copy of a flag has read it before any clears it
         tl.store(todo_ptr + toks, tl.zeros_like(toks).to(tl.int8), mask=flagged)
     slots = tl.load(slot_mapping_ptr + toks, mask=in_batch, other=-1)
     heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)

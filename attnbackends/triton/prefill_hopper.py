@@ -375,20 +375,33 @@ if gluon_available():
                 tma.async_copy_shared_to_global(c_desc, [(2 * pg + kv) * PAGE, col], tile.slice(ch * PAGE, PAGE))
 
     @gluon.jit
-    def _loader_partition(q_desc, k_desc, v_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                          v_ready, k_empty, v_empty, QSL, SLOTS, TODO, num_slots, num_seqs, num_q_blocks, num_items,
+    def _wait_stored(stored, s, pend0, pend1, cnt0, cnt1):
+        """Before the loader refills stage s (K and V): if the writer has a store pending from it, wait until that
+        store has read the stage. Returns the pending flags with stage s's cleared."""
+        pend = gl.where(s == 0, pend0, pend1)
+        cnt = gl.where(s == 0, cnt0, cnt1)
+        if pend != 0:
+            mbarrier.wait(stored.index(s), (cnt - 1) & 1)
+        return gl.where(s == 0, 0, pend0), gl.where(s == 0, pend1, 0)
+
+    @gluon.jit
+    def _loader_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, store_go, stored, QSL, num_seqs, num_q_blocks, num_items,
                           HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, NBUF: gl.constexpr, CACHE_WRITE: gl.constexpr, PAGE: gl.constexpr):
+                          BLOCK_N: gl.constexpr, NBUF: gl.constexpr, CACHE_WRITE: gl.constexpr):
         """1 warp. Per work item: Q (once both consumers' last Q.K^T of the previous item is complete), K_0, then
         per tile j K_{j+1} (one tile ahead: S_{j+1} is issued before P_j.V_j) and V_j.
 
-        ``CACHE_WRITE``: the items of each KV head's first query head also write their last (diagonal) key and value
-        tiles into the paged cache, so every tile of a sequence is written once: each chunk of PAGE tokens whose
-        slots are one whole page in order goes by one TMA store from the stage it was loaded into; the others are
-        flagged in ``TODO`` (:func:`_page_runs`). A stage whose tile is being stored is refilled only after
-        ``store_wait``."""
+        ``CACHE_WRITE`` (NBUF = 2): the last (diagonal) tile of each KV head's first query head's items is stored
+        into the cache by the writer warp (:func:`_writer_partition`). The loader tells it the tile's loads are
+        issued (``store_go[s]``) and refills that stage only once the writer's stores have read it
+        (``stored[s]``; per stage: pending flag and count of stored tiles, whose parity the waits use)."""
         it = 0
         i = 0
+        pend0 = 0
+        pend1 = 0
+        cnt0 = 0
+        cnt1 = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
             h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
             if has_work:
@@ -397,32 +410,61 @@ if gluon_available():
                 mbarrier.wait(q_empty, (i & 1) ^ 1)
                 mbarrier.expect(q_ready, q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
-                _load_tile(k_desc, k_bufs, k_ready, k_empty, start, col_kv, it, NBUF)
                 if CACHE_WRITE:
-                    tma.store_wait(0)  # the previous item's stores have read their stages: they may be refilled
+                    pend0, pend1 = _wait_stored(stored, it % NBUF, pend0, pend1, cnt0, cnt1)
+                _load_tile(k_desc, k_bufs, k_ready, k_empty, start, col_kv, it, NBUF)
                 for j in range(n_tiles):
                     if j + 1 < n_tiles:
+                        if CACHE_WRITE:
+                            pend0, pend1 = _wait_stored(stored, (it + j + 1) % NBUF, pend0, pend1, cnt0, cnt1)
                         _load_tile(k_desc, k_bufs, k_ready, k_empty, start + (j + 1) * BLOCK_N, col_kv, it + j + 1,
                                    NBUF)
                     _load_tile(v_desc, v_bufs, v_ready, v_empty, start + j * BLOCK_N, col_kv, it + j, NBUF)
                 if CACHE_WRITE:
                     if h % (HQ // HKV) == 0:
-                        last = it + n_tiles - 1
-                        t0 = start + (n_tiles - 1) * BLOCK_N
-                        regular, page, chunk = _page_runs(SLOTS, TODO, t0, q_len - (n_tiles - 1) * BLOCK_N,
-                                                          num_slots, BLOCK_N, PAGE)
-                        mbarrier.wait(k_ready.index(last % NBUF), (last // NBUF) & 1)
-                        fence_async_shared()
-                        _store_pages(c_desc, k_bufs.index(last % NBUF), regular, page, chunk, 0, col_kv, BLOCK_N,
-                                     PAGE)
-                        mbarrier.wait(v_ready.index(last % NBUF), (last // NBUF) & 1)
-                        fence_async_shared()
-                        _store_pages(c_desc, v_bufs.index(last % NBUF), regular, page, chunk, 1, col_kv, BLOCK_N,
-                                     PAGE)
+                        s = (it + n_tiles - 1) % NBUF
+                        mbarrier.arrive(store_go.index(s), count=1)
+                        pend0 = gl.where(s == 0, 1, pend0)
+                        pend1 = gl.where(s == 0, pend1, 1)
+                        cnt0 = gl.where(s == 0, cnt0 + 1, cnt0)
+                        cnt1 = gl.where(s == 0, cnt1, cnt1 + 1)
                 it += n_tiles
                 i += 1
-        if CACHE_WRITE:
-            tma.store_wait(0)  # the shared memory the last stores read stays allocated until they are done
+
+    @gluon.jit
+    def _writer_partition(c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, stored, QSL, SLOTS, TODO, num_slots,
+                          num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, HKV: gl.constexpr,
+                          HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                          PAGE: gl.constexpr):
+        """1 warp (``CACHE_WRITE``). The items of each KV head's first query head write their last (diagonal) key
+        and value tiles into the paged cache, so every tile of a sequence is written once: each chunk of PAGE tokens
+        whose slots are one whole page in order goes by one TMA store from the stage the loader filled; the other
+        tokens are flagged in ``TODO`` (:func:`_page_runs`). Per stored tile: check the slots (before the tile
+        lands), wait ``store_go[s]`` (its loads are issued: the ready barriers' phases are then the tile's), K
+        ready, store K, V ready, store V, wait until the stores have read the stage, arrive ``stored[s]``."""
+        it = 0
+        cnt0 = 0
+        cnt1 = 0
+        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+            h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
+            if has_work:
+                n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
+                if h % (HQ // HKV) == 0:
+                    last = it + n_tiles - 1
+                    s = last % NBUF
+                    col_kv = (h // (HQ // HKV)) * HEAD
+                    regular, page, chunk = _page_runs(SLOTS, TODO, start + (n_tiles - 1) * BLOCK_N,
+                                                      q_len - (n_tiles - 1) * BLOCK_N, num_slots, BLOCK_N, PAGE)
+                    mbarrier.wait(store_go.index(s), gl.where(s == 0, cnt0, cnt1) & 1)
+                    mbarrier.wait(k_ready.index(s), (last // NBUF) & 1)
+                    _store_pages(c_desc, k_bufs.index(s), regular, page, chunk, 0, col_kv, BLOCK_N, PAGE)
+                    mbarrier.wait(v_ready.index(s), (last // NBUF) & 1)
+                    _store_pages(c_desc, v_bufs.index(s), regular, page, chunk, 1, col_kv, BLOCK_N, PAGE)
+                    tma.store_wait(0)
+                    mbarrier.arrive(stored.index(s), count=1)
+                    cnt0 = gl.where(s == 0, cnt0 + 1, cnt0)
+                    cnt1 = gl.where(s == 0, cnt1, cnt1 + 1)
+                it += n_tiles
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -557,8 +599,9 @@ if gluon_available():
         gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows each")
         gl.static_assert(BLOCK_M % BLOCK_N == 0, "a query tile ends on a key tile boundary")
         gl.static_assert(NBUF >= 2, "the next tile flies while this one is read")
-        gl.static_assert(not CACHE_WRITE or (BLOCK_N == BLOCK_M and BLOCK_N % PAGE == 0 and PAGE >= 8),
-                         "the cache write stores whole pages of each query block's diagonal key tile")
+        gl.static_assert(not CACHE_WRITE or (BLOCK_N == BLOCK_M and BLOCK_N % PAGE == 0 and PAGE >= 8
+                                             and NBUF == 2),
+                         "the cache write stores whole pages of each query block's diagonal key tile, two stages")
         dtype: gl.constexpr = q_desc.dtype
         num_items = HQ * num_seqs * num_q_blocks
 
@@ -576,6 +619,8 @@ if gluon_available():
         k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        store_go = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        stored = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
         mbarrier.init(q_empty, count=2)  # both consumers' last Q.K^T of the item is complete
         for s in gl.static_range(NBUF):
@@ -585,17 +630,36 @@ if gluon_available():
             mbarrier.init(v_empty.index(s), count=2)
         for s in gl.static_range(2):
             mbarrier.init(turn.index(s), count=1)  # the other consumer's arrival
+        for s in gl.static_range(NBUF):
+            mbarrier.init(store_go.index(s), count=1)  # CACHE_WRITE: the loader issued a stored tile's loads
+            mbarrier.init(stored.index(s), count=1)  # the writer's stores have read the stage
         fence_async_shared()  # the initialised barriers visible to the async proxy (TMA complete-tx)
         gl.thread_barrier()
 
-        gl.warp_specialize([
-            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                   qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                   qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-            (_loader_partition, (q_desc, k_desc, v_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                 v_ready, k_empty, v_empty, QSL, SLOTS, TODO, num_slots, num_seqs, num_q_blocks,
-                                 num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE, PAGE)),
-        ], [4, 1], [REGS_CONSUMER, REGS_LOAD])
+        if CACHE_WRITE:
+            gl.warp_specialize([
+                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
+                                       qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
+                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
+                                       qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
+                (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                     v_ready, k_empty, v_empty, store_go, stored, QSL, num_seqs, num_q_blocks,
+                                     num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
+                (_writer_partition, (c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, stored, QSL, SLOTS, TODO,
+                                     num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N,
+                                     NBUF, PAGE)),
+            ], [4, 1, 1], [REGS_CONSUMER, REGS_LOAD, REGS_LOAD])
+        else:
+            gl.warp_specialize([
+                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
+                                       qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
+                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
+                                       qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
+                (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                     v_ready, k_empty, v_empty, store_go, stored, QSL, num_seqs, num_q_blocks,
+                                     num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
+            ], [4, 1], [REGS_CONSUMER, REGS_LOAD])

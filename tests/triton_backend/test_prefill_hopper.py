@@ -277,8 +277,8 @@ def test_backend_config_compiles_for_sm90():
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernel itself")
 def test_backend_config_with_its_cache_write_compiles_for_sm90():
     """The same offline compile of the variant the backend runs for batches of fresh prefills only (the kernel
-    writing the cache itself): within every limit above except that the loader warp, at its few registers,
-    keeps a few scalars on the stack."""
+    writing the cache itself: a writer warp beside the loader): within every limit above except that the two
+    single-warp partitions, at their few registers, keep a few scalars on the stack."""
     from benchmarks.prefill_explore_gluon_ws import compile_problems
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -288,7 +288,7 @@ def test_backend_config_with_its_cache_write_compiles_for_sm90():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (rep,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert all(p.startswith("spills") for p in compile_problems(rep)), (compile_problems(rep), rep)
-    assert rep["stack"] <= 32 and rep["regs_by_limit"]["24"] <= 24, rep
+    assert rep["stack"] <= 64 and rep["regs_by_limit"]["24"] <= 24, rep
     assert rep["maxnreg"] == 168 and rep["regs"] <= 168, rep
 
 
