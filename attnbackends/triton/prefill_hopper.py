@@ -376,8 +376,8 @@ if gluon_available():
 
     @gluon.jit
     def _wait_stored(stored, s, pend0, pend1, cnt0, cnt1):
-        """Before the loader refills stage s (K and V): if the writer has a store pending from it, wait until that
-        store has read the stage. Returns the pending flags with stage s's cleared."""
+        """Before the loader refills stage s of one ring (K or V): if the writer has a store pending from it, wait
+        until that store has read the stage. Returns the ring's pending flags with stage s's cleared."""
         pend = gl.where(s == 0, pend0, pend1)
         cnt = gl.where(s == 0, cnt0, cnt1)
         if pend != 0:
@@ -386,7 +386,7 @@ if gluon_available():
 
     @gluon.jit
     def _loader_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, store_go, stored, QSL, num_seqs, num_q_blocks, num_items,
+                          k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs, num_q_blocks, num_items,
                           HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, NBUF: gl.constexpr, CACHE_WRITE: gl.constexpr):
         """1 warp. Per work item: Q (once both consumers' last Q.K^T of the previous item is complete), K_0, then
@@ -394,12 +394,15 @@ if gluon_available():
 
         ``CACHE_WRITE`` (NBUF = 2): the last (diagonal) tile of each KV head's first query head's items is stored
         into the cache by the writer warp (:func:`_writer_partition`). The loader tells it the tile's loads are
-        issued (``store_go[s]``) and refills that stage only once the writer's stores have read it
-        (``stored[s]``; per stage: pending flag and count of stored tiles, whose parity the waits use)."""
+        issued (``store_go[s]``) and refills a K (V) stage only once the writer's K (V) stores have read it
+        (``k_stored[s]``, ``v_stored[s]``; per stage: pending flags and the count of stored tiles, whose parity
+        the waits use)."""
         it = 0
         i = 0
-        pend0 = 0
-        pend1 = 0
+        pk0 = 0
+        pk1 = 0
+        pv0 = 0
+        pv1 = 0
         cnt0 = 0
         cnt1 = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
@@ -411,29 +414,33 @@ if gluon_available():
                 mbarrier.expect(q_ready, q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
                 if CACHE_WRITE:
-                    pend0, pend1 = _wait_stored(stored, it % NBUF, pend0, pend1, cnt0, cnt1)
+                    pk0, pk1 = _wait_stored(k_stored, it % NBUF, pk0, pk1, cnt0, cnt1)
                 _load_tile(k_desc, k_bufs, k_ready, k_empty, start, col_kv, it, NBUF)
                 for j in range(n_tiles):
                     if j + 1 < n_tiles:
                         if CACHE_WRITE:
-                            pend0, pend1 = _wait_stored(stored, (it + j + 1) % NBUF, pend0, pend1, cnt0, cnt1)
+                            pk0, pk1 = _wait_stored(k_stored, (it + j + 1) % NBUF, pk0, pk1, cnt0, cnt1)
                         _load_tile(k_desc, k_bufs, k_ready, k_empty, start + (j + 1) * BLOCK_N, col_kv, it + j + 1,
                                    NBUF)
+                    if CACHE_WRITE:
+                        pv0, pv1 = _wait_stored(v_stored, (it + j) % NBUF, pv0, pv1, cnt0, cnt1)
                     _load_tile(v_desc, v_bufs, v_ready, v_empty, start + j * BLOCK_N, col_kv, it + j, NBUF)
                 if CACHE_WRITE:
                     if h % (HQ // HKV) == 0:
                         s = (it + n_tiles - 1) % NBUF
                         mbarrier.arrive(store_go.index(s), count=1)
-                        pend0 = gl.where(s == 0, 1, pend0)
-                        pend1 = gl.where(s == 0, pend1, 1)
+                        pk0 = gl.where(s == 0, 1, pk0)
+                        pk1 = gl.where(s == 0, pk1, 1)
+                        pv0 = gl.where(s == 0, 1, pv0)
+                        pv1 = gl.where(s == 0, pv1, 1)
                         cnt0 = gl.where(s == 0, cnt0 + 1, cnt0)
                         cnt1 = gl.where(s == 0, cnt1, cnt1 + 1)
                 it += n_tiles
                 i += 1
 
     @gluon.jit
-    def _writer_partition(c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, stored, QSL, SLOTS, TODO, num_slots,
-                          num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, HKV: gl.constexpr,
+    def _writer_partition(c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, k_stored, v_stored, QSL, SLOTS, TODO,
+                          num_slots, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, HKV: gl.constexpr,
                           HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
                           PAGE: gl.constexpr):
         """1 warp (``CACHE_WRITE``). The items of each KV head's first query head write their last (diagonal) key
@@ -441,7 +448,7 @@ if gluon_available():
         whose slots are one whole page in order goes by one TMA store from the stage the loader filled; the other
         tokens are flagged in ``TODO`` (:func:`_page_runs`). Per stored tile: check the slots (before the tile
         lands), wait ``store_go[s]`` (its loads are issued: the ready barriers' phases are then the tile's), K
-        ready, store K, V ready, store V, wait until the stores have read the stage, arrive ``stored[s]``."""
+        ready, store K, wait until those stores have read the stage, arrive ``k_stored[s]``; the same for V."""
         it = 0
         cnt0 = 0
         cnt1 = 0
@@ -458,10 +465,12 @@ if gluon_available():
                     mbarrier.wait(store_go.index(s), gl.where(s == 0, cnt0, cnt1) & 1)
                     mbarrier.wait(k_ready.index(s), (last // NBUF) & 1)
                     _store_pages(c_desc, k_bufs.index(s), regular, page, chunk, 0, col_kv, BLOCK_N, PAGE)
+                    tma.store_wait(0)
+                    mbarrier.arrive(k_stored.index(s), count=1)
                     mbarrier.wait(v_ready.index(s), (last // NBUF) & 1)
                     _store_pages(c_desc, v_bufs.index(s), regular, page, chunk, 1, col_kv, BLOCK_N, PAGE)
                     tma.store_wait(0)
-                    mbarrier.arrive(stored.index(s), count=1)
+                    mbarrier.arrive(v_stored.index(s), count=1)
                     cnt0 = gl.where(s == 0, cnt0 + 1, cnt0)
                     cnt1 = gl.where(s == 0, cnt1, cnt1 + 1)
                 it += n_tiles
@@ -620,7 +629,8 @@ if gluon_available():
         v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         store_go = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        stored = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        k_stored = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_stored = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
         mbarrier.init(q_empty, count=2)  # both consumers' last Q.K^T of the item is complete
         for s in gl.static_range(NBUF):
@@ -632,7 +642,8 @@ if gluon_available():
             mbarrier.init(turn.index(s), count=1)  # the other consumer's arrival
         for s in gl.static_range(NBUF):
             mbarrier.init(store_go.index(s), count=1)  # CACHE_WRITE: the loader issued a stored tile's loads
-            mbarrier.init(stored.index(s), count=1)  # the writer's stores have read the stage
+            mbarrier.init(k_stored.index(s), count=1)  # the writer's K stores have read the stage
+            mbarrier.init(v_stored.index(s), count=1)  # its V stores have
         fence_async_shared()  # the initialised barriers visible to the async proxy (TMA complete-tx)
         gl.thread_barrier()
 
@@ -645,10 +656,11 @@ if gluon_available():
                                        v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
                                        qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
                 (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                     v_ready, k_empty, v_empty, store_go, stored, QSL, num_seqs, num_q_blocks,
+                                     v_ready, k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs,
+                                     num_q_blocks,
                                      num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
-                (_writer_partition, (c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, stored, QSL, SLOTS, TODO,
-                                     num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N,
+                (_writer_partition, (c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, k_stored, v_stored, QSL,
+                                     SLOTS, TODO, num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N,
                                      NBUF, PAGE)),
             ], [4, 1, 1], [REGS_CONSUMER, REGS_LOAD, REGS_LOAD])
         else:
@@ -660,6 +672,7 @@ if gluon_available():
                                        v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
                                        qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
                 (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                     v_ready, k_empty, v_empty, store_go, stored, QSL, num_seqs, num_q_blocks,
+                                     v_ready, k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs,
+                                     num_q_blocks,
                                      num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
             ], [4, 1], [REGS_CONSUMER, REGS_LOAD])
