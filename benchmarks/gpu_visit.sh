@@ -33,6 +33,8 @@
 #   write-sweep  the cache write's tests, then its sweep alone
 #   kernel-write  the Gluon prefill writing the cache itself: a smoke test, its tests and the write kernel's,
 #          then the Triton API suite
+#   final-write  the Gluon prefill's and the write kernel's tests, the Triton API suite, then memcheck over the Gluon
+#          prefill's and the write kernel's tests
 #   final-api  the Triton API suite, then memcheck over the Gluon prefill's and the write kernel's tests
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
@@ -196,6 +198,15 @@ if [ "$what" = kernel-write ]; then
   group kernel-write tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
     -o faulthandler_timeout=120
   step triton-api 240 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+fi
+if [ "$what" = final-write ]; then
+  limit=150
+  group kernel-write tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
+    tests/test_page_guard.py -o faulthandler_timeout=120
+  step triton-api 230 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
+  SANITIZE_TESTS="tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py" \
+    SANITIZE_K="not graph" timeout 170 bash benchmarks/sanitize.sh > "$OUT/sanitize-kernel-write.log" 2>&1
+  echo "sanitize: rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize-kernel-write.log" | tail -3
 fi
 if [ "$what" = final-api ]; then
   step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

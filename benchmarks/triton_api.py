@@ -17,7 +17,8 @@ on the same cache tensor (``run()`` timed) and torch SDPA for prefill. Rows use 
   step's keys and values, cache write included; the peers' rows are the attention alone (FlashInfer on a cache
   that already holds the keys): ``kv_write_us`` is the write as its own launch, ``attention_only_us`` the Gluon
   kernel's launch alone; ``kernel_writes_cache``: the Gluon kernel writes the cache itself (the default for
-  batches of fresh prefills only), and ``prefill_write_beside`` / ``prefill_write_first`` rows time the same batch
+  batches of fresh prefills only; ``finish_write_us``: the write kernel's pass after it, timed alone), and
+  ``prefill_write_beside`` / ``prefill_write_first`` rows time the same batch
   with the separate write beside the kernel (the builder's rule) and first. ``prefill_triton_kernel``: the same
   batches on the Triton prefill kernel
   (``hopper_prefill=False``), ``mixed`` (with the builder's own choice between
@@ -44,7 +45,7 @@ import torch
 import triton
 
 from attnbackends import AttentionSpec, build_common_metadata
-from attnbackends.ops.kv_cache_write import reshape_and_cache
+from attnbackends.ops.kv_cache_write import finish_cache_write, reshape_and_cache
 from attnbackends.triton.backend import TritonAttentionBackend, TritonMetadata
 from attnbackends.triton.prefill_hopper import HopperPrefillPlan, launch_hopper_prefill
 
@@ -321,6 +322,10 @@ def main(argv=None) -> int:
         split = b.metadata.prefill_split
         extra = dict(prefill_kernel=kernel, kv_write_us=write_us, cache_write_sms=b.metadata.cache_write_sms,
                      kernel_writes_cache=bool(split and getattr(split[1], "writes_cache", False)))
+        if extra["kernel_writes_cache"]:  # the write kernel's pass over the tokens the prefill left (none here)
+            todo = b.metadata.write_todo
+            extra["finish_write_us"] = round(do_bench_us(lambda: finish_cache_write(
+                b.new_k, b.new_v, b.kv, b.common.slot_mapping, todo, b.num_tokens)), 2)
         if kernel == "gluon_hopper":  # the attention alone on every SM, as the peers' rows are timed
             plan = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
                                        hopper_cache_write=False, cache_write_sms=0).build(b.common).prefill_split[1]
