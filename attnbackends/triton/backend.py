@@ -545,10 +545,12 @@ class TritonAttentionBackend(AttentionBackend):
         hopper = hopper_prefill_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
         if hopper:
             return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {hopper}"]
+        writes = cache_write_reason(HopperPrefillConfig(), spec.block_size)
+        write = ("the kernel writes the step's keys and values into the cache itself, a writer warp TMA-storing "
+                 "whole pages" if not writes else f"the cache write runs before or beside it, not in it: {writes}")
         return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong consumer "
-                "warpgroups, persistent) for batches whose prefills have no cached context (where such a batch's "
-                "cache write is a large share of the step, the write runs beside the kernel on a few SMs it leaves "
-                f"free); for others {triton}"]
+                f"warpgroups, persistent) for batches whose prefills have no cached context; {write}; for others "
+                f"{triton}"]
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:

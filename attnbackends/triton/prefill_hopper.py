@@ -25,6 +25,12 @@ one program per item). Each program runs three partitions over NBUF stages of sh
 - **ping-pong** (``PINGPONG``): the two consumers take turns issuing their wgmma (a turn = the one or two wgmma
   of an iteration), so the tensor cores run one warpgroup's products while the other one exponentiates.
 
+- **writer** (worker, 1 warp, ``CACHE_WRITE`` only): the items of each KV head's first query head store their
+  last (diagonal) key and value tiles into the paged cache from the stages the loader filled, one TMA store per
+  page whose slots are that whole page in order; the other tokens are flagged for the write kernel after the
+  launch (:func:`attnbackends.ops.kv_cache_write.finish_cache_write`). Every tile of a sequence is some query
+  block's diagonal tile, so each is written once.
+
 Barriers. Counters carried across a program's items: i (items done), it (tiles done; tile j of the item is
 g = it + j, in stage s = g % NBUF with use parity (g // NBUF) & 1), and turns (n_tiles + 1 per item, so an item
 starts at turn it + i):
@@ -37,6 +43,11 @@ starts at turn it + i):
     k_empty[s]    count 2  each consumer arrives once S_g is complete; the loader waits parity ((g // NBUF) & 1)
                            ^ 1 before loading tile g into stage s (the first NBUF loads pass at once)
     v_empty[s]    count 2  each consumer arrives once P_g.V_g is complete; the loader as for K
+    store_go[s]   count 1  (CACHE_WRITE) the loader arrives once a stored tile's K and V loads into stage s are issued;
+                           the writer waits it (its count of stored tiles in s gives the parity) before waiting
+                           that tile's ready barriers, whose phase is then exactly the tile's
+    k_stored[s]   count 1  (CACHE_WRITE) the writer's K (V) stores from stage s have read it; the loader waits it
+    v_stored[s]            before refilling the stage's K (V) (per stage: a pending flag and the stored count)
     turn[w]       count 1  (PINGPONG) consumer w's k-th turn waits turn[w] parity (k & 1) ^ (1 - w) (consumer
                            0's first turn passes at once); after issuing, a consumer arrives on turn[1 - w]
 

@@ -1,6 +1,7 @@
 """The step's KV-cache write beside the persistent Gluon prefill: whether, and on how many SMs.
 
-A batch of fresh prefills reads its keys and values from the forward's ``key``/``value``, not from the cache, so
+Used where the kernel does not write the cache itself (:func:`.prefill_hopper.cache_write_reason`, or the
+builder's ``hopper_cache_write=False``). A batch of fresh prefills reads its keys and values from the forward's ``key``/``value``, not from the cache, so
 the write into the cache need not come first. The prefill is compute-bound and keeps one program per SM (its
 registers fill the SM: nothing else fits beside a program); the write is bandwidth-bound. The builder may
 therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority stream, and the write on the forward's

@@ -1,13 +1,15 @@
 """The Gluon Hopper prefill kernel (attnbackends/triton/prefill_hopper.py) in the Triton backend.
 
 CPU: the reason function, the builder's choice per batch (with a faked compute capability 9.0 device: plans
-only, nothing launches), ``explain``'s kernel note, and an offline sm_90 compile of the backend's config (no spill,
-shared memory within a block's limit, wgmma not serialised). GPU (sm_90): the public API (``builder.build`` once,
+only, nothing launches: the kernel's own cache write, or the write beside it), ``explain``'s kernel note, and
+offline sm_90 compiles of the backend's configs (no spill in the consumers, shared memory within a block's limit,
+wgmma not serialised). GPU (sm_90): the public API (``builder.build`` once,
 ``impl.forward`` with the step's keys and values, output poisoned with NaN, padding rows NaN that must neither be
 read nor written; the whole cache compared bitwise with the torch write) against the float64 oracle, for fresh
 prefills, decodes before fresh prefills, batches that must fall back (cached context, the kernel turned off,
-layouts its descriptors cannot take), fused-projection views, shuffled and bad slots, repeated launches and a
-CUDA-graph replay.
+layouts its descriptors cannot take), fused-projection views, shuffled and bad slots, the three ways to write the
+cache (the kernel itself on pages of 16-128 tokens, the write kernel first, beside the kernel), the kernel's own
+write alone (whole pages stored, the rest flagged), repeated launches and a CUDA-graph replay.
 """
 
 import dataclasses
@@ -238,6 +240,9 @@ def test_builder_off_the_hopper():
 def test_kernel_note_names_the_prefill_kernel():
     notes = TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.cuda(9, 0))
     assert len(notes) == 1 and "Gluon warp-specialised Hopper kernel" in notes[0] and "no cached context" in notes[0]
+    assert "writes the step's keys and values into the cache itself" in notes[0]
+    odd_pages = TritonAttentionBackend.kernel_notes(SPEC.model_copy(update=dict(block_size=48)), DeviceInfo.cuda(9, 0))
+    assert "not in it: block_size 48" in odd_pages[0]
     notes = TritonAttentionBackend.kernel_notes(SPEC.model_copy(update=dict(has_sinks=True)), DeviceInfo.cuda(9, 0))
     assert "Triton prefill kernel" in notes[0] and "not the Gluon Hopper kernel: attention sinks" in notes[0]
     assert "compute capability" in TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.cuda(10, 0))[0]
