@@ -35,6 +35,8 @@
 #          then the Triton API suite
 #   final-write  the Gluon prefill's and the write kernel's tests, the Triton API suite, then memcheck over the Gluon
 #          prefill's and the write kernel's tests
+#   final-check  the Gluon prefill's, the write kernel's, the page guard's and the Triton kernels' GPU tests, then
+#          the Triton API suite
 #   final-api  the Triton API suite, then memcheck over the Gluon prefill's and the write kernel's tests
 #   hopper-bench  the MLA decode rows (today's default kernel, candidates A and W, FlashInfer MLA), then the MLA suite
 #   all    tests then bench
@@ -207,6 +209,12 @@ if [ "$what" = final-write ]; then
   SANITIZE_TESTS="tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py" \
     SANITIZE_K="not graph" timeout 170 bash benchmarks/sanitize.sh > "$OUT/sanitize-kernel-write.log" 2>&1
   echo "sanitize: rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize-kernel-write.log" | tail -3
+fi
+if [ "$what" = final-check ]; then
+  limit=220
+  group final-check tests/triton_backend/test_prefill_hopper.py tests/triton_backend/test_kv_cache_write.py \
+    tests/test_page_guard.py tests/triton_backend/test_kernels.py -o faulthandler_timeout=150
+  step triton-api 230 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"
 fi
 if [ "$what" = final-api ]; then
   step triton-api 300 python3 benchmarks/triton_api.py --out "$OUT/triton-api.json"

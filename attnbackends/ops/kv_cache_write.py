@@ -70,14 +70,7 @@ def _reshape_and_cache_kernel(
         in_batch = in_batch & (flagged | (toks >= num_covered))
         tl.debug_barrier()  # every thread holding a copy of a flag has read it before any clears it
         tl.store(todo_ptr + toks, tl.zeros_like(toks).to(tl.int8), mask=flagged)
-    if ONLY_TODO:
-        if tl.max(in_batch.to(tl.int32), 0) > 0:  # most programs of a kernel-written batch have nothing left
-            _write_tokens(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale, stride_kt, stride_kh,
-                          stride_vt, stride_vh, stride_cb, stride_ckv, stride_cs, stride_ch, num_kv_heads, num_tokens,
-                          num_slots, fault_ptr, fault_flag_ptr, toks, in_batch, HEAD_SIZE, HEAD_PAD,
-                          HEADS_PER_PROGRAM, BLOCK_SIZE, FP8, FP8_MAX, SCALES_ARE_PTRS, FP8_MANT_BITS, FP8_MIN_EXP,
-                          INTERPRET)
-    else:
+    if tl.max(in_batch.to(tl.int32), 0) > 0:  # most programs after a kernel's own write have nothing left
         _write_tokens(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale, stride_kt, stride_kh,
                       stride_vt, stride_vh, stride_cb, stride_ckv, stride_cs, stride_ch, num_kv_heads, num_tokens,
                       num_slots, fault_ptr, fault_flag_ptr, toks, in_batch, HEAD_SIZE, HEAD_PAD, HEADS_PER_PROGRAM,

@@ -167,8 +167,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
         ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
     hopper_cache_write : for a batch of fresh prefills only (no decodes) on the Gluon kernel, the kernel writes
-        the step's keys and values into the cache itself, from the tiles it loads: whole pages by TMA stores from
-        its loader warp, the tokens whose slots do not form whole pages in order by the write kernel after it
+        the step's keys and values into the cache itself, from the tiles it loads: whole pages by TMA stores from a
+        writer warp, the tokens whose slots do not form whole pages in order by the write kernel after it
         (:func:`attnbackends.ops.kv_cache_write.finish_cache_write`). Where the kernel cannot
         (:func:`.prefill_hopper.cache_write_reason`) or False: the separate write (first, or beside the kernel).
     cache_write_sms : for a batch of fresh prefills only on the Gluon kernel that does not write the cache
@@ -304,7 +304,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     def _cache_write_sms(self, common: CommonAttentionMetadata) -> int:
         """SMs a batch of fresh prefills (no decodes) leaves to its cache write: the builder's ``cache_write_sms``,
-        else the cost model's choice."""
+        else :func:`.write_beside.cache_write_sms`'s rule."""
         if self.cache_write_sms is not None:
             return self.cache_write_sms
         q_lens = common.query_lens_cpu.tolist()
