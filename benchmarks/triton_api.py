@@ -33,7 +33,6 @@ number of SMs to the cache write beside it; 0: the write first).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
@@ -387,14 +386,13 @@ def main(argv=None) -> int:
 WRITE_TOKENS_PER_PROGRAM = [1, 2, 4, 8, 16]
 WRITE_SWEEP_SHAPES = PREFILL_SHAPES + [(8, 2048), (32, 512), (64, 256)]
 WRITE_SMS_SWEEP = [0, 2, 4, 6, 8]
-BESIDE_TOKENS_SWEEP = [2, 8, 16]
 
 
 def write_sweep(row, diff) -> int:
     """The cache write alone at each tokens-per-program (``kv_write``, against ``torch.Tensor.copy_`` of the same
     keys and values into contiguous buffers), then each prefill forward with the Gluon kernel leaving each number
-    of SMs to the write beside it, at each tokens-per-program of the write (``prefill_write_sms``, against SDPA;
-    ``chosen_sms``: the builder's own choice for the batch)."""
+    of SMs to the write beside it (``prefill_write_sms``, against SDPA; ``chosen_sms``: the builder's own choice
+    for the batch)."""
     for B, L in WRITE_SWEEP_SHAPES:
         b = Batch([(L, 0)] * B)
         if (B, L) in PREFILL_SHAPES:
@@ -410,17 +408,17 @@ def write_sweep(row, diff) -> int:
         fi()
         sd = do_bench_us(sdpa_prefill(B, L))
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
-        chosen = b.metadata.cache_write_sms
-        for k, t in [(0, None)] + list(itertools.product(WRITE_SMS_SWEEP[1:], BESIDE_TOKENS_SWEEP)):
-            meta = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                       hopper_cache_write=False, cache_write_sms=k).build(b.common)
-            b.metadata = dataclasses.replace(meta, cache_write_tokens_per_program=t)
+        chosen = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
+                                     hopper_cache_write=False).build(b.common).cache_write_sms
+        for k in WRITE_SMS_SWEEP:
+            b.metadata = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
+                                             hopper_cache_write=False, cache_write_sms=k).build(b.common)
             fn = b.triton(write=True)
             b.out.fill_(float("nan"))
             fn()
             us = do_bench_us(fn)
-            row("prefill_write_sms", B, L, us, sd, peer="sdpa", cache_write_sms=k, tokens_per_program=t,
-                chosen_sms=chosen, TFLOPs=tf(us), peer_TFLOPs=tf(sd), max_abs_diff=diff(b.out, fi_out))
+            row("prefill_write_sms", B, L, us, sd, peer="sdpa", cache_write_sms=k, chosen_sms=chosen,
+                TFLOPs=tf(us), peer_TFLOPs=tf(sd), max_abs_diff=diff(b.out, fi_out))
     return 0
 
 

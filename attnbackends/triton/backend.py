@@ -55,7 +55,7 @@ from .prefill_launch import (
     prefill_new_kv_unsupported_reason,
     tma_compatible,
 )
-from .write_beside import BESIDE_TOKENS_PER_PROGRAM, cache_write_bytes, cache_write_sms
+from .write_beside import cache_write_bytes, cache_write_sms
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
 
@@ -78,8 +78,6 @@ class TritonMetadata:
     #: SMs the Gluon prefill (planned on the others) leaves to the step's cache write, which then runs beside it:
     #: the prefill on a high-priority stream, the write on the forward's (:mod:`.write_beside`). 0: the write first.
     cache_write_sms: int = 0
-    #: Tokens per program of the write kernel when it runs beside the prefill (None: its default for the batch).
-    cache_write_tokens_per_program: Optional[int] = None
     #: [max_num_tokens] int8: the tokens the Gluon prefill's own cache write left to the write kernel (the
     #: builder's buffer; set where the planned prefill ``writes_cache``).
     write_todo: Optional[torch.Tensor] = None
@@ -264,8 +262,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if prefill_split is not None and getattr(prefill_split[1], "writes_cache", False):
             todo = self._todo_flags()
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
-                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms,
-                              BESIDE_TOKENS_PER_PROGRAM if write_sms else None, todo)
+                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms, todo)
 
     def _todo_flags(self) -> torch.Tensor:
         """The to-do flags of the Gluon kernel's own cache write ([max_num_tokens] int8, zero between forwards:
@@ -316,26 +313,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return cache_write_sms(flops=flops, write_bytes=write_bytes, items=items, num_sms=self.num_sms)
 
 
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_STREAMS: dict[tuple[torch.device, int], "torch.cuda.Stream"] = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The second stream of ``device`` for overlapped decode / prefill launches (made once)."""
-    stream = _SIDE_STREAMS.get(device)
+def _stream(device: torch.device, priority: int = 0) -> "torch.cuda.Stream":
+    """A second stream of ``device`` at ``priority`` (made once per pair): the default priority for overlapped
+    decode / prefill launches, the highest (-1024, clamped by CUDA) for a prefill whose programs must be placed
+    before the cache write's when both wait for SMs."""
+    stream = _STREAMS.get((device, priority))
     if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
-_PRIORITY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _priority_stream(device: torch.device) -> "torch.cuda.Stream":
-    """A stream of ``device`` at the highest priority (made once): its kernels' programs are placed before those
-    of default-priority streams when both wait for SMs."""
-    stream = _PRIORITY_STREAMS.get(device)
-    if stream is None:
-        stream = _PRIORITY_STREAMS[device] = torch.cuda.Stream(device, priority=-1 << 10)
+        stream = _STREAMS[(device, priority)] = torch.cuda.Stream(device, priority=priority)
     return stream
 
 
@@ -407,8 +394,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 return output
             split = (split[0], dataclasses.replace(split[1], writes_cache=False))
         if split is not None and metadata.cache_write_sms:
-            self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common,
-                                             metadata.cache_write_tokens_per_program)
+            self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common)
             return output
         if key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
@@ -418,7 +404,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             overlap = decode_plan is not None and metadata.overlap_streams
             if overlap:  # the prefills on a side stream, after the cache write; the decodes here; then join
                 main = torch.cuda.current_stream(query.device)
-                side = _side_stream(query.device)
+                side = _stream(query.device)
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common,
@@ -453,18 +439,17 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         return True
 
     def _prefill_beside_cache_write(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
-                                    common: CommonAttentionMetadata, tokens_per_program: Optional[int]) -> None:
+                                    common: CommonAttentionMetadata) -> None:
         """The Gluon prefill (planned on all but ``cache_write_sms`` SMs) on the high-priority stream, launched
         first so that it holds its SMs, then the cache write on the forward's stream, where it runs on the SMs left
         free; the forward's stream then waits for the prefill. The prefill reads ``key``/``value``, never the cache,
         so the two are independent; both only read tensors made before the fork."""
         main = torch.cuda.current_stream(query.device)
-        fast = _priority_stream(query.device)
+        fast = _stream(query.device, priority=-1024)
         fast.wait_stream(main)
         with torch.cuda.stream(fast):
             launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
-        reshape_and_cache(key, value, kv_cache, common.slot_mapping, self.k_scale, self.v_scale, validate=False,
-                          tokens_per_program=tokens_per_program)
+        self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
         main.wait_stream(fast)
 
     def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,

@@ -668,11 +668,10 @@ if gluon_available():
                                        qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
                 (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                      v_ready, k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs,
-                                     num_q_blocks,
-                                     num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
+                                     num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
                 (_writer_partition, (c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, k_stored, v_stored, QSL,
-                                     SLOTS, TODO, num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N,
-                                     NBUF, PAGE)),
+                                     SLOTS, TODO, num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD,
+                                     BLOCK_M, BLOCK_N, NBUF, PAGE)),
             ], [4, 1, 1], [REGS_CONSUMER, REGS_LOAD, REGS_LOAD])
         else:
             gl.warp_specialize([
@@ -684,6 +683,5 @@ if gluon_available():
                                        qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
                 (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                      v_ready, k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs,
-                                     num_q_blocks,
-                                     num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
+                                     num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
             ], [4, 1], [REGS_CONSUMER, REGS_LOAD])

@@ -1,9 +1,10 @@
 """The step's KV-cache write beside the persistent Gluon prefill: whether, and on how many SMs.
 
 Used where the kernel does not write the cache itself (:func:`.prefill_hopper.cache_write_reason`, or the
-builder's ``hopper_cache_write=False``). A batch of fresh prefills reads its keys and values from the forward's ``key``/``value``, not from the cache, so
-the write into the cache need not come first. The prefill is compute-bound and keeps one program per SM (its
-registers fill the SM: nothing else fits beside a program); the write is bandwidth-bound. The builder may
+builder's ``hopper_cache_write=False``). A batch of fresh prefills reads its keys and values from the forward's
+``key``/``value``, not from the cache, so the write into the cache need not come first. The prefill is
+compute-bound and keeps one program per SM (its registers fill the SM: nothing else fits beside a program); the
+write is bandwidth-bound. The builder may
 therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority stream, and the write on the forward's
 stream, where the hardware runs it on the ``k`` SMs left free and then on every SM the prefill gives back.
 
@@ -17,7 +18,7 @@ time and the prefill is long enough to hide the second stream's host cost, else 
 
 from __future__ import annotations
 
-__all__ = ["BESIDE_TOKENS_PER_PROGRAM", "cache_write_bytes", "cache_write_sms", "write_share"]
+__all__ = ["cache_write_bytes", "cache_write_sms", "write_share"]
 
 #: Dense causal prefill work one SM of the Gluon kernel does per microsecond (FLOP), at its slowest bench shape.
 PREFILL_FLOPS_PER_SM_US = 3.5e6
@@ -29,8 +30,6 @@ WRITE_SM_FRACTION = 0.03
 MIN_WRITE_SHARE = 0.10
 #: Least modelled prefill time (us) for which a second stream pays its host cost.
 MIN_PREFILL_US = 50.0
-#: Tokens per program of the write kernel when it runs beside the prefill.
-BESIDE_TOKENS_PER_PROGRAM = 2
 
 
 def cache_write_bytes(num_tokens: int, num_kv_heads: int, head_size: int, element_size: int,
