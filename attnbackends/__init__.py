@@ -26,7 +26,7 @@ from .metadata import (
     validate_common_metadata,
 )
 from .platform import DeviceInfo
-from .registry import (
+from .selection.registry import (
     BackendNotSupportedError,
     Explanation,
     backend_names,

@@ -15,10 +15,10 @@ from rich.table import Table
 from .cli_tune import COMMANDS as TUNE_COMMANDS
 from .cli_tune import add_parsers as add_tune_parsers
 from .layer_groups import LayerGroupsConfig, read_layer_specs
-from .layer_groups import _explain_groups, _format_layers  # noqa: PLC2701 - the CLI shows groups no backend fits
+from .layer_groups import explain_groups, format_layers
 from .platform import DeviceInfo, package_available
-from .registry import BackendNotSupportedError, backend_names, explain
-from .registry import _resolve as resolve_backend  # noqa: PLC2701 - the CLI shows import failures as reasons
+from .selection.registry import BackendNotSupportedError, backend_names, explain
+from .selection.registry import _resolve as resolve_backend  # noqa: PLC2701 - the CLI shows import failures as reasons
 from .spec import KV_CACHE_DTYPES, AttentionConfig, AttentionSpec, AttentionType
 from .validation import check_device_available
 
@@ -189,11 +189,11 @@ def _cmd_explain_layers(args: argparse.Namespace, console: Console) -> int:
     default = AttentionConfig.from_env(AttentionConfig.model_validate({**config.default.model_dump(), **update}))
     config = config.model_copy(update={"default": default})
     device = _device_from_args(args)
-    rows, _, _ = _explain_groups(specs, device, config)
+    rows, _, _ = explain_groups(specs, device, config)
     console.print(f"{len(specs)} layers in {len(rows)} groups; device: {device.describe()}")
     unserved = []
     for name, spec, layers, _, result in rows:
-        _print_explanation(result, console, f"group {name}: layers {_format_layers(layers)}\n"
+        _print_explanation(result, console, f"group {name}: layers {format_layers(layers)}\n"
                                             f"{_describe_spec(spec)}; backend requested: {result.requested}")
         console.print(f"group {name} chosen: [bold]{result.chosen or 'none'}[/]")
         if result.chosen is None:

@@ -56,8 +56,8 @@ def _spec(args: argparse.Namespace) -> AttentionSpec:
 
 def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     from .platform import DeviceInfo
-    from .tune_timing import run_tune
-    from .tuning import choose, default_profile_dir
+    from .selection.tune_timing import run_tune
+    from .selection.tuning import choose, default_profile_dir
 
     spec, config = _spec(args), _config(args)
     device = DeviceInfo.current()
@@ -71,7 +71,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
         console.print(f"profile stored: {path}")
     else:
         console.print("[yellow]not stored: profiles are for CUDA devices (selection=measured ignores the CPU)[/]")
-    from .registry import get_backend_class, priority_list
+    from .selection.registry import get_backend_class, priority_list
 
     reasons = {name: get_backend_class(name).not_supported_reasons(spec, device) for name in profile.times_us}
     choice = choose(profile, reasons, priority_list(device, spec), source="this run")
@@ -89,7 +89,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
-    from .warmup import warmup
+    from .selection.warmup import warmup
 
     spec, config = _spec(args), _config(args)
     start = time.perf_counter()

@@ -10,13 +10,13 @@ compiled-kernel launcher (:class:`DirectLauncher`), aten's memory-efficient atte
 log-sum-exp (:func:`efficient_attention_with_lse`), Triton's scratch allocator
 (:func:`ensure_triton_scratch_allocator`), FlashInfer MLA's planned page ids (contained in place by
 :mod:`attnbackends.mla.backends` for device-only block tables) and flash-attn 4's ``flash_attn.cute``
-(:func:`flash_attn_cute_available`).
+(:func:`flash_attn_cute_available`, its private forward :func:`flash_attn_cute_private_forward`). Availability of the
+optional packages themselves is decided here too (:func:`flashinfer_installed`, :func:`import_flashinfer`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,6 +25,8 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 import triton
 from triton import knobs
+
+from . import platform as _platform
 
 __all__ = [
     "DirectLauncher",
@@ -35,6 +37,9 @@ __all__ = [
     "ensure_triton_scratch_allocator",
     "fallback_reason",
     "flash_attn_cute_available",
+    "flash_attn_cute_private_forward",
+    "flashinfer_installed",
+    "import_flashinfer",
     "flashinfer_jit_generators",
     "package_version",
     "surface_unsupported_reason",
@@ -80,6 +85,9 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
         "ahead of the GPU in checks)"),
     "flash_attn_cute": PrivateSurface(
         "flash-attn-4", "flash_attn.cute, shipped inside a namespace package flash_attn"),
+    "flash_attn_cute_private_forward": PrivateSurface(
+        "flash-attn-4", "flash_attn.cute.interface._flash_attn_fwd(..., out=) writing into the caller's output",
+        frozenset({"4.0.0b36"})),
 }
 
 
@@ -275,8 +283,36 @@ def cuda_sleep(cycles: int) -> None:
 def flash_attn_cute_available() -> bool:
     """Whether flash-attn 4's ``flash_attn.cute`` is installed. Its wheel ships ``flash_attn`` as a namespace
     package (no ``flash_attn/__init__.py``), so the test is on the ``cute`` subpackage, which must be a real module."""
+    return _platform.package_available("flash_attn.cute")
+
+
+def flash_attn_cute_private_forward(version: str) -> Optional[Callable[..., Any]]:
+    """flash-attn 4's private ``_flash_attn_fwd`` (takes ``out=``: no output copy) where ``version`` is a tested one;
+    None (reason logged once) elsewhere, where the caller uses the public ``flash_attn_varlen_func`` plus a copy."""
+    reason = surface_unsupported_reason("flash_attn_cute_private_forward", version)
+    if reason is not None:
+        fallback_reason("flash_attn_cute_private_forward", reason)
+        return None
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    return _flash_attn_fwd
+
+
+# -------------------------------------------------------------------------------------------------- flashinfer
+def flashinfer_installed() -> bool:
+    """Whether the flashinfer package is installed (without importing it; a bare namespace directory is not)."""
+    return _platform.package_available("flashinfer")
+
+
+def import_flashinfer() -> Any:
+    """The flashinfer module, or an ImportError that says how to get it."""
     try:
-        spec = importlib.util.find_spec("flash_attn.cute")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and spec.origin not in (None, "namespace")
+        if not flashinfer_installed():
+            raise ImportError("no flashinfer package (a namespace directory at most)")
+        import flashinfer
+    except ImportError as exc:
+        raise ImportError(
+            "the flashinfer backend needs the flashinfer package (pip install 'attnbackends[flashinfer]'); "
+            f"importing it failed: {exc}"
+        ) from exc
+    return flashinfer

@@ -15,7 +15,7 @@ import torch
 from .metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from .draft_steps import DraftSteps
+    from .speculative.draft_steps import DraftSteps
 from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
@@ -138,15 +138,23 @@ class AttentionBackend(ABC):
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """Every reason this backend cannot serve ``spec`` on ``device``; empty when it can."""
+        reasons = [f"{pkg} is not installed" for pkg in cls.required_packages if not _platform.package_available(pkg)]
+        reasons += cls._device_reasons(device)
+        reasons += cls.spec_reasons(spec)
+        fp8_cc = cls.min_compute_capability_fp8_e4m3
+        if fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda:
+            if device.compute_capability < fp8_cc:
+                reasons.append(f"fp8 e4m3 KV cache needs compute capability >= {fp8_cc[0]}.{fp8_cc[1]}")
+        return reasons
+
+    @classmethod
+    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """The reasons this backend cannot serve ``spec`` on any device it runs on (no package or device checks)."""
         reasons: list[str] = []
         if spec.is_mla and not cls.is_mla:
             reasons.append("MLA specs need an MLA backend")
         if cls.is_mla and not spec.is_mla:
             reasons.append("serves MLA specs only (kv_lora_rank etc. unset)")
-        for pkg in cls.required_packages:
-            if not _platform.package_available(pkg):
-                reasons.append(f"{pkg} is not installed")
-        reasons += cls._device_reasons(device)
         if spec.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {spec.dtype} not supported (supported: {', '.join(sorted(cls.supported_dtypes))})")
         if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
@@ -170,10 +178,6 @@ class AttentionBackend(ABC):
                 f"kv_cache_dtype {spec.kv_cache_dtype} with dtype {spec.dtype}: a 16-bit cache must match the model "
                 "dtype (use auto or fp8)"
             )
-        fp8_cc = cls.min_compute_capability_fp8_e4m3
-        if fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda:
-            if device.compute_capability < fp8_cc:
-                reasons.append(f"fp8 e4m3 KV cache needs compute capability >= {fp8_cc[0]}.{fp8_cc[1]}")
         if spec.block_size % cls.block_size_multiple:
             reasons.append(f"block_size {spec.block_size} is not a multiple of {cls.block_size_multiple}")
         if spec.attn_type not in cls.supported_attn_types:
@@ -372,7 +376,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         return self.build(common)
 
     def build_draft_steps(self, draft: "DraftSteps") -> list[M]:
-        """The metadata of every draft step at once (:mod:`attnbackends.draft_steps`: ``topk`` branches per request
+        """The metadata of every draft step at once (:mod:`attnbackends.speculative.draft_steps`: ``topk`` branches per request
         over shared prefix pages, one single-token decode per branch and step), each valid until the next call.
 
         Made from host data only, so building them does not wait on the device; the steps then run one after

@@ -59,7 +59,7 @@ class CommonAttentionMetadata:
         token b iff ``mask[a, b]`` (b is a or an ancestor of a). Every key before the draft segment (the cached
         context) stays visible as usual; n_i = 0 leaves a request causal. Sliding windows and ALiBi keep counting
         positions in cache order (token a of the segment sits at L - n_i + a). Build it with
-        :func:`attnbackends.speculative.tree_mask_from_parents`; a backend honours it only where its builder
+        :func:`attnbackends.speculative.tree_mask.tree_mask_from_parents`; a backend honours it only where its builder
         declares ``supports_tree_mask``.
     spec_tree_mask_indptr, spec_tree_mask_indptr_cpu : torch.Tensor or None
         [num_reqs + 1] int32 on the device and on the host: request i's mask is

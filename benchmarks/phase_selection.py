@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, explain, get_backend_class
-from attnbackends.tune_timing import run_tune, time_us, timing_batch, tune_candidates
-from attnbackends.tuning import choose, default_profile_dir, load_profile
+from attnbackends.selection.tune_timing import run_tune, time_us, timing_batch, tune_candidates
+from attnbackends.selection.tuning import choose, default_profile_dir, load_profile
 
 logger = logging.getLogger("phase_selection")
 

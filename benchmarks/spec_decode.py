@@ -48,7 +48,7 @@ class Setup:
     def __init__(self, *, batch: int, q_len: int, context: int, heads: tuple[int, int], head_size: int, block: int,
                  dtype: str, device: str, num_speculative_tokens: int, tree: Optional[tuple[int, ...]], seed: int = 0):
         from attnbackends import AttentionSpec, build_common_metadata
-        from attnbackends.speculative import with_tree_mask
+        from attnbackends.speculative.tree_mask import with_tree_mask
 
         self.device = device
         self.spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype=dtype,

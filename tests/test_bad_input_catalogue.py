@@ -28,7 +28,7 @@ import torch
 
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, build_common_metadata, select
 from attnbackends.ops.page_guard import raise_pending_faults
-from attnbackends.registry import get_backend_class
+from attnbackends.selection.registry import get_backend_class
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import make_random_batch, tolerance_for
 

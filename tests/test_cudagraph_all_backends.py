@@ -10,7 +10,7 @@ import torch
 
 from attnbackends import AttentionSpec, DeviceInfo
 from attnbackends.interface import CudaGraphSupport
-from attnbackends.registry import backend_names, get_backend_class
+from attnbackends.selection.registry import backend_names, get_backend_class
 from attnbackends.testing import SequenceShape, assert_close_to_oracle, make_random_batch, oracle_attention
 from attnbackends.testing import tolerance_for
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from attnbackends.draft_steps import draft_pages_needed, draft_steps_metadata
+from attnbackends.speculative.draft_steps import draft_pages_needed, draft_steps_metadata
 from attnbackends.interface import AttentionMetadataBuilder
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing.conformance import DraftStepCase, check_backend_draft_case, draft_step_cases

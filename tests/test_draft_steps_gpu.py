@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnbackends.flashinfer import FlashInferBackend
-from attnbackends.flashinfer.backend import flashinfer_installed
+from attnbackends.compat import flashinfer_installed
 from attnbackends.testing import SequenceShape, make_random_batch
 from attnbackends.testing.conformance import DraftStepCase, check_backend_draft_case, draft_step_cases
 from attnbackends.triton.backend import TritonAttentionBackend

@@ -87,7 +87,7 @@ def test_speculative_greedy_equals_plain_greedy_reference(greedy, drafter_kind):
 
 def test_speculation_needs_a_backend_that_declares_it():
     from attnbackends import BackendNotSupportedError
-    from attnbackends.registry import register_backend, unregister_backend
+    from attnbackends.selection.registry import register_backend, unregister_backend
     from attnbackends.reference.backend import ReferenceBackend, ReferenceMetadataBuilder
     from attnbackends.interface import QueryLenSupport
 

@@ -224,7 +224,7 @@ def test_groups_of_different_head_sizes_and_features():
 
 def test_the_check_fails_when_a_window_is_ignored(monkeypatch):
     """The check reads NaN from pages outside the window if a group's metadata keeps them."""
-    import attnbackends.layer_groups as lg
+    import attnbackends.layer_groups.builder as lg
 
     import attnbackends.testing.layer_groups as tlg
 

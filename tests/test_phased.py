@@ -15,7 +15,7 @@ from attnbackends import (
     select,
     unregister_backend,
 )
-from attnbackends.phased import PhasedMetadata, parse_phased_name, phased_backend, phased_name
+from attnbackends.selection import PhasedMetadata, parse_phased_name, phased_backend, phased_name
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import (
     SequenceShape,

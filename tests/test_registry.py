@@ -4,7 +4,7 @@ from importlib import metadata as importlib_metadata
 
 import pytest
 
-import attnbackends.registry as registry
+import attnbackends.selection.registry as registry
 from attnbackends import (
     AttentionConfig,
     AttentionSpec,

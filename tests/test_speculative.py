@@ -9,7 +9,7 @@ import torch
 from attnbackends import AttentionSpec, QueryLenSupport, explain
 from attnbackends.platform import DeviceInfo
 from attnbackends.reference.backend import ReferenceBackend, ReferenceMetadataBuilder
-from attnbackends.speculative import (
+from attnbackends.speculative.tree_mask import (
     chain_parents,
     check_parents,
     expand_tree_mask,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attnbackends import AttentionSpec
-from attnbackends.flashinfer.backend import FlashInferBackend, flashinfer_installed
+from attnbackends.compat import flashinfer_installed
+from attnbackends.flashinfer.backend import FlashInferBackend
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import SequenceShape, check_backend_on_batches, make_random_batch
 from attnbackends.testing.cases import EAGLE_TREE_8, random_tree_parents

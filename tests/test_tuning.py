@@ -7,10 +7,10 @@ import pytest
 
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, explain, select
 from attnbackends.cli import main
-from attnbackends.phased import phased_backend, phased_name
-from attnbackends.registry import get_backend_class
-from attnbackends.tune_timing import GRIDS, run_tune
-from attnbackends.tuning import Profile, choose, default_profile_dir, environment_key, load_profile, profile_path
+from attnbackends.selection import phased_backend, phased_name
+from attnbackends.selection.registry import get_backend_class
+from attnbackends.selection.tune_timing import GRIDS, run_tune
+from attnbackends.selection.tuning import Profile, choose, default_profile_dir, environment_key, load_profile, profile_path
 
 SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
 H100 = DeviceInfo.cuda(9, 0, name="NVIDIA H100 80GB HBM3")

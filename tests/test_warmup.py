@@ -5,14 +5,14 @@ import logging
 
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo
 from attnbackends.cli import main
-from attnbackends.phased import phased_name
-from attnbackends.warmup import warmup
+from attnbackends.selection.phased import phased_name
+from attnbackends.selection.warmup import warmup
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16")
 
 
 def test_warmup_runs_each_step_and_logs_its_time(caplog):
-    caplog.set_level(logging.INFO, logger="attnbackends.warmup")
+    caplog.set_level(logging.INFO, logger="attnbackends.selection.warmup")
     config = AttentionConfig(decode_backend="reference", prefill_backend="triton")
     records = warmup([SPEC, SPEC], DeviceInfo.cpu(triton_interpreted=True), config)
     name = phased_name("reference", "triton")

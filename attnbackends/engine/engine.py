@@ -19,9 +19,9 @@ import torch
 from ..interface import AttentionBackend
 from ..metadata import build_common_metadata, decode_first_order
 from ..platform import DeviceInfo
-from ..registry import select
+from ..selection.registry import select
 from ..spec import AttentionConfig, AttentionSpec
-from ..speculative import with_tree_mask
+from ..speculative.tree_mask import with_tree_mask
 from .speculative import DraftTree, SpeculativeConfig, accept_greedy
 
 __all__ = [

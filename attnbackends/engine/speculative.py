@@ -56,7 +56,7 @@ class DraftTree:
         return out
 
     def segment_parents(self) -> list[int]:
-        """Parents of the verify segment [root] + tokens, as :mod:`attnbackends.speculative` takes them."""
+        """Parents of the verify segment [root] + tokens, as :mod:`attnbackends.speculative.tree_mask` takes them."""
         return [-1] + [p + 1 for p in self.parents]
 
     @property

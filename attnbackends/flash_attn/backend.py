@@ -208,8 +208,13 @@ class FlashAttnBackend(AttentionBackend):
     cudagraph_support = CudaGraphSupport.NEVER
 
     @classmethod
-    def spec_reasons(cls, spec: AttentionSpec, generation: Optional[int] = None) -> list[str]:
-        """Reasons of the spec alone (no device) against a generation's rules (default: the installed one, else 4)."""
+    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Reasons of the spec alone (no device): the shared ones and the installed generation's rules (else 4's)."""
+        return super().spec_reasons(spec) + cls.generation_reasons(spec)
+
+    @classmethod
+    def generation_reasons(cls, spec: AttentionSpec, generation: Optional[int] = None) -> list[str]:
+        """Reasons of the spec alone against a generation's rules (default: the installed one, else 4)."""
         if generation is None:
             install = library.installed_flash_attn()
             generation = install.generation if install is not None else 4
@@ -238,7 +243,6 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(NOT_INSTALLED)
         generation = install.generation if install is not None else 4
         caps = GENERATION_CAPABILITIES[generation]
-        reasons += [r for r in cls.spec_reasons(spec, generation) if r not in reasons]
         if device.is_cuda:
             cc = device.compute_capability
             lo, hi = caps.min_compute_capability, caps.max_compute_capability

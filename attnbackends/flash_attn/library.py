@@ -9,9 +9,9 @@ Three generations ship under different import names:
 - flash-attn 2 (``flash_attn``): ``flash_attn_varlen_func`` with ``block_table`` (pages of a multiple of 256 tokens).
 
 :func:`installed_flash_attn` is the one place that decides which is present, without importing it (importing
-``flash_attn.cute`` loads the CuTe DSL, seconds). The flash-attn 4 call uses its private ``_flash_attn_fwd`` on the
-versions in :data:`FA4_PRIVATE_FORWARD_TESTED` (it writes into the caller's output: no extra copy), and the public
-function plus a copy elsewhere. Both reaches belong in ``attnbackends.compat`` once that module exists.
+``flash_attn.cute`` loads the CuTe DSL, seconds). The flash-attn 4 call uses its private ``_flash_attn_fwd`` where
+:func:`attnbackends.compat.flash_attn_cute_private_forward` allows it (tested versions: it writes into the caller's
+output, no extra copy), and the public function plus a copy elsewhere.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..compat import flash_attn_cute_private_forward
+
 __all__ = [
-    "FA4_PRIVATE_FORWARD_TESTED",
     "FlashAttnInstall",
     "PagedCall",
     "installed_flash_attn",
@@ -34,10 +35,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: flash-attn-4 versions whose private ``_flash_attn_fwd(..., out=)`` signature this module was checked against.
-FA4_PRIVATE_FORWARD_TESTED = frozenset({"4.0.0b36"})
-
 
 @dataclass(frozen=True)
 class FlashAttnInstall:
@@ -114,9 +111,8 @@ def paged_forward(install: FlashAttnInstall, call: PagedCall) -> PagedForward:
 
 def _fa4_forward(install: FlashAttnInstall, call: PagedCall) -> PagedForward:
     window = (call.window_left, 0) if call.window_left is not None else (None, None)
-    if install.version in FA4_PRIVATE_FORWARD_TESTED:
-        from flash_attn.cute.interface import _flash_attn_fwd
-
+    _flash_attn_fwd = flash_attn_cute_private_forward(install.version)
+    if _flash_attn_fwd is not None:
         fixed: dict[str, Any] = dict(
             softmax_scale=call.softmax_scale, causal=call.causal, softcap=call.softcap,
             window_size_left=window[0], window_size_right=window[1], learnable_sink=call.sinks,
@@ -133,8 +129,6 @@ def _fa4_forward(install: FlashAttnInstall, call: PagedCall) -> PagedForward:
 
     from flash_attn.cute import flash_attn_varlen_func
 
-    logger.info("flash-attn-4 %s is not a tested version (%s): the public call plus an output copy is used",
-                install.version, ", ".join(sorted(FA4_PRIVATE_FORWARD_TESTED)))
     fixed = dict(softmax_scale=call.softmax_scale, causal=call.causal, softcap=call.softcap or 0.0,
                  window_size=window, learnable_sink=call.sinks)
 

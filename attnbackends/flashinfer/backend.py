@@ -9,7 +9,7 @@ into FlashInfer's page table (:mod:`.plan_inputs`), then plans
 - ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for the trailing prefill / chunked-prefill requests, and for
   the whole batch when it holds multi-token decodes (speculative verify: the decode wrapper takes one query token
   per request) or a tree mask (planned as FlashInfer's ``custom_mask``, expanded to [query, key] per request by
-  :func:`attnbackends.speculative.expand_tree_mask`);
+  :func:`attnbackends.speculative.tree_mask.expand_tree_mask`);
 - or, instead of both, ``MultiLevelCascadeAttentionWrapper`` when the engine reports a shared prefix and
   :func:`.cascade.cascade_prefix_blocks` says it pays.
 
@@ -37,12 +37,12 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..compat import import_flashinfer
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
-from .. import platform as _platform
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
-from ..speculative import expand_tree_mask
+from ..speculative.tree_mask import expand_tree_mask
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
 from .plan_guard import planning
@@ -64,28 +64,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_NOT_INSTALLED = "flashinfer is not installed"
-
-
-def flashinfer_installed() -> bool:
-    """Whether the flashinfer package is installed (without importing it)."""
-    return _platform.package_available("flashinfer")
-
-
-def import_flashinfer() -> Any:
-    """The flashinfer module, or an ImportError that says how to get it."""
-    try:
-        if not flashinfer_installed():
-            raise ImportError("no flashinfer package (a namespace directory at most)")
-        import flashinfer
-    except ImportError as exc:
-        raise ImportError(
-            "the flashinfer backend needs the flashinfer package (pip install 'attnbackends[flashinfer]'); "
-            f"importing it failed: {exc}"
-        ) from exc
-    return flashinfer
-
 
 class PlanKey(NamedTuple):
     """What a FlashInfer plan fixes for every layer that runs it."""
@@ -125,8 +103,7 @@ class PlanKey(NamedTuple):
 
 def _check_spec(spec: AttentionSpec) -> None:
     """NotImplementedError for specs FlashInferBackend declares unsupported on any GPU (see not_supported_reasons)."""
-    device = DeviceInfo.cuda(*FlashInferBackend.min_compute_capability)
-    reasons = [r for r in FlashInferBackend.not_supported_reasons(spec, device) if r != _NOT_INSTALLED]
+    reasons = FlashInferBackend.spec_reasons(spec)
     if reasons:
         raise NotImplementedError("the flashinfer backend cannot serve this spec: " + "; ".join(reasons))
 

@@ -23,7 +23,7 @@ def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: 
                      output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`attnbackends.interface.AttentionImpl.forward_with_lse` for :class:`~.backend.FlashInferImpl` (shapes
     there)."""
-    from .backend import import_flashinfer
+    from ..compat import import_flashinfer
 
     spec = self.spec
     flashinfer = import_flashinfer()

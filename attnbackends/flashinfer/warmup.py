@@ -21,7 +21,8 @@ import torch
 
 from ..compat import fallback_reason, flashinfer_jit_generators
 from ..spec import AttentionSpec
-from .backend import FlashInferMetadataBuilder, import_flashinfer
+from ..compat import import_flashinfer
+from .backend import FlashInferMetadataBuilder
 
 __all__ = ["precompile"]
 

@@ -14,7 +14,7 @@ from ..interface import AttentionBackend
 from ..metadata import CommonAttentionMetadata, build_common_metadata
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..spec import AttentionSpec
-from ..speculative import with_tree_mask
+from ..speculative.tree_mask import with_tree_mask
 from ..testing.cases import SequenceShape
 from ..testing.oracle import _draft_visibility
 
@@ -68,7 +68,7 @@ def make_random_mla_batch(
     tree_parents: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> MLABatch:
     """A random batch for an MLA spec, one request per shape (keep decodes first); ``tree_parents`` (one entry per
-    request, None for no tree) makes tree-verify requests (:func:`attnbackends.speculative.with_tree_mask`).
+    request, None for no tree) makes tree-verify requests (:func:`attnbackends.speculative.tree_mask.with_tree_mask`).
 
     Latents are N(0, 1); kv_b_proj is N(0, 1/Lkv) so up-projected keys and values are about N(0, 1); queries are
     N(0, 1), so logits are about N(0, 1) under the 1/sqrt(P + R) scale. fp8 caches get k_scale so the latent spans

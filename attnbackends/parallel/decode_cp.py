@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..interface import AttentionImpl
 from ..metadata import CommonAttentionMetadata
 from ..ops.merge_attn_states import merge_attn_states
-from ..registry import get_backend_class
+from ..selection.registry import get_backend_class
 from ..spec import AttentionSpec
 
 __all__ = [

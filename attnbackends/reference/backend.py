@@ -14,7 +14,7 @@ import torch
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
 from ..ops.kv_cache_write import gather_kv_torch, reshape_and_cache_torch
-from ..speculative import request_tree_mask
+from ..speculative.tree_mask import request_tree_mask
 from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
 from .functional import sequence_attention

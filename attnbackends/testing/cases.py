@@ -12,9 +12,10 @@ import torch
 from ..metadata import CommonAttentionMetadata, build_common_metadata
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..spec import AttentionSpec
-from ..speculative import with_tree_mask
+from ..speculative.tree_mask import with_tree_mask
 
 __all__ = [
+    "CaseNotSupported",
     "SequenceShape",
     "RandomBatch",
     "make_random_batch",
@@ -25,6 +26,14 @@ __all__ = [
 ]
 
 SEQUENCE_KINDS = ("decode", "prefill", "chunked_prefill")
+
+
+class CaseNotSupported(Exception):
+    """The backend declares the case's spec unsupported on this device; ``reasons`` says why."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ EAGLE_TREE_8 = (-1, 0, 0, 0, 1, 1, 2, 4)
 
 
 def random_tree_parents(rng: random.Random, n: int) -> list[int]:
-    """A random token tree of ``n`` tokens rooted at token 0 (parents as in :mod:`attnbackends.speculative`)."""
+    """A random token tree of ``n`` tokens rooted at token 0 (parents as in :mod:`attnbackends.speculative.tree_mask`)."""
     return [-1] + [rng.randrange(a) for a in range(1, n)]
 
 
@@ -97,7 +106,7 @@ class RandomBatch:
     dense_keys, dense_values : per request [seq_len, num_kv_heads, D] float64, exactly as a backend reads them back
         (after the cache dtype's round trip)
     tree_parents : per request, the parent array of its draft segment (its last len(parents) query tokens; see
-        :mod:`attnbackends.speculative`) or None; ``common`` then carries the tree mask
+        :mod:`attnbackends.speculative.tree_mask`) or None; ``common`` then carries the tree mask
     """
 
     spec: AttentionSpec
@@ -143,7 +152,7 @@ def make_random_batch(
     Pages are drawn at random without replacement from ``num_blocks`` (default: what the batch needs plus 25%).
     fp8 caches get scales chosen so the data spans the fp8 range (or ``fp8_scales``); ``logit_magnitude`` scales
     the queries, to exercise soft-capping and large logits. ``tree_parents`` (one entry per request, None for no
-    tree) turns requests into tree-verify requests (:func:`attnbackends.speculative.with_tree_mask`).
+    tree) turns requests into tree-verify requests (:func:`attnbackends.speculative.tree_mask.with_tree_mask`).
     ``block_tables`` (one page list per request, within ``num_blocks``) replaces the random pages: batches of
     several layers then share one block table.
     """

@@ -13,7 +13,7 @@
 A case the backend declines (its ``not_supported_reasons`` for the case's spec, or ``CaseNotSupported`` raised by
 the backend itself) is skipped with the backend's reasons under pytest (:func:`check_backend_case`); outside pytest
 it raises ``CaseNotSupported`` (:func:`check_backend_case_or_raise`, :func:`sweep`). Every other mismatch is an
-AssertionError. Draft steps (:mod:`attnbackends.draft_steps`, the metadata of every step built at once) have their
+AssertionError. Draft steps (:mod:`attnbackends.speculative.draft_steps`, the metadata of every step built at once) have their
 own cases and check: :func:`draft_step_cases`, :func:`check_backend_draft_case`. Outputs are judged against the
 oracle elementwise and as a whole (relative Frobenius error, see
 :class:`~attnbackends.testing.tolerances.Tolerance`); fp8 cases against the oracle on the dequantised cache values,
@@ -33,9 +33,10 @@ from ..interface import AttentionBackend
 from ..ops.quant import dequantize_from_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, dtype_name
-from ..speculative import chain_parents
+from ..speculative.tree_mask import chain_parents
 from ..validation import check_device_available
 from .cases import (
+    CaseNotSupported,
     EAGLE_TREE_8, RandomBatch, SequenceShape, make_random_batch, random_sequence_shapes, random_tree_parents,
 )
 from .draft_steps import DraftStepCase, check_backend_draft_case, check_backend_draft_steps, draft_step_cases
@@ -57,14 +58,6 @@ __all__ = [
     "check_backend_draft_case",
     "check_backend_draft_steps",
 ]
-
-
-class CaseNotSupported(Exception):
-    """The backend declares the case's spec unsupported on this device; ``reasons`` says why."""
-
-    def __init__(self, reasons: list[str]) -> None:
-        super().__init__("; ".join(reasons))
-        self.reasons = reasons
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Conformance of draft steps (:mod:`attnbackends.draft_steps`): a backend builds the metadata of every step at
+"""Conformance of draft steps (:mod:`attnbackends.speculative.draft_steps`): a backend builds the metadata of every step at
 once (:meth:`~attnbackends.interface.AttentionMetadataBuilder.build_draft_steps`), then runs the steps one after
 another, each row's output checked against the float64 oracle over the keys that row sees (its request's prefix
 and its branch's draft tokens so far).
@@ -18,13 +18,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..draft_steps import DraftSteps, draft_pages_needed, draft_steps_metadata
+from ..speculative.draft_steps import DraftSteps, draft_pages_needed, draft_steps_metadata
 from ..interface import AttentionBackend
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec, dtype_name
 from ..validation import check_device_available
-from .cases import RandomBatch, SequenceShape
+from .cases import CaseNotSupported, RandomBatch, SequenceShape
 from .oracle import oracle_attention
 from .tolerances import assert_close_to_oracle, tolerance_for
 
@@ -165,8 +165,7 @@ def check_backend_draft_steps(backend_cls: type[AttentionBackend], case: DraftSt
 def check_backend_draft_case(backend_cls: type[AttentionBackend], case: DraftStepCase,
                              device: "torch.device | str" = "cpu") -> None:
     """:func:`check_backend_draft_steps`; a case the backend declines is skipped with its reasons under pytest
-    (raises :class:`~attnbackends.testing.conformance.CaseNotSupported` without pytest)."""
-    from .conformance import CaseNotSupported
+    (raises :class:`~attnbackends.testing.cases.CaseNotSupported` without pytest)."""
 
     reasons = check_backend_draft_steps(backend_cls, case, device)
     if reasons:

@@ -18,7 +18,7 @@ import torch
 
 from attnbackends import AttentionSpec, DeviceInfo, get_backend_class
 from attnbackends.flashinfer import CascadePolicy, FlashInferBackend, FlashInferMetadataBuilder, PlanKey
-from attnbackends.flashinfer.backend import flashinfer_installed
+from attnbackends.compat import flashinfer_installed
 from attnbackends.metadata import build_common_metadata
 from attnbackends.testing import (
     SequenceShape,

@@ -23,7 +23,7 @@ import torch
 
 from attnbackends import AttentionSpec, DeviceInfo
 from attnbackends.flashinfer import FlashInferBackend, FlashInferMetadataBuilder, paged_kv_plan_inputs, precompile
-from attnbackends.flashinfer.backend import flashinfer_installed
+from attnbackends.compat import flashinfer_installed
 from attnbackends.ops.quant import dequantize_from_cache
 from attnbackends.testing import (
     SequenceShape,

@@ -6,7 +6,7 @@ import torch
 
 from attnbackends import AttentionSpec
 from attnbackends.flashinfer import FlashInferBackend
-from attnbackends.flashinfer.backend import flashinfer_installed
+from attnbackends.compat import flashinfer_installed
 from attnbackends.testing import (
     CaseNotSupported,
     SequenceShape,

@@ -175,7 +175,7 @@ def test_flashinfer_mla_cuda_table_without_host_copy(req, col):
     page ids are contained (page 0 read instead: the output equals the run with page 0 in that entry), the error
     comes at the next check point, and the CUDA context still works. Each step runs behind a GPU stall, so the
     fault its build() records is not yet visible when its forward checks."""
-    from attnbackends.flashinfer.backend import flashinfer_installed
+    from attnbackends.compat import flashinfer_installed
     from attnbackends.mla.backends import FlashInferMLABackend
 
     if not flashinfer_installed():

@@ -18,11 +18,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .metadata import CommonAttentionMetadata, build_common_metadata
+from ..metadata import CommonAttentionMetadata, build_common_metadata
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec
 from .phased import phased_name
-from .platform import DeviceInfo
 from .registry import backend_names, get_backend_class, priority_list
-from .spec import AttentionSpec
 from .tuning import Profile, environment_key
 
 __all__ = ["GRIDS", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch", "tune_candidates"]

@@ -17,9 +17,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from .platform import DeviceInfo
+from ..platform import DeviceInfo
+from ..spec import AttentionConfig, AttentionSpec
 from .registry import select
-from .spec import AttentionConfig, AttentionSpec
 
 __all__ = ["WarmupRecord", "warmup"]
 
@@ -60,7 +60,7 @@ def warmup(specs: Iterable[AttentionSpec], device: Optional[DeviceInfo] = None,
         pending: Optional[Future] = None
         start_fi = time.perf_counter()
         if flashinfer_specs and device.is_cuda:
-            from .flashinfer import precompile
+            from ..flashinfer import precompile
 
             logger.info("building FlashInfer kernel modules for %d spec(s) in the background", len(flashinfer_specs))
             pending = pool.submit(precompile, flashinfer_specs, device.torch_device)

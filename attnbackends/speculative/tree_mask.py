@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .metadata import CommonAttentionMetadata
+from ..metadata import CommonAttentionMetadata
 
 __all__ = [
     "chain_parents",

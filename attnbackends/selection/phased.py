@@ -1,6 +1,6 @@
 """Per-phase composition: decodes through one backend, prefills and chunked prefills through another, in one step.
 
-:func:`phased_backend` makes the backend class for a pair (``phased(decode=triton,prefill=flash_attn)``). Both parts
+:func:`compose_phased` makes the backend class for a pair (``phased(decode=triton,prefill=flash_attn)``). Both parts
 share one KV cache, so their cache layouts, shapes and dtypes must agree (``not_supported_reasons`` says where they
 do not). One ``build()`` per step splits the decode-first batch on the host copies (no device sync) and builds each
 part's metadata from views of the common tensors: the decode part is the leading ``num_decodes`` requests, the
@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any, Optional
 
 import torch
 
-from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport
-from .metadata import CommonAttentionMetadata, split_decodes_and_prefills
-from .platform import DeviceInfo
-from .spec import AttentionSpec
+from ..interface import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CudaGraphSupport,
+)
+from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills
+from ..platform import DeviceInfo
+from ..spec import AttentionSpec
 
-__all__ = ["PhasedMetadata", "is_phased_name", "parse_phased_name", "phased_backend", "phased_name"]
+__all__ = ["PhasedMetadata", "is_phased_name", "parse_phased_name", "compose_phased", "phased_name"]
 
 _NAME = re.compile(r"^phased\(decode=([\w.\-]+),prefill=([\w.\-]+)\)$")
 
@@ -165,7 +169,7 @@ class _PhasedImpl(AttentionImpl[PhasedMetadata]):
 
 
 class PhasedBackend(AttentionBackend):
-    """Base of the per-pair classes :func:`phased_backend` makes; capabilities are what both parts support."""
+    """Base of the per-pair classes :func:`compose_phased` makes; capabilities are what both parts support."""
 
     name = "phased"
     decode_backend: type[AttentionBackend]
@@ -211,19 +215,9 @@ def _both(a: type[AttentionBackend], b: type[AttentionBackend], attr: str) -> bo
     return bool(getattr(a, attr)) and bool(getattr(b, attr))
 
 
-@lru_cache(maxsize=None)
-def phased_backend(decode: str, prefill: str) -> type[PhasedBackend]:
-    """The composition running decodes on backend ``decode`` and the rest on ``prefill`` (registered names).
-
-    Raises ValueError for unknown names, a composition as a part, or ``decode == prefill`` (use that backend).
-    """
-    from .registry import get_backend_class
-
-    if decode == prefill:
-        raise ValueError(f"decode and prefill are both {decode!r}: use that backend itself, not a composition")
-    if is_phased_name(decode) or is_phased_name(prefill):
-        raise ValueError("the parts of a phased backend must be plain backends, not compositions")
-    decode_cls, prefill_cls = get_backend_class(decode), get_backend_class(prefill)
+def compose_phased(decode_cls: type[AttentionBackend], prefill_cls: type[AttentionBackend]) -> type[PhasedBackend]:
+    """The composition running decodes on ``decode_cls`` and the rest on ``prefill_cls`` (two plain backends; the
+    registry resolves names and caches the result: :func:`attnbackends.selection.registry.phased_backend`)."""
     name = phased_name(decode_cls.name, prefill_cls.name)
     parts = dict(decode_backend=decode_cls, prefill_backend=prefill_cls)
     builder_cls = type("PhasedMetadataBuilder", (_PhasedBuilder,), dict(

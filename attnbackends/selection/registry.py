@@ -12,13 +12,21 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib import metadata as importlib_metadata
 from typing import Any, Callable, Optional, Union
 
-from .interface import AttentionBackend
-from .phased import is_phased_name, parse_phased_name, phased_backend, phased_name
-from .platform import DeviceInfo
-from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec
+from ..interface import AttentionBackend
+from ..platform import DeviceInfo
+from ..spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec
+from .phased import (
+    PhasedBackend,
+    compose_phased,
+    is_phased_name,
+    parse_phased_name,
+    phased_name,
+)
+from .tuning import measured_candidates
 
 __all__ = [
     "BackendNotSupportedError",
@@ -88,7 +96,7 @@ class Explanation:
     chosen: Optional[str] = None
     requested: str = "auto"
     notes: list[str] = field(default_factory=list)  # how the choice was made, when not by the static list alone
-    measured: Optional[Any] = None  # the measured table (attnbackends.tuning.MeasuredChoice) behind the choice
+    measured: Optional[Any] = None  # the measured table (attnbackends.selection.tuning.MeasuredChoice) behind the choice
 
     def as_table(self) -> list[tuple[str, str, str]]:
         """Rows of (backend, status, reasons) in priority order, then the backends outside the list."""
@@ -237,6 +245,19 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
     return cls
 
 
+@lru_cache(maxsize=None)
+def phased_backend(decode: str, prefill: str) -> type[PhasedBackend]:
+    """The composition running decodes on backend ``decode`` and the rest on ``prefill`` (registered names).
+
+    Raises ValueError for unknown names, a composition as a part, or ``decode == prefill`` (use that backend).
+    """
+    if decode == prefill:
+        raise ValueError(f"decode and prefill are both {decode!r}: use that backend itself, not a composition")
+    if is_phased_name(decode) or is_phased_name(prefill):
+        raise ValueError("the parts of a phased backend must be plain backends, not compositions")
+    return compose_phased(get_backend_class(decode), get_backend_class(prefill))
+
+
 def priority_list(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
     """The platform's auto-selection order for this kind of spec."""
     return list(_PRIORITIES[(device.kind, spec.is_mla)])
@@ -277,9 +298,7 @@ def explain(
     elif phased:
         candidates = [_phase_choice(config, order, by_name)]
     elif config.selection == "measured":
-        from .tuning import measured_candidates
-
-        candidates = measured_candidates(spec, device, config, order, by_name, result)
+        candidates = measured_candidates(spec, device, config, order, by_name, result, _reasons_of_any)
     else:
         candidates = order
     for name in candidates:
@@ -294,6 +313,14 @@ def explain(
                 result.notes += [f"{name}: {note}" for note in _REGISTRY[name].kernel_notes(spec, device)]
             break
     return result
+
+
+def _reasons_of_any(name: str, spec: AttentionSpec, device: DeviceInfo) -> Optional[list[str]]:
+    """Why ``name`` (a backend or a composition) cannot serve ``spec``; None when no such backend exists."""
+    try:
+        return get_backend_class(name).not_supported_reasons(spec, device)
+    except ValueError:
+        return None
 
 
 def _phase_choice(config: AttentionConfig, order: list[str], by_name: dict[str, ExplanationRow]) -> str:

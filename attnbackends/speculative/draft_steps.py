@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from .metadata import CommonAttentionMetadata
+from ..metadata import CommonAttentionMetadata
 
 __all__ = ["DraftSteps", "draft_pages_needed", "draft_steps_metadata"]
 

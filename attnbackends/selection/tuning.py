@@ -24,12 +24,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from .platform import DeviceInfo
-from .spec import AttentionConfig, AttentionSpec
+from ..platform import DeviceInfo
+from ..spec import AttentionConfig, AttentionSpec
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -80,8 +80,8 @@ def _dist_version(*names: str) -> Optional[str]:
 
 def environment_key(spec: AttentionSpec, device: DeviceInfo) -> dict[str, Any]:
     """Everything a profile's numbers depend on (compared whole: any change means "not measured here")."""
-    from . import __version__
-    from .flash_attn.library import installed_flash_attn
+    from .. import __version__
+    from ..flash_attn.library import installed_flash_attn
 
     flash_attn = installed_flash_attn()
     cc = device.compute_capability
@@ -246,11 +246,11 @@ def _why(ranking: list[str], scores: dict[str, float], rows: list[CandidateRow],
 
 def measured_candidates(
     spec: AttentionSpec, device: DeviceInfo, config: AttentionConfig, order: list[str], by_name: dict[str, Any],
-    explanation: Any,
+    explanation: Any, reasons_of: "Callable[[str, AttentionSpec, DeviceInfo], Optional[list[str]]]",
 ) -> list[str]:
     """The candidates :func:`attnbackends.explain` walks under ``selection="measured"``: the profile's ranking, then
-    the static order as fallback. Records the table and the reason in ``explanation`` (never silent)."""
-    from .registry import get_backend_class
+    the static order as fallback. Records the table and the reason in ``explanation`` (never silent).
+    ``reasons_of(name, spec, device)`` gives a backend's reasons, None for a name the registry does not know."""
 
     directory = default_profile_dir(config)
     found = load_profile(spec, device, directory) if device.is_cuda else None
@@ -266,10 +266,9 @@ def measured_candidates(
         if name in by_name:
             reasons[name] = by_name[name].reasons
             continue
-        try:
-            reasons[name] = get_backend_class(name).not_supported_reasons(spec, device)
-        except ValueError:
-            continue
+        found_reasons = reasons_of(name, spec, device)
+        if found_reasons is not None:
+            reasons[name] = found_reasons
     choice = choose(profile, reasons, order, source=str(path))
     explanation.measured = choice
     explanation.notes.append(f"selection=measured from {path}: {choice.why}")
