@@ -1,6 +1,6 @@
-"""Test session setup: `gpu` tests skip cleanly where CUDA is missing; the CPU runs Triton interpreted; property
+"""Test setup: `gpu` tests skip cleanly where CUDA is missing; the CPU runs Triton interpreted; property
 tests report how many cases they ran (the `case_counter` fixture) and the bad-input catalogue how many kinds it ran
-(the `bad_input_catalogue` fixture), both printed at the end of the session."""
+(the `bad_input_catalogue` fixture), both printed at the end of the run."""
 
 import collections
 import os

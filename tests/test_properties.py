@@ -1,6 +1,6 @@
 """Property tests (hypothesis): over random specs and batch compositions, every backend that accepts the spec on this
 device (``not_supported_reasons`` empty; Triton under the interpreter) agrees with the oracle, leaves padding rows
-untouched and writes the new tokens' K/V to their slots. The number of cases run is printed at the end of the session
+untouched and writes the new tokens' K/V to their slots. The number of cases run is printed at the end of the run
 (tests/conftest.py)."""
 
 import pytest
