@@ -179,3 +179,14 @@ def test_a_call_that_differs_from_the_spec_is_refused():
 def test_register_rejects_bad_arguments(bad):
     with pytest.raises(ValueError):
         integration.register(**bad)
+
+
+def test_layer_groups_for_reports_an_unservable_backend_before_generating():
+    from attnbackends import BackendNotSupportedError
+
+    integration.register(AttentionConfig(backend="flashinfer"))
+    with pytest.raises(BackendNotSupportedError, match="flashinfer"):
+        integration.layer_groups_for(tiny_model("llama"), page_size=16)
+    integration.register(AttentionConfig(backend="reference"))
+    groups = integration.layer_groups_for(tiny_model("gemma3"), page_size=16)
+    assert {g.name: g.backend.name for g in groups.groups} == {"sliding_8": "reference", "full": "reference"}

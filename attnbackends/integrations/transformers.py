@@ -58,7 +58,7 @@ from ..metadata import CommonAttentionMetadata, decode_first_order
 from ..platform import DeviceInfo
 from ..spec import AttentionConfig, AttentionSpec
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "transformers_layer_specs"]
+__all__ = ["ATTN_IMPLEMENTATION", "layer_groups_for", "register", "transformers_layer_specs"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,27 @@ def register(config: Optional[AttentionConfig] = None, *, name: str = ATTN_IMPLE
     # Outside continuous batching the layers run SDPA (or the dense fallback), which take SDPA's masks.
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+def layer_groups_for(model: Any, *, page_size: int = 256, dtype: "torch.dtype | None" = None,
+                     device: "torch.device | str | None" = None, name: str = ATTN_IMPLEMENTATION) -> Any:
+    """The layer groups and backends ``generate_batch`` will use for ``model`` (``str()`` of the result prints
+    them): a check to run before generating. Errors raised inside transformers' continuous-batching loop end as
+    failed requests that transformers logs, so an unservable spec is best found here.
+
+    page_size : transformers' ``ContinuousBatchingConfig.page_size`` (its default 256).
+    dtype, device : default: the model's.
+
+    Raises
+    ------
+    BackendNotSupportedError : no backend (or not the configured one) serves a layer group, with every reason.
+    ValueError : ``register`` was not called for ``name``.
+    """
+    if name not in _SETTINGS:
+        raise ValueError(f"call register(name={name!r}) first")
+    param = next(model.parameters())
+    specs = transformers_layer_specs(model.config, dtype or param.dtype, page_size)
+    return group_layers(specs, DeviceInfo.current(device or param.device), _SETTINGS[name].config)
 
 
 # ------------------------------------------------------------------------------------------------------ specs
