@@ -37,7 +37,9 @@ WIDE_MARGIN = 48.0
 
 def _model(kind: str) -> torch.nn.Module:
     margin = WIDE_MARGIN if kind in ("llama", "qwen2") else 0.0
-    overrides = dict(hidden_size=256, intermediate_size=512, head_dim=64) if kind in ("llama", "qwen2") else {}
+    # Head size 64: one every fast backend serves (FlashInfer's are 64, 128, 256).
+    overrides = dict(hidden_size=256, intermediate_size=512, head_dim=64) if kind in ("llama", "qwen2") else \
+        dict(head_dim=64)
     return tiny_model(kind, successor_logit=margin, device="cuda", dtype=torch.bfloat16, **overrides)
 
 
