@@ -316,3 +316,167 @@ def import_flashinfer() -> Any:
             f"importing it failed: {exc}"
         ) from exc
     return flashinfer
+
+
+# ------------------------------------------------------------------------------ transformers' continuous batching
+# Everything :mod:`attnbackends.integrations.transformers` needs from transformers beyond its public
+# ``AttentionInterface`` / ``AttentionMaskInterface`` registries. transformers' continuous batching (``generate_batch``)
+# accepts only "paged|eager", "sdpa" and flash implementations, writes and gathers every layer's keys and values
+# itself (``PagedAttentionCache.update``) and hands attention functions no cache and no block table outside its
+# flash-only decode path; the hooks below close those three gaps for the implementations the integration owns and
+# leave every other implementation on transformers' own code.
+PRIVATE_SURFACES.update({
+    "transformers_cb_allowlist": PrivateSurface(
+        "transformers", "ContinuousBatchingManager.switch_to_cb_friendly_attn (its allow-list of attention "
+        "implementations, wrapped to keep ours)", frozenset({"5.24.0"})),
+    "transformers_cb_cache_update": PrivateSurface(
+        "transformers", "PagedAttentionCache.update (wrapped: for our implementation it only resolves the layer's "
+        "kwargs and hands the layer's cache view on, the backend writes the new tokens) and the full-attention "
+        "allocator's cache tensor layout [block][layer][K|V][page_size, kv_heads, head_dim]",
+        frozenset({"5.24.0"})),
+    "transformers_cb_layer_grouping": PrivateSurface(
+        "transformers", "generation.continuous_batching.cache.group_layers_by_attn_type (wrapped: our implementation "
+        "keeps every layer, sliding ones included, in the position-addressed full-attention allocator; the "
+        "backends apply the window)", frozenset({"5.24.0"})),
+})
+
+#: The kwargs key under which the cache hook hands an attention call its :class:`TransformersLayerCache`.
+TRANSFORMERS_LAYER_CACHE_KWARG = "attnbackends_layer_cache"
+
+
+@dataclass(frozen=True)
+class TransformersLayerCache:
+    """One layer's view of transformers' paged cache, as the cache hook hands it to the attention function.
+
+    Attributes
+    ----------
+    kv_cache : [num_pages, 2, page_size, num_kv_heads, head_dim] in the cache dtype, contiguous: a view of
+        transformers' cache tensor (no copy) whose page ``b * pages_per_block`` is this layer's part of block b.
+    rows_per_block : token rows of one transformers block (every layer's K and V pages): a cache index ``i`` of
+        ``read_index`` / ``write_index`` is block ``i // rows_per_block``, offset ``i % rows_per_block``.
+    page_size : tokens per page (transformers' ``page_size``).
+    pages_per_block : layers sharing a block (L): block b is page ``b * L`` of every layer's view.
+    group : the allocator's position in ``read_index`` / ``write_index`` (always 0: one allocator).
+    max_num_tokens : the most query tokens one step holds (transformers' ``max_batch_tokens``).
+    owner : the ``PagedAttentionCache`` (the integration keys its per-cache state by it).
+    """
+
+    kv_cache: torch.Tensor
+    rows_per_block: int
+    page_size: int
+    pages_per_block: int
+    group: int
+    max_num_tokens: int
+    owner: Any
+
+
+def transformers_cb_hooks_reason() -> Optional[str]:
+    """Why the continuous-batching hooks cannot be installed (transformers missing or lacking a hooked name), or
+    None when they can; an untested version with every name present is logged and used."""
+    try:
+        from transformers.generation.continuous_batching import cache as cb_cache
+        from transformers.generation.continuous_batching import continuous_api, initialization
+    except ImportError as exc:
+        return f"transformers' continuous batching is not importable ({exc})"
+    missing = [name for mod, name in ((cb_cache, "group_layers_by_attn_type"), (initialization,
+               "group_layers_by_attn_type"), (cb_cache.PagedAttentionCache, "update"),
+               (continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn"))
+               if not hasattr(mod, name)]
+    if missing:
+        return (f"transformers {package_version('transformers')} lacks {', '.join(missing)} "
+                f"(tested: {sorted(PRIVATE_SURFACES['transformers_cb_cache_update'].tested_versions)})")
+    for surface in ("transformers_cb_allowlist", "transformers_cb_cache_update", "transformers_cb_layer_grouping"):
+        reason = surface_unsupported_reason(surface)
+        if reason is not None and (surface, reason) not in _LOGGED:
+            _LOGGED.add((surface, reason))
+            logger.warning("%s; trying it (the hooked names exist)", reason)
+    return None
+
+
+_TRANSFORMERS_OWNED: set[str] = set()
+
+
+def _owned(config: Any) -> bool:
+    return getattr(config, "_attn_implementation", None) in _TRANSFORMERS_OWNED
+
+
+def _layer_cache(cache: Any, layer_idx: int) -> TransformersLayerCache:
+    """One layer's view of the full-attention allocator's cache tensor (memoised on the cache).
+
+    transformers keeps a block's pages layer after layer, each as K rows then V rows: block b, layer i starts at row
+    (b * L + i) * 2 * page_size of the [rows, kv_heads, head_dim] tensor. Read from layer i's first row on, the
+    tensor is a contiguous [num_pages, 2, page_size, kv_heads, head_dim] cache in the library's layout whose page
+    b * L is block b of layer i (the pages between are the other layers'), so every layer shares one block table
+    (entries b * L) and one slot mapping. All layers' views get the same page count, (num_blocks - 1) * L + 1.
+    """
+    views = cache.__dict__.setdefault("_attnbackends_layer_views", {})
+    view = views.get(layer_idx)
+    if view is not None:
+        return view
+    allocator = cache.layer_to_allocator[layer_idx]
+    if allocator.layer_type != "full_attention" or not getattr(allocator, "supports_block_table", False):
+        raise NotImplementedError(f"layer {layer_idx} uses transformers' {type(allocator).__name__}; the attnbackends "
+                                  "implementation needs every layer in the full-attention allocator")
+    tokens = allocator.cache_tensor  # [total_tokens, 2, kv_heads, head_dim]
+    layers, page = len(allocator.layer_indices), allocator.tokens_per_page
+    rows_per_block = 2 * layers * page
+    if allocator.block_physical_stride != rows_per_block:
+        raise NotImplementedError(f"transformers' block stride {allocator.block_physical_stride} is not "
+                                  f"2 * layers * page_size = {rows_per_block}: an untested cache layout")
+    rows = tokens.reshape(-1, *tokens.shape[2:])  # [2 * total_tokens, kv_heads, head_dim]
+    num_blocks = rows.shape[0] // rows_per_block
+    num_pages = (num_blocks - 1) * layers + 1
+    first = allocator.layer_indices.index(layer_idx) * 2 * page
+    kv_cache = rows[first: first + num_pages * 2 * page].view(num_pages, 2, page, *rows.shape[1:])
+    view = TransformersLayerCache(kv_cache, rows_per_block, page, layers, allocator.index,
+                                  int(cache.max_batch_tokens), cache)
+    views[layer_idx] = view
+    return view
+
+
+def install_transformers_cb_hooks(implementation: str) -> None:
+    """Let transformers' continuous batching run the attention implementation ``implementation`` (registered in
+    its ``AttentionInterface``) on paged kernels over transformers' own cache. Idempotent; other implementations
+    keep transformers' behaviour. Raises NotImplementedError when the hooked names are missing."""
+    reason = transformers_cb_hooks_reason()
+    if reason is not None:
+        raise NotImplementedError(reason)
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching import continuous_api, initialization
+    from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+
+    _TRANSFORMERS_OWNED.add(implementation)
+    if getattr(cb_cache, "_attnbackends_hooked", False):
+        return
+
+    grouping = cb_cache.group_layers_by_attn_type
+
+    def group_layers_by_attn_type(config: Any) -> dict[str, list[int]]:
+        if _owned(config):
+            return {FULL_ATTENTION: list(range(config.num_hidden_layers))}
+        return grouping(config)
+
+    update = cb_cache.PagedAttentionCache.update
+
+    def paged_update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                     kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _owned(self.config):
+            return update(self, key_states, value_states, layer_idx, kwargs)
+        allocator = self.layer_to_allocator[layer_idx]
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+        kwargs[TRANSFORMERS_LAYER_CACHE_KWARG] = _layer_cache(self, layer_idx)
+        return key_states, value_states
+
+    switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
+
+    def switch_to_cb_friendly_attn(self: Any, model: Any, auto_switch_to_flash: bool = True) -> None:
+        if _owned(model.config):
+            return None
+        return switch(self, model, auto_switch_to_flash)
+
+    cb_cache.group_layers_by_attn_type = group_layers_by_attn_type
+    initialization.group_layers_by_attn_type = group_layers_by_attn_type
+    cb_cache.PagedAttentionCache.update = torch.compiler.disable(paged_update)
+    continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+    cb_cache._attnbackends_hooked = True
