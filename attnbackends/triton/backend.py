@@ -178,6 +178,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         itself: the SMs its persistent grid leaves to the step's cache write, which then runs beside it
         (:mod:`attnbackends.triton.write_beside`). None (default): the rule's choice per batch
         (:func:`.write_beside.cache_write_sms`); 0: the write runs first, alone; k > 0: k SMs for every such batch.
+    hopper_paged_prefill : run the prefills of batches with prefills on the paged Gluon Hopper kernel
+        (:mod:`attnbackends.triton.prefill_hopper_paged`: every key from the cache's pages, the step's keys written
+        first; chunks on context and ``key=None`` steps included), except batches of fresh prompts whose forward
+        brings keys (the fresh-prompt kernel above). None: :data:`.prefill_hopper_paged.PAGED_PREFILL_DEFAULT`.
+        ``paged_prefill_reason`` says why it is not used ("": used).
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
