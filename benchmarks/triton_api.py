@@ -220,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="host overhead and eager decode rows only")
     ap.add_argument("--profile", action="store_true", help="print where the host time of one forward goes")
     ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
+    ap.add_argument("--paged-rows", action="store_true",
+                    help="the paged Gluon prefill's rows only (prefill_chunk, prefill_cached, prefill, prefill_shape)")
     ap.add_argument("--write-sweep", action="store_true",
                     help="time the cache write alone (tokens per program) and beside the prefill (SMs left to it)")
     ap.add_argument("--no-prefill-kernel", action="store_true",
@@ -256,6 +258,8 @@ def main(argv=None) -> int:
 
     if args.prefill_sweep:
         return prefill_sweep(row, diff)
+    if args.paged_rows:
+        return paged_rows(row, diff)
     if args.write_sweep:
         return write_sweep(row, diff)
 
@@ -491,6 +495,112 @@ def prefill_sweep(row, diff) -> int:
             continue
         row("mixed_sweep", 64, 4096, do_bench_us(fn), peer, config=[bm, bn, w, st, pack],
             overlap_streams=meta.overlap_streams, max_abs_diff=max(diff(b.out[:60], d_out), diff(b.out[60:], p_out)))
+    return 0
+
+
+CHUNK_SHAPES = [(1, 2048, 14336), (4, 2048, 6144), (8, 512, 3584), (16, 256, 1792)]  # (B, new, cached)
+#: name -> (B, new, cached, spec fields): the common layer shapes on a chunk-on-context step and a fresh one.
+SHAPE_ROWS = {
+    "h64_sinks_win128": (dict(num_heads=64, num_kv_heads=8, head_size=64, sliding_window=128, has_sinks=True)),
+    "h256_win1024": (dict(num_heads=16, num_kv_heads=8, head_size=256, sliding_window=1024)),
+    "win4096": (dict(num_heads=32, num_kv_heads=8, head_size=128, sliding_window=4096)),
+    "softcap30": (dict(num_heads=32, num_kv_heads=8, head_size=128, logits_soft_cap=30.0)),
+}
+
+
+def _visible_keys(shapes, window=0) -> int:
+    """Query-key pairs a causal (windowed) prefill computes."""
+    total = 0
+    for q, c in shapes:
+        for i in range(q):
+            pos = c + i
+            total += min(pos + 1, window) if window else pos + 1
+    return total
+
+
+def paged_rows(row, diff) -> int:
+    """The paged Gluon prefill (``hopper_paged_prefill=True``) through the public API, against the builder's
+    current default (``paged=False``: the unified / Triton prefill kernels, or the fresh-prompt Gluon kernel) and
+    FlashInfer's paged prefill on the same cache: ``prefill_chunk`` (a chunk on cached context, with its keys),
+    ``prefill_cached`` (``forward(q, None, None)``, every key already in the cache), ``prefill`` (fresh prompts with
+    keys: the default's fresh-prompt kernel and the paged one with the write first) and ``prefill_shape`` (the
+    common layer shapes: head 64 with sinks and a 128-token window, head 256 with a 1024-token window, a 4096-token
+    window, a soft-cap; FlashInfer with the same window / soft-cap where it serves the shape, none for sinks)."""
+    import flashinfer
+
+    def case(shapes, spec_kw=None, write=True, paged_kw=None):
+        spec_kw = dict(spec_kw or {})
+        hq, hkv, d = spec_kw.pop("num_heads", HQ), spec_kw.pop("num_kv_heads", HKV), spec_kw.pop("head_size", D)
+        b = Batch(shapes, head_size=d, num_heads=hq, num_kv_heads=hkv)
+        if not write:
+            b.triton(write=True)()  # the step's keys into the cache first
+        b.spec = AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_size=d, dtype="bfloat16", block_size=PAGE,
+                               **spec_kw)
+        sinks = torch.randn(hq, device=DEV) if b.spec.has_sinks else None
+        impl = TritonAttentionBackend.get_impl_cls()(b.spec, sinks=sinks)
+        out = {}
+        for name, paged in (("paged", True), ("default", False)):
+            builder = TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256,
+                                                               max_num_tokens=max(b.num_tokens, 8192),
+                                                               hopper_paged_prefill=paged,
+                                                               **((paged_kw or {}) if paged else {}))
+            meta = builder.build(b.common)
+            o = torch.full_like(b.query, float("nan"))
+            k, v = (b.new_k, b.new_v) if write else (None, None)
+            fn = (lambda meta=meta, o=o, k=k, v=v: impl.forward(b.query, k, v, b.kv, meta, o))
+            fn()
+            torch.cuda.synchronize()
+            fresh = write and meta.prefill_split is not None and isinstance(meta.prefill_split[1], HopperPrefillPlan)
+            if meta.paged_prefill is not None and not fresh:
+                kernel = "gluon_paged"
+            else:
+                kernel = prefill_kernel_name(meta) if write else "unified"
+            out[name] = (do_bench_us(fn), o, kernel, builder.paged_prefill_reason)
+        if write:
+            b.triton(write=True)()  # FlashInfer reads the new keys from the cache
+        indptr, indices, last, qsl, query = b.sub(0, len(shapes))
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV),
+                                                           "NHD")
+        fi_kw = {}
+        if b.spec.sliding_window:
+            fi_kw["window_left"] = b.spec.sliding_window - 1
+        if b.spec.logits_soft_cap:
+            fi_kw["logits_soft_cap"] = b.spec.logits_soft_cap
+        peer, fi_out = None, None
+        if not b.spec.has_sinks:
+            w.plan(qsl, indptr, indices, last, hq, hkv, d, PAGE, causal=True, q_data_type=torch.bfloat16,
+                   kv_data_type=b.kv.dtype, sm_scale=1.0 / math.sqrt(d), **fi_kw)
+            fi_out = torch.empty_like(query)
+            fi = lambda: w.run(query, b.kv, out=fi_out)  # noqa: E731
+            fi()
+            peer = do_bench_us(fi)
+        flops = 4.0 * hq * d * _visible_keys(shapes, b.spec.sliding_window or 0)
+        return out, peer, fi_out, flops
+
+    def emit_case(name, B, L, shapes, spec_kw=None, write=True, paged_kw=None, **extra):
+        try:
+            out, peer, fi_out, flops = case(shapes, spec_kw, write, paged_kw)
+        except Exception as exc:  # a failure is a row, not the end of the rows
+            row(name, B, L, float("nan"), None, error=repr(exc)[:300], **extra)
+            return
+        tf = lambda t: round(flops / t / 1e6, 1)  # noqa: E731
+        (us, o, kernel, why), (base_us, base_o, base_kernel, _) = out["paged"], out["default"]
+        row(name, B, L, us, peer, TFLOPs=tf(us), peer_TFLOPs=tf(peer) if peer else None,
+            default_us=round(base_us, 2), default_TFLOPs=tf(base_us), default_kernel=base_kernel,
+            prefill_kernel=kernel, paged_reason=why, ratio_vs_default=round(us / base_us, 4),
+            max_abs_diff_vs_peer=diff(o, fi_out) if fi_out is not None else None,
+            max_abs_diff_vs_default=diff(o, base_o), keys_in_forward=write, **extra)
+
+    for B, new, cached in CHUNK_SHAPES:
+        emit_case("prefill_chunk", B, new + cached, [(new, cached)] * B, new=new, cached=cached)
+    for B, L in PREFILL_SHAPES:
+        emit_case("prefill_cached", B, L, [(L, 0)] * B, write=False)
+    for B, L in PREFILL_SHAPES:
+        emit_case("prefill", B, L, [(L, 0)] * B)
+        emit_case("prefill_paged_fresh", B, L, [(L, 0)] * B, paged_kw=dict(hopper_prefill=False))
+    for name, kw in SHAPE_ROWS.items():
+        emit_case("prefill_shape", 4, 8192, [(2048, 6144)] * 4, kw, shape=name, new=2048, cached=6144)
+        emit_case("prefill_shape", 4, 4096, [(4096, 0)] * 4, kw, shape=name, new=4096, cached=0)
     return 0
 
 

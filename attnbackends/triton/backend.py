@@ -47,6 +47,7 @@ from .prefill_hopper import (
     launch_hopper_prefill,
     plan_hopper_prefill,
 )
+from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, forward_paged, paged_prefill_reason, plan_paged_split
 from .prefill_launch import (
     PrefillPlan,
     launch_prefill_new_kv,
@@ -81,6 +82,10 @@ class TritonMetadata:
     #: [max_num_tokens] int8: the tokens the Gluon prefill's own cache write left to the write kernel (the
     #: builder's buffer; set where the planned prefill ``writes_cache``).
     write_todo: Optional[torch.Tensor] = None
+    #: (the decodes' plan or None, the paged Gluon prefill's plan) where the builder planned the batch's prefills
+    #: on :mod:`.prefill_hopper_paged` (run unless ``prefill_split`` holds the fresh-prompt kernel and the forward
+    #: brings keys).
+    paged_prefill: Optional[tuple] = None
 
     @property
     def num_decodes(self) -> int:
@@ -173,6 +178,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         itself: the SMs its persistent grid leaves to the step's cache write, which then runs beside it
         (:mod:`attnbackends.triton.write_beside`). None (default): the rule's choice per batch
         (:func:`.write_beside.cache_write_sms`); 0: the write runs first, alone; k > 0: k SMs for every such batch.
+    hopper_paged_prefill : run the prefills of batches with prefills on the paged Gluon Hopper kernel
+        (:mod:`attnbackends.triton.prefill_hopper_paged`: every key from the cache's pages, the step's keys written
+        first; chunks on context and ``key=None`` steps included), except batches of fresh prompts whose forward
+        brings keys (the fresh-prompt kernel above). None: :data:`.prefill_hopper_paged.PAGED_PREFILL_DEFAULT`.
+        ``paged_prefill_reason`` says why it is not used ("": used).
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default until timed on the GPU
@@ -185,7 +195,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
                  prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
-                 hopper_cache_write: bool = True, cache_write_sms: Optional[int] = None, **kwargs) -> None:
+                 hopper_cache_write: bool = True, cache_write_sms: Optional[int] = None,
+                 hopper_paged_prefill: Optional[bool] = None, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.deterministic = bool(deterministic)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
@@ -200,6 +211,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.hopper_prefill_reason: str = "turned off (hopper_prefill=False)" if not hopper_prefill else \
             hopper_prefill_reason(spec, info.compute_capability, interpreted=interpreted,
                                   deterministic=self.deterministic)
+        #: Why batches with prefills do not run on the paged Gluon kernel (:mod:`.prefill_hopper_paged`; "": they do).
+        self.paged_prefill_reason: str = paged_prefill_reason(
+            spec, info.compute_capability, interpreted=interpreted, deterministic=self.deterministic)
+        if not (PAGED_PREFILL_DEFAULT if hopper_paged_prefill is None else hopper_paged_prefill):
+            self.paged_prefill_reason = "turned off (hopper_paged_prefill)"
         self.prefill_kernel_forced = prefill_kernel is True
         self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
         if cache_write_sms is not None and not 0 <= int(cache_write_sms) < max(self.num_sms, 1):
@@ -261,8 +277,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         todo = None
         if prefill_split is not None and getattr(prefill_split[1], "writes_cache", False):
             todo = self._todo_flags()
+        paged = None
+        if not self.paged_prefill_reason and causal and split.num_prefills and tree is None:
+            paged = plan_paged_split(self, common, num_decodes, split.num_decode_tokens, causal)
         return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
-                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms, todo)
+                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms, todo,
+                              paged)
 
     def _todo_flags(self) -> torch.Tensor:
         """The to-do flags of the Gluon kernel's own cache write ([max_num_tokens] int8, zero between forwards:
@@ -388,6 +408,9 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         split = metadata.prefill_split
         if split is not None and (key is None or not tma_compatible(query, key, value, output)):
             split = None
+        if (metadata.paged_prefill is not None and not (split is not None and isinstance(split[1], HopperPrefillPlan))
+                and forward_paged(self, query, key, value, kv_cache, metadata, output)):
+            return output
         if split is not None and isinstance(split[1], HopperPrefillPlan) and split[1].writes_cache:
             if self._prefill_writes_cache(split[1], query, key, value, output, kv_cache, common,
                                           metadata.write_todo):

@@ -1,0 +1,614 @@
+"""Hopper causal prefill over the paged KV cache in Gluon: the warp-specialised kernel of :mod:`.prefill_hopper`
+(a TMA loader warp, two ping-pong consumer warpgroups, a persistent schedule) with every key and value read from
+the cache's pages, so one kernel serves fresh prompts, chunks on cached context, prefix-cache hits and
+``forward(q, None, None)`` over keys already in the cache. The step's new keys and values are written into the
+cache first (the write kernel, :func:`attnbackends.ops.kv_cache_write.reshape_and_cache`); the kernel then reads
+only the query, the pages and the block table.
+
+Query row i of a sequence with ``ctx = seq_len - query_len`` cached tokens sits at position ``ctx + i``: the
+causal diagonal of the sequence's query block m0 .. m0 + 127 ends at key ``ctx + m0 + 127``, so a work item
+(head, sequence, query block) visits key tiles ``j0 .. cdiv(ctx + min(query_len, m0 + 128), BLOCK_N) - 1``
+(``j0`` past the tiles left of every row's sliding window, else 0). The work order, the barriers, the ping-pong
+turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring); what differs:
+
+- **K/V tiles from pages.** A key tile of BLOCK_N keys is BLOCK_N / BOX TMA boxes of ``BOX = min(PAGE, BLOCK_N)``
+  rows of one KV head (``[BOX, HEAD]``, rows ``(2 * page + kv) * PAGE + offset`` of the cache viewed as
+  ``[num_blocks * 2 * PAGE, HKV * HEAD]``), all counted in the stage's one expect-tx. The loader reads each box's
+  page id from the block table (one scalar load per box, issued before it waits for the stage, so their latency
+  hides behind the wait).
+- **The sequence's end.** Key boxes that start past ``seq_len`` are not loaded (the stage keeps an older tile:
+  those keys lie above every valid row's diagonal and their scores are replaced by -inf, NaN included). Their
+  values enter P.V with weight 0, so they must be finite: the loader writes the value boxes that reach past
+  ``seq_len`` itself (generic loads of the valid rows, zeros for the rest, into the stage, fenced for the async
+  proxy before the stage's expect-tx arrival), so the slots past a sequence's end may hold anything.
+- **Options** (constexpr, off for the plain causal layer): a sliding window (``WINDOW`` keys: key n visible from
+  position p iff p - WINDOW < n <= p; tiles left of the item's first row's window skipped, the left edge masked,
+  the running max guarded while a row has seen no key), a logit soft-cap (``cap * tanh(s * scale / cap)`` before
+  masking, in the log2 domain: the loop's scale is then 1), attention sinks (one extra logit per query head, in the
+  final normalisation only, with the max taken over it so nothing overflows).
+- **Shapes**: head 64, 128 or 256 (:func:`default_paged_config`: head 256 uses 64-key tiles and no O staging so
+  that Q and two K/V stages fit shared memory); any number of query heads per KV head (the item's KV head is
+  ``h // (HQ // HKV)``); float16 or bfloat16; pages of 16 tokens or any larger power of two.
+
+Gluon does not run under the Triton interpreter: ``tests/triton_backend/test_prefill_hopper_paged.py`` compiles
+every variant for sm_90 on the CPU (no spills) and checks it against the float64 oracle on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..mla.decode_hopper import gluon_available
+from ..ops.launch_math import cdiv
+from ..spec import AttentionSpec, AttentionType
+from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, hopper_prefill_items
+
+__all__ = ["PAGED_PREFILL_DEFAULT", "PAGED_HEAD_SIZES", "forward_paged", "plan_paged_split", "PagedPrefillConfig", "PagedPrefillPlan", "default_paged_config",
+           "launch_paged_prefill", "paged_prefill_args", "paged_prefill_reason", "plan_paged_prefill",
+           "paged_cache_reason"]
+
+PAGED_HEAD_SIZES = (64, 128, 256)
+#: Whether a builder plans the paged kernel unless told (its ``hopper_paged_prefill`` option).
+PAGED_PREFILL_DEFAULT = False
+
+if gluon_available():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    from .prefill_hopper import _rows_descriptor, _smem_layout, _turn_pass, _turn_wait
+
+
+@dataclass(frozen=True)
+class PagedPrefillConfig:
+    """Tile and schedule options (fields as :class:`.prefill_hopper.HopperPrefillConfig`)."""
+
+    block_n: int = 128
+    nbuf: int = 2
+    pingpong: bool = True
+    persistent: bool = True
+    epi_tma: bool = True
+    regs: tuple[int, int] = (224, 56)  # the loader's page ids and tail fill need more than the fresh kernel's
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (64, 128) or self.nbuf < 2:
+            raise ValueError(f"block_n must be 64 or 128 and nbuf >= 2, got block_n {self.block_n}, nbuf {self.nbuf}")
+        regs = tuple(self.regs)
+        if len(regs) != 2 or regs[0] % 8 or regs[1] % 8 or not 24 <= regs[1] <= regs[0] <= 256:
+            raise ValueError(f"regs must be (consumer, loader) multiples of 8 with 24 <= loader <= consumer <= 256, "
+                             f"got {self.regs}")
+        object.__setattr__(self, "regs", regs)
+
+
+def default_paged_config(head_size: int) -> PagedPrefillConfig:
+    """The backend's config for ``head_size``: 128-key tiles and two stages for heads 64 and 128 (three stages
+    for 64, where they fit); 64-key tiles, no O staging for 256 (Q 64 KiB + 2 x 2 stages of 32 KiB)."""
+    if head_size == 64:
+        return PagedPrefillConfig(block_n=128, nbuf=3)
+    if head_size == 256:
+        return PagedPrefillConfig(block_n=64, nbuf=2, epi_tma=False)
+    return PagedPrefillConfig()
+
+
+@dataclass(frozen=True)
+class PagedPrefillPlan:
+    """The kernel's launch for sequences ``first_seq`` .. ``first_seq + num_seqs - 1`` of a batch (any cached
+    context), within its first ``num_tokens`` query rows; the layer's options as the kernel's constexprs."""
+
+    grid: tuple[int]
+    first_seq: int
+    num_seqs: int
+    num_q_blocks: int
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    config: PagedPrefillConfig
+    sliding_window: int = 0
+    use_softcap: bool = False
+    use_sinks: bool = False
+
+
+def paged_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
+                         interpreted: bool = False, deterministic: bool = False) -> str:
+    """Why the paged kernel cannot serve the prefills of a layer ``spec`` on a device of ``compute_capability``
+    ("" if it can): causal decoder self-attention; query and value heads of 64, 128 or 256; a 16-bit model dtype
+    and cache (an fp8 cache is not read by this kernel); pages of a power-of-two number of tokens; no ALiBi (rare in
+    current models: the unified kernel serves it); not the builder's deterministic mode (the unified kernel serves
+    every request there); compute capability 9.0, not under the Triton interpreter; Gluon installed."""
+    if spec.attn_type is not AttentionType.DECODER:
+        return f"{spec.attn_type.value} attention (needs causal decoder self-attention)"
+    if spec.head_size not in PAGED_HEAD_SIZES:
+        return f"head_size {spec.head_size} (needs one of {PAGED_HEAD_SIZES})"
+    if spec.value_head_size != spec.head_size:
+        return f"value head size {spec.value_head_size} (needs the key head size {spec.head_size})"
+    if spec.torch_dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {spec.dtype} (needs float16 or bfloat16)"
+    if spec.is_fp8_kv_cache:
+        return "an fp8 KV cache (the paged kernel reads 16-bit pages)"
+    if spec.block_size < 16 or spec.block_size & (spec.block_size - 1):
+        return f"block_size {spec.block_size} (needs a power of two of at least 16)"
+    if spec.alibi_slopes is not None:
+        return "ALiBi"
+    if deterministic:
+        return "deterministic mode"
+    if interpreted:
+        return "the Triton interpreter (Gluon compiles for the GPU only)"
+    if compute_capability != (9, 0):
+        return "compute capability is not 9.0"
+    if not gluon_available():
+        return "triton.experimental.gluon is not installed"
+    return ""
+
+
+def paged_cache_reason(kv_cache: torch.Tensor) -> str:
+    """Why the kernel's TMA view cannot take this cache ("" if it can): [num_blocks, 2, block_size, num_kv_heads,
+    head_size] contiguous, fewer than 2**31 rows of one KV head's keys or values, a 16-byte aligned pointer."""
+    if not kv_cache.is_contiguous():
+        return "a cache that is not contiguous"
+    if kv_cache.shape[0] * 2 * kv_cache.shape[2] >= 2 ** 31:
+        return "a cache of 2**31 or more token rows"
+    if kv_cache.data_ptr() % 16:
+        return "a cache pointer that is not 16-byte aligned"
+    return ""
+
+
+def plan_paged_prefill(*, spec: AttentionSpec, num_seqs: int, first_seq: int, max_query_len: int, num_tokens: int,
+                       num_sms: int, config: Optional[PagedPrefillConfig] = None) -> PagedPrefillPlan:
+    """The launch of sequences ``first_seq`` .. ``num_seqs - 1`` (the longest query has ``max_query_len`` tokens)
+    of a batch of ``num_tokens`` tokens for a layer ``spec`` (:func:`paged_prefill_reason` empty) on a GPU of
+    ``num_sms`` SMs."""
+    config = config or default_paged_config(spec.head_size)
+    if spec.head_size not in PAGED_HEAD_SIZES or spec.num_heads % spec.num_kv_heads:
+        raise ValueError(f"head_size must be one of {PAGED_HEAD_SIZES} and num_heads a multiple of num_kv_heads, "
+                         f"got head_size {spec.head_size}, {spec.num_heads} / {spec.num_kv_heads} heads")
+    seqs = num_seqs - first_seq
+    items = hopper_prefill_items(spec.num_heads, seqs, max_query_len)
+    grid = (min(items, num_sms) if config.persistent else items,)
+    return PagedPrefillPlan(grid, first_seq, seqs, cdiv(max(int(max_query_len), 1), BLOCK_M), int(num_tokens),
+                            spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, config,
+                            int(spec.sliding_window or 0), bool(spec.logits_soft_cap), bool(spec.has_sinks))
+
+
+def paged_prefill_args(plan: PagedPrefillPlan, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                       softmax_scale: float, soft_cap: float = 0.0, sinks: Optional[torch.Tensor] = None):
+    """(grid, args, kwargs) of ``plan``'s launch (also what an offline compile uses); tensors as in
+    :func:`launch_paged_prefill`."""
+    cfg, n, f = plan.config, plan.num_tokens, plan.first_seq
+    num_blocks, _, page, hkv, head = kv_cache.shape
+    box = min(page, cfg.block_n)
+    c_desc = GluonTensorDescriptor(kv_cache, [num_blocks * 2 * page, hkv * head], [hkv * head, 1], [box, head],
+                                   _smem_layout(kv_cache.dtype, cfg.block_n, head))
+    qsl = query_start_loc[f:] if f else query_start_loc
+    lens = seq_lens[f:] if f else seq_lens
+    table = block_table[f:] if f else block_table
+    if plan.use_softcap:  # s2 = cap * log2(e) * tanh(s * scale / cap); the loop's exponent scale is then 1
+        qk_scale, cap_in, cap_out = 1.0, softmax_scale / soft_cap, soft_cap * _LOG2E
+    else:
+        qk_scale, cap_in, cap_out = softmax_scale * _LOG2E, 0.0, 0.0
+    epi = cfg.epi_tma
+    o_desc = _rows_descriptor(output, n, ROWS_PER_WG) if epi else c_desc
+    args = (_rows_descriptor(query, n, BLOCK_M), c_desc, o_desc, output, kv_cache, qsl, lens, table,
+            sinks if plan.use_sinks else output, table.stride(0), output.stride(0), plan.num_seqs, plan.num_q_blocks,
+            qk_scale, cap_in, cap_out)
+    kwargs = dict(HQ=plan.num_heads, HKV=plan.num_kv_heads, HEAD=head, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+                  NBUF=cfg.nbuf, PAGE=page, PINGPONG=cfg.pingpong, EPI_TMA=epi, WINDOW=plan.sliding_window,
+                  SOFTCAP=plan.use_softcap, SINKS=plan.use_sinks,
+                  REGS_CONSUMER=cfg.regs[0], REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
+    return plan.grid, args, kwargs
+
+
+def launch_paged_prefill(plan: PagedPrefillPlan, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         softmax_scale: float, soft_cap: float = 0.0,
+                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run ``plan`` (no checks): causal attention of each planned sequence's queries over all its keys in the
+    cache (the step's new keys written there before).
+
+    Parameters
+    ----------
+    query, output : [>= num_tokens, num_heads, head_size] float16 / bfloat16, each with unit stride in the head
+        dimension, heads contiguous, a 16-byte aligned row stride and pointer (:func:`.prefill_launch.tma_compatible`).
+    kv_cache : [num_blocks, 2, block_size, num_kv_heads, head_size] in the query dtype (:func:`paged_cache_reason`).
+    block_table : [num_reqs, max_blocks] int32; seq_lens : [num_reqs] int32 (cached + new tokens);
+    query_start_loc : [num_reqs + 1] int32: the whole batch's (the plan's first sequence is ``plan.first_seq``).
+    softmax_scale : the scale of q.k; soft_cap : the cap (``plan.use_softcap``);
+    sinks : [num_heads] float32 (``plan.use_sinks``).
+    """
+    if plan.grid[0] <= 0:
+        return output
+    grid, args, kwargs = paged_prefill_args(plan, query, output, kv_cache, block_table, seq_lens, query_start_loc,
+                                            softmax_scale, soft_cap, sinks)
+    device = query.device
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _paged_prefill_kernel[grid](*args, **kwargs)
+    else:
+        _paged_prefill_kernel[grid](*args, **kwargs)
+    return output
+
+
+if gluon_available():
+
+    @gluon.jit
+    def _paged_item(r, QSL, SEQ_LENS, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        """This program's item of round r (the order of :func:`.prefill_hopper._work_item`) -> (head, sequence, first
+        query token, query length, cached tokens, first row of the query tile, first key tile, key tiles past the
+        last one, whether there is work)."""
+        P = gl.num_programs(0)
+        p = gl.program_id(0)
+        w = r * P + p + (r & 1) * (P - 1 - 2 * p)
+        wc = gl.minimum(w, num_items - 1)
+        h = wc % HQ
+        rest = wc // HQ
+        seq = rest % num_seqs
+        qb = num_q_blocks - 1 - rest // num_seqs
+        start = gl.load(QSL + seq)
+        q_len = gl.load(QSL + seq + 1) - start
+        ctx = gl.load(SEQ_LENS + seq) - q_len
+        m0 = qb * BLOCK_M
+        j_end = gl.cdiv(ctx + gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
+        if WINDOW > 0:
+            j0 = gl.maximum(ctx + m0 - WINDOW + 1, 0) // BLOCK_N
+        else:
+            j0 = 0
+        return h, seq, start, q_len, ctx, m0, j0, j_end, (w < num_items) & (m0 < q_len)
+
+    @gluon.jit
+    def _fill_value_rows(CACHE, buf, bt, key0, first, seq_len, col, HKV: gl.constexpr, HEAD: gl.constexpr,
+                         BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+        """Write rows ``first`` .. BLOCK_N - 1 (a multiple of 8) of the value tile of keys key0 .. in shared memory
+        ``buf`` [BLOCK_N, HEAD] with generic stores: the values of keys < seq_len from their pages, zeros past the
+        end. In pieces of 8 rows x 64 columns (one swizzle atom of 16-bit values; 16 values per lane)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        for ch in gl.static_range(BLOCK_N // 8):
+            if ch * 8 >= first:  # one branch per piece: its loads are not hoisted next to another piece's
+                k = key0 + ch * 8  # 8 keys of one page (pages hold a multiple of 8)
+                pg = gl.load(bt + gl.minimum(k, seq_len - 1) // PAGE)
+                base = CACHE + ((2 * pg + 1) * PAGE + k % PAGE).to(gl.int64) * (HKV * HEAD) + col
+                mask = gl.expand_dims(k + rows < seq_len, 1) & gl.expand_dims(cols < 64, 0)
+                for c0 in gl.static_range(0, HEAD, 64):
+                    ptrs = base + gl.expand_dims(rows * (HKV * HEAD), 1) + gl.expand_dims(c0 + cols, 0)
+                    buf.slice(ch * 8, 8).slice(c0, 64, dim=1).store(gl.load(ptrs, mask=mask, other=0.0))
+
+    @gluon.jit
+    def _load_paged_tile(c_desc, bufs, ready, empty, CACHE, bt, j, g, seq_len, col, KV: gl.constexpr,
+                         HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                         PAGE: gl.constexpr):
+        """Key (KV = 0) or value (KV = 1) tile j (keys j * BLOCK_N ..) of one KV head into stage g % NBUF, once both
+        consumers released it: one TMA box per BOX keys of a page; key boxes past the sequence's end skipped, value
+        boxes that reach past it written by :func:`_fill_value_rows` before the stage's expect-tx arrival."""
+        BOX: gl.constexpr = BLOCK_N if PAGE > BLOCK_N else PAGE
+        NB: gl.constexpr = BLOCK_N // BOX
+        key0 = j * BLOCK_N
+        box_ids = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        # One load of the tile's page ids, issued before the wait so that its latency hides behind it.
+        pages = gl.load(bt + gl.minimum(key0 + box_ids * BOX, seq_len - 1) // PAGE)
+        if KV == 0:
+            n_tma = gl.minimum(gl.cdiv(seq_len - key0, BOX), NB)  # boxes that start before the end
+        else:
+            n_tma = gl.minimum((seq_len - key0) // BOX, NB)  # boxes wholly before the end
+        s = g % NBUF
+        mbarrier.wait(empty.index(s), ((g // NBUF) & 1) ^ 1)
+        buf = bufs.index(s)
+        if KV == 1:
+            if n_tma < NB:
+                _fill_value_rows(CACHE, buf, bt, key0, n_tma * BOX, seq_len, col, HKV, HEAD, BLOCK_N, PAGE)
+                fence_async_shared()  # the generic stores visible to wgmma before the arrival below releases them
+        bar = ready.index(s)  # NB arrivals: each box's expect-tx with its TMA, or a plain one where not loaded
+        for c in gl.static_range(NB):
+            if c < n_tma:
+                k0 = key0 + c * BOX
+                pg = gl.max(gl.where(box_ids == c, pages, 0), axis=0)
+                row = (2 * pg + KV) * PAGE + k0 % PAGE
+                mbarrier.expect(bar, c_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(c_desc, [row, col], bar, buf.slice(c * BOX, BOX))
+            else:
+                mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _paged_loader(q_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                      CACHE, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr,
+                      HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NBUF: gl.constexpr, PAGE: gl.constexpr, WINDOW: gl.constexpr):
+        """1 warp. Per work item: Q once both consumers are done with the previous one, K_{j0}, then per tile j
+        K_{j+1} (one ahead) and V_j."""
+        it = 0
+        i = 0
+        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+            h, seq, start, q_len, ctx, m0, j0, j_end, has_work = _paged_item(
+                r, QSL, SEQ_LENS, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M, BLOCK_N, WINDOW)
+            if has_work:
+                col = (h // (HQ // HKV)) * HEAD
+                seq_len = ctx + q_len
+                bt = BT + seq.to(gl.int64) * stride_bt
+                nt = j_end - j0
+                mbarrier.wait(q_empty, (i & 1) ^ 1)
+                mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
+                _load_paged_tile(c_desc, k_bufs, k_ready, k_empty, CACHE, bt, j0, it, seq_len, col, 0, HKV, HEAD,
+                                 BLOCK_N, NBUF, PAGE)
+                for jj in range(nt):
+                    if jj + 1 < nt:
+                        _load_paged_tile(c_desc, k_bufs, k_ready, k_empty, CACHE, bt, j0 + jj + 1, it + jj + 1,
+                                         seq_len, col, 0, HKV, HEAD, BLOCK_N, NBUF, PAGE)
+                    _load_paged_tile(c_desc, v_bufs, v_ready, v_empty, CACHE, bt, j0 + jj, it + jj, seq_len, col, 1,
+                                     HKV, HEAD, BLOCK_N, NBUF, PAGE)
+                it += nt
+                i += 1
+
+    @gluon.jit
+    def _tanh(x):
+        # exp-based: accurate to float32 rounding (tanh.approx is not, at the caps models use); saturates at +-inf.
+        return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
+
+    @gluon.jit
+    def _scores(s, j, pos0, n_unmasked, n_left, cap_in, cap_out, s_layout: gl.constexpr, ROWS: gl.constexpr,
+                BLOCK_N: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+        """The score tile j of rows at positions pos0 .. pos0 + ROWS - 1: soft-capped (log2 domain), keys above
+        the diagonal or left of the window at -inf (tiles j < n_unmasked and >= n_left pass unmasked)."""
+        if SOFTCAP:
+            s = cap_out * _tanh(s * cap_in)
+        masked = j >= n_unmasked
+        if WINDOW > 0:
+            masked = masked | (j < n_left)
+        if masked:
+            pos = pos0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
+            if WINDOW > 0:
+                keep = keep & (gl.expand_dims(keys, 0) > gl.expand_dims(pos, 1) - WINDOW)
+            s = gl.where(keep, s, gl.full_like(s, float("-inf")))
+        return s
+
+    @gluon.jit
+    def _softmax(s, l_i, m_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr, WINDOW: gl.constexpr):
+        """Online softmax step (log2 domain, the scale in the exp2's FMA): (P, l_i, m_new, alpha). With a window a
+        row may have seen no key yet (max -inf): its exponents then use 0 in place of the max."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if WINDOW > 0:
+            m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+        else:
+            m_use = m_new
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use * qk_scale, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return gl.convert_layout(p.to(dtype), p_layout), l_i, m_new, alpha
+
+    @gluon.jit
+    def _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, pos0, j0, nt, it, t,
+                      qk_scale, cap_in, cap_out, WG: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NBUF: gl.constexpr, PINGPONG: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+        """One warpgroup's 64 query rows at positions pos0 .. pos0 + 63 against key tiles j0 .. j0 + nt - 1: (O
+        unnormalised [64, HEAD] float32, row sums, row maxima). Stages and turns as in
+        :func:`.prefill_hopper._attend`."""
+        ROWS: gl.constexpr = 64
+        dtype: gl.constexpr = q.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        n_unmasked = (pos0 + 1) // BLOCK_N  # tiles whose last key is <= pos0: below every row's diagonal
+        n_left = gl.cdiv(pos0 + ROWS - WINDOW, BLOCK_N)  # (window) tiles from here on hold no key left of it
+
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        o = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
+
+        s0 = it % NBUF
+        mbarrier.wait(k_ready.index(s0), (it // NBUF) & 1)
+        _turn_wait(turn, t, WG, PINGPONG)
+        s_tok = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(s0), count=1)
+        s = _scores(s, j0, pos0, n_unmasked, n_left, cap_in, cap_out, s_layout, ROWS, BLOCK_N, WINDOW, SOFTCAP)
+        p, l_i, m_i, alpha = _softmax(s, l_i, m_i, qk_scale, p_layout, dtype, WINDOW)
+        for jj in range(1, nt):
+            g = it + jj
+            buf = g % NBUF
+            prev = (g - 1) % NBUF
+            mbarrier.wait(k_ready.index(buf), (g // NBUF) & 1)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // NBUF) & 1)
+            _turn_wait(turn, t + jj, WG, PINGPONG)
+            s_tok = warpgroup_mma(q, k_bufs.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(buf), count=1)
+            s = _scores(s, j0 + jj, pos0, n_unmasked, n_left, cap_in, cap_out, s_layout, ROWS, BLOCK_N, WINDOW,
+                        SOFTCAP)
+            p_next, l_i, m_i, alpha = _softmax(s, l_i, m_i, qk_scale, p_layout, dtype, WINDOW)
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            p = p_next
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        mbarrier.arrive(q_empty, count=1)
+        last = (it + nt - 1) % NBUF
+        mbarrier.wait(v_ready.index(last), ((it + nt - 1) // NBUF) & 1)
+        _turn_wait(turn, t + nt, WG, PINGPONG)
+        o_tok = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+        return o, l_i, m_i
+
+    @gluon.jit
+    def _paged_consumer(q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                        o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items, qk_scale,
+                        cap_in, cap_out, WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
+                        EPI_TMA: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr):
+        """One consumer warpgroup: rows m0 + 64 * WG .. + 63 of each item's query tile; normalises (with the head's
+        sink logit where ``SINKS``) and stores them as :func:`.prefill_hopper._consumer_partition` does."""
+        ROWS: gl.constexpr = 64
+        dtype: gl.constexpr = q_smem.dtype
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD, 16])
+        q = q_smem.slice(WG * ROWS, ROWS, dim=0)
+        o_stage = o_smem.slice(WG * ROWS, ROWS, dim=0)
+        it = 0
+        i = 0
+        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+            h, seq, start, q_len, ctx, m0, j0, j_end, has_work = _paged_item(
+                r, QSL, SEQ_LENS, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M, BLOCK_N, WINDOW)
+            if has_work:
+                r0 = m0 + WG * ROWS
+                nt = j_end - j0
+                mbarrier.wait(q_ready, i & 1)
+                o, l_i, m_i = _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                                            ctx + r0, j0, nt, it, it + i, qk_scale, cap_in, cap_out, WG, HEAD,
+                                            BLOCK_N, NBUF, PINGPONG, WINDOW, SOFTCAP)
+                it += nt
+                i += 1
+
+                if SINKS:  # the sink's weight exp(sink - max) joins the denominator; max over both, no overflow
+                    sink = gl.load(SINK + h).to(gl.float32) * 1.4426950408889634
+                    mq = m_i * qk_scale
+                    mf = gl.maximum(mq, sink)
+                    a = gl.exp2(mq - mf)
+                    inv_rows = a / (l_i * a + gl.exp2(sink - mf))
+                else:
+                    inv_rows = 1.0 / l_i
+                inv = gl.convert_layout(inv_rows, gl.SliceLayout(1, o_layout))
+                out = (o * gl.expand_dims(inv, 1)).to(dtype)
+                if EPI_TMA and r0 + ROWS <= q_len:
+                    o_stage.store(out)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    tma.async_copy_shared_to_global(o_desc, [start + r0, h * HEAD], o_stage)
+                    tma.store_wait(0)
+                else:
+                    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+                    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+                    ptrs = (O + gl.expand_dims((start + rows).to(gl.int64) * stride_o_t, 1) + h * HEAD
+                            + gl.expand_dims(cols, 0))
+                    gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
+
+    @gluon.jit(do_not_specialize=["stride_bt", "num_seqs", "num_q_blocks", "cap_in", "cap_out"],
+               do_not_specialize_on_alignment=["QSL", "SEQ_LENS", "BT", "SINK"])
+    def _paged_prefill_kernel(
+        q_desc, c_desc, o_desc,  # TMA over Q [T, HQ * HEAD] (box BLOCK_M x HEAD), the cache [num_blocks * 2 * PAGE,
+                                 # HKV * HEAD] (box min(PAGE, BLOCK_N) x HEAD), O [T, HQ * HEAD] (64 x HEAD)
+        O, CACHE, QSL, SEQ_LENS, BT, SINK,  # output rows; the cache; the planned sequences' offsets [num_seqs + 1],
+                                            # lengths [num_seqs] and block-table rows (int32); sinks [HQ] float32
+        stride_bt, stride_o_t, num_seqs, num_q_blocks,
+        qk_scale, cap_in, cap_out,  # exponent scale (softmax scale * log2(e), or 1 with SOFTCAP); scale / cap;
+                                    # cap * log2(e)
+        HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NBUF: gl.constexpr, PAGE: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, WINDOW: gl.constexpr,
+        SOFTCAP: gl.constexpr, SINKS: gl.constexpr, REGS_CONSUMER: gl.constexpr,
+        REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Grid (programs,): the HQ * num_seqs * num_q_blocks work items in rounds, as :mod:`.prefill_hopper`'s
+        kernel; warps 4 (consumer 0) + 4 (consumer 1) + 1 (loader)."""
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows each")
+        gl.static_assert(BLOCK_M % BLOCK_N == 0, "a query tile ends on a key tile boundary")
+        gl.static_assert(NBUF >= 2, "the next tile flies while this one is read")
+        gl.static_assert(PAGE >= 8, "a box of whole 8-row swizzle atoms")
+        dtype: gl.constexpr = q_desc.dtype
+        num_items = HQ * num_seqs * num_q_blocks
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], c_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], c_desc.layout)
+        if EPI_TMA:
+            o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], o_desc.layout)
+        else:
+            o_smem = q_smem  # not written
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)
+        BOXES: gl.constexpr = BLOCK_N // (BLOCK_N if PAGE > BLOCK_N else PAGE)
+        for s in gl.static_range(NBUF):
+            mbarrier.init(k_ready.index(s), count=BOXES)  # one arrival per box of a tile (:func:`_load_paged_tile`)
+            mbarrier.init(v_ready.index(s), count=BOXES)
+            mbarrier.init(k_empty.index(s), count=2)
+            mbarrier.init(v_empty.index(s), count=2)
+        for s in gl.static_range(2):
+            mbarrier.init(turn.index(s), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_paged_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                               turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items,
+                               qk_scale, cap_in, cap_out, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
+                               WINDOW, SOFTCAP, SINKS)),
+            (_paged_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                               turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items,
+                               qk_scale, cap_in, cap_out, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
+                               WINDOW, SOFTCAP, SINKS)),
+            (_paged_loader, (q_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, CACHE, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ,
+                             HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, PAGE, WINDOW)),
+        ], [4, 1], [REGS_CONSUMER, REGS_LOAD])
+
+
+def plan_paged_split(builder, common, num_decodes: int, num_decode_tokens: int, causal: bool):
+    """The builder's plan of a batch with prefills for the paged kernel: (the decodes' unified-kernel plan or None,
+    the paged kernel's plan for requests ``num_decodes`` onwards). ``builder``: a
+    :class:`.backend.TritonMetadataBuilder` (its spec, SM count and unified-plan arguments)."""
+    from .launch import plan_attention
+
+    decode_plan = None
+    if num_decodes:
+        decode_plan = plan_attention(
+            num_tokens=num_decode_tokens, block_size=builder.spec.block_size, num_seqs=num_decodes,
+            max_query_len=builder.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
+            num_decodes=num_decodes, num_kv_splits=1, decode_query_len=builder.reorder_batch_threshold,
+            **builder._plan_args)
+    plan = plan_paged_prefill(spec=builder.spec, num_seqs=common.num_reqs, first_seq=num_decodes,
+                              max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens,
+                              num_sms=builder.num_sms)
+    return decode_plan, plan
+
+
+def forward_paged(impl, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
+                  kv_cache: torch.Tensor, metadata, output: torch.Tensor) -> bool:
+    """Run a batch the builder planned for the paged kernel (``metadata.paged_prefill``): the step's keys and values
+    (if given) into the cache, the decodes on the unified kernel, the rest on the paged kernel. False (nothing
+    launched) where the query / output rows or the cache do not fit the kernel's TMA views
+    (:func:`.prefill_launch.tma_compatible`, :func:`paged_cache_reason`): the unified plan then runs."""
+    from .launch import launch_attention
+    from .prefill_launch import tma_compatible
+
+    if not tma_compatible(query, query, query, output) or paged_cache_reason(kv_cache):
+        return False
+    common = metadata.common
+    decode_plan, plan = metadata.paged_prefill
+    alibi, sinks = impl._features(query.device)
+    if key is not None:
+        impl.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+    _, key_cache, value_cache, cache_key = impl._views_of(kv_cache)
+    if decode_plan is not None:
+        launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc, common.seq_lens,
+                         common.block_table, impl.scale, impl._soft_cap, alibi, sinks, impl.k_scale, impl.v_scale,
+                         cache_key=cache_key)
+    launch_paged_prefill(plan, query, output, kv_cache, common.block_table, common.seq_lens, common.query_start_loc,
+                         impl.scale, impl._soft_cap, sinks)
+    return True

@@ -1,0 +1,130 @@
+"""Offline sm_90 compile of the paged Gluon prefill (attnbackends/triton/prefill_hopper_paged.py) for the layer
+shapes the backend plans it for, without a GPU: registers per partition, spills, shared memory, wgmma shapes.
+
+    python -m benchmarks.prefill_hopper_paged_compile                 # every variant, one JSON line each
+    python -m benchmarks.prefill_hopper_paged_compile --variants head128-page16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from attnbackends import AttentionSpec
+
+#: name -> AttentionSpec fields (32 query heads unless given).
+VARIANTS = {
+    "head128-page16": dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16),
+    "head128-page32": dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=32),
+    "head128-page64": dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=64),
+    "head128-page256": dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=256),
+    "head128-gqa5-fp16": dict(num_heads=40, num_kv_heads=8, head_size=128, block_size=16, dtype="float16"),
+    "head128-window-softcap-sinks": dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                                         sliding_window=4096, logits_soft_cap=30.0, has_sinks=True),
+    "head64-sinks-window128": dict(num_heads=64, num_kv_heads=8, head_size=64, block_size=16, sliding_window=128,
+                                   has_sinks=True),
+    "head256-window1024": dict(num_heads=16, num_kv_heads=8, head_size=256, block_size=16, sliding_window=1024),
+    "head256-softcap": dict(num_heads=16, num_kv_heads=8, head_size=256, block_size=16, logits_soft_cap=50.0),
+}
+
+
+def compile_variant(name: str, **config) -> dict:
+    """Compile one variant; the report of ``benchmarks.prefill_explore_gluon_ws.compile_report``'s keys."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    import triton
+
+    from attnbackends.triton.prefill_hopper_paged import _paged_prefill_kernel, paged_prefill_args, plan_paged_prefill
+    from benchmarks.offline_compile import SHARED_LIMIT, _ptxas_notes, _signature, _tool, sm90_target
+    from benchmarks.prefill_explore_gluon_ws import _launch_attrs, _sass_facts
+
+    fields = dict(VARIANTS[name])
+    fields.setdefault("dtype", "bfloat16")
+    spec = AttentionSpec(**fields)
+    dt = spec.torch_dtype
+    tokens, seqs = 256, 2
+    q = torch.zeros(tokens, spec.num_heads, spec.head_size, dtype=dt)
+    cache = torch.zeros(64, 2, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=dt)
+    table = torch.zeros(seqs, 64, dtype=torch.int32)
+    lens = torch.tensor([200, 300], dtype=torch.int32)
+    qsl = torch.tensor([0, 128, 256], dtype=torch.int32)
+    sinks = torch.zeros(spec.num_heads, dtype=torch.float32)
+    plan = plan_paged_prefill(spec=spec, num_seqs=seqs, first_seq=0, max_query_len=128, num_tokens=tokens,
+                              num_sms=132)
+    if config:
+        plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **config))
+    _, args, kwargs = paged_prefill_args(plan, q, torch.empty_like(q), cache, table, lens, qsl, 0.1,
+                                         float(spec.logits_soft_cap or 0.0), sinks)
+    kernel = _paged_prefill_kernel
+    target = sm90_target()
+    signature, constexprs, options = _signature(kernel, args, kwargs)
+    attrs = _launch_attrs(kernel, args, kwargs)
+    t0 = time.time()
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+    rep = {"variant": name, "compile_s": round(time.time() - t0, 2), "shared": compiled.metadata.shared,
+           "shared_over_limit": compiled.metadata.shared > SHARED_LIMIT[target.arch]}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    for key, field in (("regs", "REG"), ("stack", "STACK"), ("local", "LOCAL")):
+        m = re.search(rf"\b{field}:(\d+)", usage)
+        rep[key] = int(m.group(1)) if m else None
+    ptx = compiled.asm["ptx"]
+    rep["ptxas_notes"] = _ptxas_notes(ptx, target.arch)
+    from collections import Counter
+    rep["wgmma"] = dict(Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.[\w.]+)", ptx)))
+    rep["setmaxnreg"] = re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    rep.update(_sass_facts(sass))
+    rep["config"] = dataclasses.asdict(plan.config)
+    return rep
+
+
+def problems(rep: dict) -> list[str]:
+    """What a report shows wrong: spills, shared memory over the limit, serialised wgmma, a partition over its
+    setmaxnreg limit."""
+    out = []
+    if rep["stack"] or rep["local"] or rep["local_ld_st"]:
+        out.append(f"spills: stack {rep['stack']}, local {rep['local']}, {rep['local_ld_st']} LDL/STL")
+    if rep["shared_over_limit"]:
+        out.append(f"shared memory {rep['shared']} over the limit")
+    if [n for n in rep["ptxas_notes"] if "serialized" in n.lower()]:
+        out.append(f"wgmma serialised: {rep['ptxas_notes']}")
+    for limit in rep["config"]["regs"]:  # noqa: B007
+        used = rep["regs_by_limit"].get(str(limit), 0)
+        if used > limit:
+            out.append(f"{used} registers under a limit of {limit}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--regs", nargs=2, type=int, help="consumer and loader registers (else the backend's)")
+    ap.add_argument("--nbuf", type=int)
+    ns = ap.parse_args()
+    config = {}
+    if ns.regs:
+        config["regs"] = tuple(ns.regs)
+    if ns.nbuf:
+        config["nbuf"] = ns.nbuf
+    for name in ns.variants:
+        rep = compile_variant(name, **config)
+        rep["problems"] = problems(rep)
+        print(json.dumps(rep), flush=True)
+
+
+if __name__ == "__main__":
+    main()
