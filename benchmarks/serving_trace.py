@@ -124,7 +124,7 @@ TINY_LIMITS = SchedulerLimits(max_num_tokens=160, max_chunk=48, max_num_reqs=24,
 
 # Per trace kind: the window length in steps and the distributions (inclusive ranges of tokens) of the requests.
 _FULL_PARAMS: dict[str, dict[str, Any]] = {
-    "chat": dict(steps=32, system_prompt=1000, running=64, running_history=(200, 6000), running_output=(5, 250),
+    "chat": dict(steps=32, system_prompt=1000, running=64, running_history=(200, 6000), running_output=(1, 60),
                  arrivals=4.0, new_conversation=0.3, history=(200, 6000), user=(30, 400), output=(40, 300),
                  follow_up=0.7, think_steps=(1, 4)),
     "docs": dict(steps=24, background=32, background_context=(256, 4096), background_output=(100, 400),
@@ -817,8 +817,8 @@ def _tune_missing(specs: list[AttentionSpec], device: DeviceInfo, profile_dir: s
         if which == "compared":
             names = [n for n in names if all(part in compared for part in
                                              (parse_phased_name(n) if is_phased_name(n) else (n,)))]
-        if not names:
-            status[label] = "nothing to tune"
+        if len(names) < 2:  # nothing to choose between: the static list picks the one that fits
+            status[label] = f"not tuned: candidates {names or 'none'}"
             continue
         start = time.perf_counter()
         profile = run_tune(spec, device, grid=grid, candidates=names)
@@ -873,10 +873,12 @@ class _Result:
 
 def _replay_all(models: dict[str, ModelShape], traces: dict[str, Trace], commons: dict[str, list],
                 backends: list[str], device: torch.device, args: argparse.Namespace,
-                unsupported: dict[tuple[str, str], Optional[str]], timed: bool) -> dict[tuple[str, str, str], _Result]:
-    """Replay every trace for every model and backend (warm-up pass, then ``args.repeats`` timed passes); with
-    ``timed`` False only the warm-up pass (kernels compile)."""
-    results: dict[tuple[str, str, str], _Result] = {}
+                unsupported: dict[tuple[str, str], Optional[str]], timed: bool,
+                results: Optional[dict[tuple[str, str, str], _Result]] = None,
+                on_model: Optional[Callable[[], object]] = None) -> dict[tuple[str, str, str], _Result]:
+    """Replay every trace for every model and backend (warm-up pass, then ``args.repeats`` timed passes) into
+    ``results``; with ``timed`` False only the warm-up pass (kernels compile). ``on_model()`` after each model."""
+    results = {} if results is None else results
     num_blocks = max(t.num_blocks for t in traces.values())
     max_tokens = max(t.limits.max_num_tokens for t in traces.values())
     max_reqs = max(t.max_num_reqs for t in traces.values())
@@ -925,6 +927,8 @@ def _replay_all(models: dict[str, ModelShape], traces: dict[str, Trace], commons
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if on_model is not None:
+            on_model()
     return results
 
 
@@ -938,9 +942,11 @@ def _rows(models: dict[str, ModelShape], traces: dict[str, Trace], backends: lis
         for model in models.values():
             _, counts = replay_layer_specs(model, args.layers_per_group, args.dtype)
             numbers = {b: results[(model.name, kind, b)].numbers(counts) for b in backends
-                       if results[(model.name, kind, b)].passes}
+                       if (model.name, kind, b) in results and results[(model.name, kind, b)].passes}
             for backend in ours:
-                result = results[(model.name, kind, backend)]
+                result = results.get((model.name, kind, backend))
+                if result is None:  # not run yet
+                    continue
                 row: dict[str, Any] = {
                     "case": "serving_trace", "backend": backend, "peer": peer if backend != peer else None,
                     "trace": kind, "model": model.name, "dtype": args.dtype, "kv_dtype": "auto",
@@ -956,8 +962,8 @@ def _rows(models: dict[str, ModelShape], traces: dict[str, Trace], backends: lis
                     row["unsupported"] = result.unsupported
                 if result.error:
                     row["error"] = result.error
+                peer_result = results.get((model.name, kind, peer), _Result())
                 if row["peer"] is not None:
-                    peer_result = results[(model.name, kind, peer)]
                     if peer in numbers:
                         row["peer_us"] = numbers[peer]["us"]
                         row["peer_model_us"] = numbers[peer]["model_us"]
@@ -1100,38 +1106,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     flashinfer_specs = [s for s in all_specs if uses_flashinfer and unsupported_reason([s], info, "flashinfer") is None]
     build = _start_flashinfer_build(flashinfer_specs, device, cascade="chat" in traces)
 
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[str, str, str], _Result] = {}
+    tune_status: dict[str, str] = {}
+
+    def write(complete: bool) -> list[dict[str, Any]]:
+        """The rows so far (a run cut short still leaves the numbers it measured)."""
+        rows = _rows(models, traces, backends, results, args)
+        header = {"suite": "serving_trace", "device": info.describe(), "torch": torch.__version__,
+                  "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.serving_trace "
+                  + " ".join(argv if argv is not None else sys.argv[1:]), "complete": complete,
+                  "seconds": round(time.perf_counter() - wall, 1), "tune": tune_status}
+        out.write_text(json.dumps({**header, "rows": rows}, indent=1))
+        return rows
+
     # Triton (and the others without FlashInfer) compile on warm-up passes while FlashInfer's modules build.
     early = [b for b in explicit if b != "flashinfer"]
     if build is not None and early:
         _replay_all(models, traces, commons, early, device, args, unsupported, timed=False)
     if build is not None:
         build.join()
-    tune_status: dict[str, str] = {}
-    if AUTO in backends:
-        if args.tune == "missing" and info.is_cuda:
-            tune_status = _tune_missing(all_specs, info, args.profile_dir, compared, args.tune_grid,
-                                        args.tune_candidates)
-        elif not info.is_cuda:
-            tune_status = {"all": "not tuned: profiles are for CUDA devices (the static priority list chooses)"}
-        for model in models.values():
-            specs = replay_layer_specs(model, args.layers_per_group, args.dtype)[0]
-            unsupported[(model.name, AUTO)] = unsupported_reason(specs, info, AUTO, args.profile_dir)
+        logger.info("kernels ready after %.0f s", time.perf_counter() - wall)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny CPU replays: intra-op threads only contend
     try:
-        results = _replay_all(models, traces, commons, backends, device, args, unsupported, timed=True)
+        _replay_all(models, traces, commons, explicit, device, args, unsupported, timed=True, results=results,
+                    on_model=lambda: write(False))
+        if AUTO in backends:
+            start = time.perf_counter()
+            if args.tune == "missing" and info.is_cuda:
+                tune_status.update(_tune_missing(all_specs, info, args.profile_dir, compared, args.tune_grid,
+                                                 args.tune_candidates))
+            elif not info.is_cuda:
+                tune_status["all"] = "not tuned: profiles are for CUDA devices (the static priority list chooses)"
+            logger.info("tune: %.0f s", time.perf_counter() - start)
+            for model in models.values():
+                specs = replay_layer_specs(model, args.layers_per_group, args.dtype)[0]
+                unsupported[(model.name, AUTO)] = unsupported_reason(specs, info, AUTO, args.profile_dir)
+            _replay_all(models, traces, commons, [AUTO], device, args, unsupported, timed=True, results=results,
+                        on_model=lambda: write(False))
     finally:
         torch.set_num_threads(threads)
-    rows = _rows(models, traces, backends, results, args)
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    header = {"suite": "serving_trace", "device": info.describe(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.serving_trace "
-              + " ".join(argv if argv is not None else sys.argv[1:]), "seconds": round(time.perf_counter() - wall, 1),
-              "tune": tune_status}
-    out.write_text(json.dumps({**header, "rows": rows}, indent=1))
+    rows = write(True)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     plotted = write_plot(rows, plot)
     for row in rows:
