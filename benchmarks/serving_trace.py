@@ -30,18 +30,23 @@ grouped by :func:`attnbackends.group_layers`; every step is what an engine runs:
 their window) and one ``impl.forward`` per layer with the step's new K/V (written into the cache).
 
 Backends: any registered name, and ``auto``: the measured per-group selection (``AttentionConfig(selection=
-"measured")``, the stored ``attnbackends tune`` profile of each layer spec). A spec without a stored profile is tuned
-in-process first, as ``attnbackends tune`` does (``run_tune`` on the ``small`` grid, over the single backends
-compared here and their per-phase compositions, stored in ``--profile-dir``); ``--tune never`` uses only stored
-profiles (the explanation then says the static list chose). A backend that cannot serve a model is reported with
-the reasons :func:`attnbackends.explain` gives, never dropped.
+"measured")``, from the stored ``attnbackends tune`` profile of each layer spec). A spec without a stored profile in
+``--profile-dir`` (default: the user cache, where ``attnbackends tune`` stores them) is tuned in-process first, as
+``attnbackends tune`` does (``run_tune`` on the ``small`` grid, over the single backends compared here and their
+per-phase compositions; a spec that only one of them fits is not tuned: the static list picks that one), and the
+profile is stored for later runs; ``--tune never`` uses only stored profiles (where there is none, each group's
+explanation says the static list chose). A backend that cannot serve a model is reported with the reasons
+:func:`attnbackends.explain` gives, never dropped.
 
 Timing: for each (trace, model, backend) one warm-up pass over the trace, then ``--repeats`` timed passes; in a pass
-each step is bracketed by CUDA events (start, after the builds, after each layer's forward) and followed by a
-synchronize, as an engine waits for the step's sampled tokens; the host wall time from the step's first call to its
-last launch is kept beside it. ``us`` is the GPU time of the builds and forwards of the whole trace in the median
-pass. Kernels compile before any timed pass: FlashInfer's modules build in the background (all at once) while the
-Triton kernels compile on warm-up passes, then the tune runs, then every timed pass.
+each step is bracketed by CUDA events (before the builds, after them, after each layer's forward) and followed by a
+synchronize, as an engine waits for the step's sampled tokens. The span between a step's first and last event is
+its attention time as the engine sees it: the GPU's work, or the host's launch time where the step is host-bound
+(the GPU then waits between kernels). The host wall time from the step's first call to its last launch is kept
+beside it. ``us`` is the sum over the trace's steps in the median pass. Kernels compile before any timed pass:
+FlashInfer's modules build in the background (all at once) while the Triton kernels compile on warm-up passes;
+the explicit backends are timed next, then the tune runs and ``auto`` is timed. The JSON is rewritten after each
+model, so a run cut short keeps what it measured (``"complete": false``).
 
 Rows: ``{"case": "serving_trace", "backend", "peer", "trace", "model", "us", "peer_us", "ratio", "steps", "tokens",
 ...}`` with the build time, the host time, per-layer averages and ``model_us``: the builds plus each group's forward
@@ -536,7 +541,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 TINY_MODELS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("llama-3-8b", 4, 1, 32, 32),
     ModelShape("qwen2.5-7b", 7, 1, 32, 28),
-    ModelShape("gpt-oss-20b", 8, 1, 16, 24, window=16, global_every=2, has_sinks=True),
+    ModelShape("gpt-oss-20b", 8, 1, 32, 24, window=16, global_every=2, has_sinks=True),
     ModelShape("gemma-3-12b", 2, 1, 64, 48, window=32, global_every=6),
     ModelShape("mistral-7b", 4, 1, 32, 32, window=64),
 )}
@@ -777,7 +782,8 @@ def _oracle_step(trace: Trace) -> int:
     return min(mixed or range(len(trace.steps)), key=cost)
 
 
-def _start_flashinfer_build(specs: list[AttentionSpec], device: torch.device, cascade: bool) -> Optional[threading.Thread]:
+def _start_flashinfer_build(specs: list[AttentionSpec], device: torch.device,
+                            cascade: bool) -> Optional[threading.Thread]:
     """FlashInfer's JIT modules for ``specs``, built side by side in a background thread (their first use would
     build them one after another); None when there is nothing to build."""
     if not specs or device.type != "cuda":
@@ -1050,7 +1056,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated registered backend names, and 'auto' (the measured selection)")
     parser.add_argument("--peer", default="flashinfer", help="the backend every other one is compared with")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from: {', '.join(MODELS)}")
-    parser.add_argument("--traces", default=",".join(TRACE_KINDS), help=f"comma-separated, from: {', '.join(TRACE_KINDS)}")
+    parser.add_argument("--traces", default=",".join(TRACE_KINDS),
+                        help=f"comma-separated, from: {', '.join(TRACE_KINDS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--tiny", action="store_true", help="tiny traces and head counts (a CPU check)")
@@ -1070,6 +1077,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         backends = _csv(args.backends, backend_names() + [AUTO], "backends")
+        args.peer = _csv(args.peer, backend_names(), "peer")[0]
         model_names = _csv(args.models, list(MODELS), "models")
         kinds = _csv(args.traces, list(TRACE_KINDS), "traces")
     except argparse.ArgumentTypeError as exc:
@@ -1151,7 +1159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(threads)
     rows = write(True)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
-    plotted = write_plot(rows, plot)
+    try:
+        plotted = write_plot(rows, plot)
+    except ImportError as exc:  # matplotlib comes with the dev extra; the rows are the result
+        logger.warning("no plot: %s", exc)
+        plotted = False
     for row in rows:
         logger.info("%-6s %-12s %-10s us %10s  peer %10s  ratio %6s%s", row["trace"], row["model"], row["backend"],
                     row["us"], row["peer_us"], row["ratio"],

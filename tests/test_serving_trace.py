@@ -158,7 +158,8 @@ def test_tiny_cpu_run_writes_rows_and_a_plot(tmp_path):
             "--models", "gpt-oss-20b,gemma-3-12b", "--out", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["trace"], r["model"]) for r in rows} == {(k, m) for k in TRACE_KINDS for m in ("gpt-oss-20b", "gemma-3-12b")}
+    models = ("gpt-oss-20b", "gemma-3-12b")
+    assert {(r["trace"], r["model"]) for r in rows} == {(k, m) for k in TRACE_KINDS for m in models}
     for r in rows:
         assert r["case"] == "serving_trace" and r["backend"] == "reference" and r["peer"] is None
         assert r["oracle_checked"] is True and "error" not in r
