@@ -305,7 +305,7 @@ class _Scheduler:
 
     def __init__(self, rng: random.Random, limits: SchedulerLimits,
                  on_finish: Optional[Callable[[_Request, int], None]] = None) -> None:
-        self.rng, self.limits = rng, limits
+        self.limits = limits
         self.pool = _PagePool(rng, limits.pool_growth)
         self.running: list[_Request] = []
         self.waiting: deque[_Request] = deque()
