@@ -808,9 +808,9 @@ def _tune_missing(specs: list[AttentionSpec], device: DeviceInfo, profile_dir: s
                   grid: str, which: str) -> dict[str, str]:
     """Store an `attnbackends tune` profile for every spec that has none in ``profile_dir`` (as the CLI does);
     returns how each spec's profile came about, by a short description of the spec."""
-    from attnbackends.phased import is_phased_name, parse_phased_name
-    from attnbackends.tune_timing import run_tune, tune_candidates
-    from attnbackends.tuning import load_profile
+    from attnbackends.selection.phased import is_phased_name, parse_phased_name
+    from attnbackends.selection.tune_timing import run_tune, tune_candidates
+    from attnbackends.selection.tuning import load_profile
 
     status = {}
     for spec in specs:
@@ -1089,7 +1089,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu --backends reference --tiny)")
     info = DeviceInfo.current(device)
-    from attnbackends.tuning import default_profile_dir
+    from attnbackends.selection.tuning import default_profile_dir
 
     args.profile_dir = str(default_profile_dir(AttentionConfig(profile_dir=args.profile_dir)))
     wall = time.perf_counter()

@@ -1,6 +1,7 @@
 """Layer groups: grouping by spec, per-group selection and pins (config and YAML), the window trim of a sliding
 group's pages, and every group's backend against the oracle on one batch with layers of different specs."""
 
+import dataclasses
 import random
 import textwrap
 
@@ -171,6 +172,18 @@ def test_trim_keeps_exactly_the_pages_some_query_may_see(seed, window):
     assert trimmed.block_table.shape[1] <= window_pages_per_request(window, BS, common.max_query_len)
     assert torch.equal(trimmed.slot_mapping, common.slot_mapping)
     assert torch.equal(trimmed.query_start_loc, common.query_start_loc)
+
+
+@pytest.mark.parametrize("window", [16, 1000])
+def test_trim_drops_the_common_prefix_once_pages_are_dropped(window):
+    """Requests sharing a prefix drop different page counts, so their trimmed tables no longer share leading pages."""
+    shared = [100, 101, 102, 103]
+    tables = [shared + [200, 201], shared + [300]]
+    common = dataclasses.replace(build_common_metadata([5, 3], [80, 60], tables, BS), common_prefix_len=4 * BS)
+    trimmed = trim_to_window(common, window, BS)
+    dropped = bool((common.seq_lens_cpu - trimmed.seq_lens_cpu).any())
+    assert dropped == (window < 60)
+    assert trimmed.common_prefix_len == (0 if dropped else 4 * BS)
 
 
 def test_trim_into_persistent_buffers_and_their_limit():

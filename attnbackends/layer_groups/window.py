@@ -46,7 +46,9 @@ def trim_to_window(
       window, the causal mask and ALiBi see only distances, RoPE is already in the cached keys, so outputs are
       unchanged);
     - ``max_seq_len`` and the host copies follow; ``query_start_loc``, ``slot_mapping`` (physical slots) and
-      ``causal`` are untouched.
+      ``causal`` are untouched;
+    - ``common_prefix_len`` becomes 0 once any page is dropped: requests drop different numbers of pages, so their
+      trimmed tables no longer start with the same pages.
 
     The new table is ``min(old width, needed)`` pages wide (needed: the longest trimmed request), and columns past
     a request's pages repeat its last entries (in range; no backend reads them). The device part is a few torch
@@ -94,4 +96,5 @@ def trim_to_window(
         block_table=block_table,
         block_table_cpu=table_cpu,
         max_seq_len=int(seq_lens_cpu.max()) if n else 0,
+        common_prefix_len=common.common_prefix_len if not bool(drop_cpu.any()) else 0,
     )
