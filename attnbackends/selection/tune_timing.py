@@ -95,8 +95,10 @@ class TimingBatch:
 
 def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: Sequence[int],
                  device: "torch.device | str", seed: int = 0) -> TimingBatch:
-    """A random decode-first batch over random pages (built fast: no per-token Python on the cache)."""
+    """A random decode-first batch over random pages (built fast: no per-token Python on the cache, the random
+    values drawn on ``device``)."""
     gen = torch.Generator().manual_seed(seed)
+    device_gen = torch.Generator(device=device).manual_seed(seed)
     bs = spec.block_size
     pages = [-(-(q + c) // bs) for q, c in zip(query_lens, context_lens)]
     num_blocks = sum(pages) + 16
@@ -107,12 +109,12 @@ def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: S
         at += n
     common = build_common_metadata(query_lens, context_lens, tables, bs, device)
     shape = (num_blocks, 2, bs, spec.num_kv_heads, spec.head_size)
-    kv_cache = torch.randn(shape, generator=gen).to(device=device, dtype=spec.torch_dtype)
+    kv_cache = torch.randn(shape, generator=device_gen, device=device, dtype=spec.torch_dtype)
     if spec.kv_cache_torch_dtype != spec.torch_dtype:
         kv_cache = kv_cache.to(spec.kv_cache_torch_dtype)
     tokens = sum(query_lens)
     query, key, value = (
-        torch.randn(tokens, heads, size, generator=gen).to(device=device, dtype=spec.torch_dtype)
+        torch.randn(tokens, heads, size, generator=device_gen, device=device, dtype=spec.torch_dtype)
         for heads, size in ((spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size),
                             (spec.num_kv_heads, spec.value_head_size)))
     output = torch.empty(tokens, spec.num_heads, spec.value_head_size, device=device, dtype=spec.torch_dtype)
