@@ -14,7 +14,8 @@ repetition counts); the reported time is the slowest rank's median:
 
 Run on a host with >= 2 GPUs:
 
-    python benchmarks/cp_decode.py [--batch 8] [--context 131072] [--out results.json]
+    python -m benchmarks.run --suite cp_decode                      # the default shape, results kept
+    python -m benchmarks.cp_decode [--batch 8] [--context 131072] [--out results.json]
     torchrun --nproc-per-node 2 benchmarks/cp_decode.py        # the same, launched by torchrun
 
 NVLink multicast (NVLS / symmetric-memory multicast) stays off on the GPU hosts: the script sets

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from tabulate import tabulate
 
 __all__ = [
     "RESULT_NAME",
@@ -129,6 +128,8 @@ _EXTRA_COLUMNS = (
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a GitHub table: the PERF.md columns, the identifying fields present, the target verdict."""
+    from tabulate import tabulate  # a dev package: only where a table is written
+
     extras = [c for c in _EXTRA_COLUMNS if any(r.get(c) is not None for r in rows)]
     show_step = any(r.get("step") is not None for r in rows)
     show_kv = any(r.get("kv_dtype", "auto") != "auto" for r in rows)

@@ -11,7 +11,7 @@ Drafters: ``ngram`` (prompt lookup, 2 branches x 3 tokens) and ``draft_model`` (
 seed, so the same successor table: top-2 first tokens, each continued greedily to 3 tokens; it runs its own dense
 forward per proposed token, without a cache, and that time counts in tokens/s). Verify batches carry a tree mask.
 
-    python -m benchmarks.spec_engine --out benchmarks/results/<gpu>-<date>-spec-engine     # GPU, bf16
+    python -m benchmarks.run --suite spec_engine                                          # GPU, bf16, results kept
     python -m benchmarks.spec_engine --smoke --out /tmp/spec-engine                        # CPU, float32, tiny
 
 Writes ``spec_engine.json`` under ``--out`` (one row per backend and drafter, plus the plain run's rows) and prints
