@@ -1,7 +1,9 @@
-"""Benchmarks against the peers (FlashInfer, flash-attn), side by side in one process; GPU only.
+"""Benchmarks against the peers (FlashInfer, flash-attn, torch SDPA), side by side in one process; GPU only.
 
-Tooling, not part of the installed library: run from the checkout's root. ``python -m benchmarks.run`` runs every
-suite and writes ``benchmarks/results/<gpu>-<date>.json``, a markdown table and a PNG plot (tqdm, tabulate and
-matplotlib come with the ``dev`` extra). Each suite is also a script: ``python -m benchmarks.triton_vs_flashinfer``,
-``...flashinfer_adapter``, ``...mla``; ``python benchmarks/cp_decode.py`` times context-parallel decode on 2 GPUs.
+Tooling, not part of the installed library: run from the checkout's root. ``python -m benchmarks.run --list`` names
+the suites; ``python -m benchmarks.run --suite NAME`` runs one and keeps its results in ``benchmarks/results/``
+(``<gpu>-<suite>-<date>.{json,md,log}``), from which ``benchmarks/RESULTS.md`` is generated;
+``python -m benchmarks.run --gpu-tests`` runs the GPU test groups. ``bash benchmarks/gpu_run.sh`` does either on a
+GPU host. The design decisions these numbers stand behind: ``benchmarks/NOTES.md``. tqdm, tabulate and matplotlib
+come with the ``dev`` extra.
 """

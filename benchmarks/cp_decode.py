@@ -14,7 +14,8 @@ repetition counts); the reported time is the slowest rank's median:
 
 Run on a host with >= 2 GPUs:
 
-    python benchmarks/cp_decode.py [--batch 8] [--context 131072] [--out results.json]
+    python -m benchmarks.run --suite cp_decode                      # the default shape, results kept
+    python -m benchmarks.cp_decode [--batch 8] [--context 131072] [--out results.json]
     torchrun --nproc-per-node 2 benchmarks/cp_decode.py        # the same, launched by torchrun
 
 NVLink multicast (NVLS / symmetric-memory multicast) stays off on the GPU hosts: the script sets
@@ -34,6 +35,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -108,7 +110,7 @@ def run(rank: int, world: int, args) -> None:
                           common.block_table, 1, common.max_seq_len, scale, workspace=workspace, num_decodes=batch,
                           validate=False)
 
-    results = {"device": torch.cuda.get_device_name(device), "world_size": world, "batch": batch,
+    results = {"gpu": torch.cuda.get_device_name(device), "world_size": world, "batch": batch,
                "context": context, "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
                "head_size": spec.head_size, "block_size": bs, "interleave": args.interleave,
                "kv_bytes_total": kv_cache.numel() * kv_cache.element_size(),
@@ -117,9 +119,9 @@ def run(rank: int, world: int, args) -> None:
     if rank == 0:
         results["1_rank_us"] = statistics.median(_time(single_step, args.iters, args.warmup))
     dist.barrier()
-    results["2_ranks_local_only_us"] = _slowest_median(_time(local_step, args.iters, args.warmup), device)
+    results[f"{world}_ranks_local_only_us"] = _slowest_median(_time(local_step, args.iters, args.warmup), device)
     for method in ("all_gather", "all_reduce"):
-        results[f"2_ranks_{method}_us"] = _slowest_median(_time(lambda: cp_step(method), args.iters, args.warmup),
+        results[f"{world}_ranks_{method}_us"] = _slowest_median(_time(lambda: cp_step(method), args.iters, args.warmup),
                                                           device)
         # correctness against the single-rank step
         cp_step(method)
@@ -128,14 +130,32 @@ def run(rank: int, world: int, args) -> None:
             err = (merged.float() - full_out.float()).abs().max().item()
             results[f"max_abs_err_{method}"] = err
     if rank == 0:
-        results["speedup_all_gather"] = results["1_rank_us"] / results["2_ranks_all_gather_us"]
-        results["speedup_all_reduce"] = results["1_rank_us"] / results["2_ranks_all_reduce_us"]
+        for method in ("all_gather", "all_reduce"):
+            results[f"speedup_{method}"] = results["1_rank_us"] / results[f"{world}_ranks_{method}_us"]
         print(json.dumps(results, indent=2))
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
+                json.dump({**results, "rows": result_rows(results)}, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def result_rows(results: dict) -> list[dict]:
+    """PERF.md rows of one run: the context-parallel step (local attention only, then with each exchange) against
+    the single-rank step over the whole cache."""
+    world = results["world_size"]
+    base = {"case": "cp_decode", "backend": "triton", "peer": "triton_1_rank", "B": results["batch"],
+            "L": results["context"], "dtype": "bfloat16", "kv_dtype": "auto", "ranks": world}
+    one = results["1_rank_us"]
+    rows = []
+    for exchange, key in (("none", f"{world}_ranks_local_only_us"), ("all_gather", f"{world}_ranks_all_gather_us"),
+                          ("all_reduce", f"{world}_ranks_all_reduce_us")):
+        us = results[key]
+        row = {**base, "exchange": exchange, "us": round(us, 2), "peer_us": round(one, 2), "ratio": round(us / one, 4)}
+        if f"max_abs_err_{exchange}" in results:
+            row["max_abs_diff"] = results[f"max_abs_err_{exchange}"]
+        rows.append(row)
+    return rows
 
 
 def _free_port() -> int:
@@ -144,7 +164,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=131072)
@@ -157,18 +177,20 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))))
         run(rank, world, args)
-        return
+        return 0
     if torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"needs {args.world_size} CUDA GPUs, found {torch.cuda.device_count()}")
+        print(f"needs {args.world_size} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
     args.port = _free_port()
     mp.spawn(run, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

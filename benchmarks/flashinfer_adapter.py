@@ -20,7 +20,8 @@ starts with its copies; not for the adapter, which translates the page table fir
 therefore judged by the wall times (``wall_overhead_us``), the B=64 one (GPU-bound) by the do_bench ratio; both
 are recorded. ``python -m benchmarks.flashinfer_adapter --trace DIR`` writes the timelines that show this.
 
-    python -m benchmarks.flashinfer_adapter --out benchmarks/results/<gpu>-<date>-flashinfer-adapter.json
+    python -m benchmarks.run --suite flashinfer_adapter      # results kept in benchmarks/results/
+    python -m benchmarks.flashinfer_adapter --out rows.json
 """
 
 from __future__ import annotations

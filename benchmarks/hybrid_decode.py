@@ -1,7 +1,7 @@
 """A Gemma-3-shaped decode step through the public layer-group API against the sum of its groups measured alone.
 
-    python benchmarks/hybrid_decode.py --out benchmarks/results/<gpu>-<date>-hybrid.json     # on the GPU
-    python benchmarks/hybrid_decode.py --smoke                                               # tiny, on the CPU
+    python -m benchmarks.run --suite hybrid_decode         # on the GPU, results kept in benchmarks/results/
+    python -m benchmarks.hybrid_decode --smoke             # tiny, on the CPU
 
 The model: ``--layers`` layers, every ``--global-every``-th global, the others sliding (``--window`` keys), 16 query /
 8 KV heads of ``--head-size``, bf16, pages of 16; B requests decoding one token each after ``L - 1`` cached tokens,

@@ -1,8 +1,8 @@
 """Phase selection on one GPU: causal prefill per backend, and an engine-like mixed workload on every single backend
 and on the measured composition, through the public API. JSON rows in PERF.md's format go to --out.
 
-    python benchmarks/phase_selection.py --out benchmarks/results/h100-phase-selection.json      # the H100 run
-    TRITON_INTERPRET=1 python benchmarks/phase_selection.py --smoke --out /tmp/smoke.json        # CPU check
+    python -m benchmarks.run --suite phase_selection                                      # GPU, results kept
+    TRITON_INTERPRET=1 python -m benchmarks.phase_selection --smoke --out /tmp/smoke.json   # CPU check
 
 Prefill: 1x8192, 4x4096, 16x1024 new tokens (32 q / 8 kv heads, head 128, page 16), every token new, one
 ``builder.build()`` then ``impl.forward`` (with the new K/V, written into the cache, as an engine calls it) timed

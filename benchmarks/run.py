@@ -1,43 +1,56 @@
-"""Run every benchmark suite available on this GPU and write the results files (see the package docstring).
+"""Run benchmark suites side by side with their peers, or the GPU test groups, and keep the results.
 
-    python -m benchmarks.run [--suites triton,flashinfer_adapter,mla] [--outdir benchmarks/results]
+    python -m benchmarks.run --list                           # the suites and the GPU test groups
+    python -m benchmarks.run                                  # the default suites
+    python -m benchmarks.run --suite triton_api [--suite mla] # named suites (also: --suites triton_api,mla)
+    python -m benchmarks.run --suite triton_api -- --quick    # arguments after -- go to every suite named
+    python -m benchmarks.run --gpu-tests [GROUP ...]          # pytest -m gpu over test groups (default: all)
+    python -m benchmarks.run --gpu-tests triton --sanitize    # the same under compute-sanitizer memcheck
+    python -m benchmarks.run --index                          # rewrite RESULTS.md and the tables from the JSON
+
+Each suite run writes ``<outdir>/<gpu>-<suite>-<date>.json`` (PERF.md rows), a ``.md`` table and a ``.log`` of its
+output, and removes that suite's older files for the same GPU from ``<outdir>`` (git history keeps them); then
+``RESULTS.md`` is regenerated from every JSON in ``<outdir>`` (``benchmarks/RESULTS.md`` for the default outdir,
+``<outdir>/RESULTS.md`` otherwise). Test groups write ``<gpu>-gpu_tests_<group>-<date>.log``
+(``sanitize_<group>`` under memcheck).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
-import importlib
 import json
 import logging
-import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, TextIO
 
-import torch
-from tqdm import tqdm
+from benchmarks import gpu_tests
+from benchmarks.report import (
+    RESULT_NAME,
+    gpu_slug,
+    result_stem,
+    write_json,
+    write_markdown,
+    write_plot,
+    write_results_index,
+)
+from benchmarks.suites import SUITES, load, module_present, resolve
 
-from attnbackends.platform import package_available
-from benchmarks.report import write_json, write_markdown, write_plot
-
-__all__ = ["SUITES", "main", "fp8_speedup_rows"]
+__all__ = ["DEFAULT_OUTDIR", "fp8_speedup_rows", "main", "run_suite"]
 
 logger = logging.getLogger(__name__)
 
-# suite name -> (module with main(argv) writing {"rows": [...]} to --out, extra argv)
-SUITES = {
-    "triton": ("benchmarks.triton_vs_flashinfer", []),
-    "flashinfer_adapter": ("benchmarks.flashinfer_adapter", []),
-    "mla": ("benchmarks.mla", []),
-}
+DEFAULT_OUTDIR = Path(__file__).resolve().parent / "results"
 
 
 def fp8_speedup_rows(rows: list[dict]) -> list[dict]:
-    """Rows comparing our fp8 decode with our bf16 decode at the same (B, L) (the PERF.md fp8 target)."""
+    """Rows comparing our fp8 decode with our bf16 decode at the same (B, L)."""
     out = []
-    bf16 = {(r["B"], r["L"]): r for r in rows if r.get("case") == "decode" and r.get("backend") == "triton" and r.get("kv_dtype") == "auto"}
+    bf16 = {(r["B"], r["L"]): r for r in rows
+            if r.get("case") == "decode" and r.get("backend") == "triton" and r.get("kv_dtype") == "auto"}
     for r in rows:
         if r.get("case") == "decode" and r.get("backend") == "triton" and str(r.get("kv_dtype", "")).startswith("fp8"):
             base = bf16.get((r["B"], r["L"]))
@@ -50,63 +63,216 @@ def fp8_speedup_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _gpu_slug(name: str) -> str:
-    match = re.search(r"(H100|H200|H20|A100|B200|GB200|L40S|L4|A10G|RTX \w+)", name, re.I)
-    return (match.group(1) if match else name).lower().replace(" ", "-")
+class _Tee:
+    """A text stream writing to two streams (the console and a suite's log)."""
+
+    def __init__(self, *streams: TextIO):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from: {', '.join(SUITES)}")
-    parser.add_argument("--outdir", default="benchmarks/results")
-    parser.add_argument("--tag", default="", help="suffix for the result file names")
-    args = parser.parse_args(argv)
-    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    unknown = [s for s in suites if s not in SUITES]
-    if unknown:
-        raise ValueError(f"unknown suites {unknown}; allowed: {', '.join(SUITES)}")
-    if not torch.cuda.is_available():
-        print("the benchmarks need a CUDA GPU: the suites time GPU kernels against GPU peers", file=sys.stderr)
-        return 2
-    import triton
+@contextlib.contextmanager
+def _logged(path: Path) -> Iterator[None]:
+    with path.open("w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)), \
+            contextlib.redirect_stderr(_Tee(sys.stderr, log)):
+        yield
 
-    gpu = torch.cuda.get_device_name()
-    date = dt.date.today().isoformat()
-    command = "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows: list[dict] = []
-    failed: list[str] = []
-    for name in tqdm(suites, desc="benchmark suites", unit="suite"):
-        module_name, extra = SUITES[name]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / f"{name}.json"
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    versions: dict[str, Any] = {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    try:
+        import flashinfer
+
+        versions["flashinfer"] = getattr(flashinfer, "__version__", "installed")
+    except Exception:  # not installed, or its import fails on this host: the suites say which
+        versions["flashinfer"] = None
+    return versions
+
+
+def _remove_older(outdir: Path, gpu: str, suite: str, date: str) -> None:
+    """Delete the suite's files of other dates for this GPU: the directory keeps the latest run."""
+    for path in outdir.iterdir():
+        match = RESULT_NAME.match(path.name)
+        if match and match["gpu"] == gpu and match["suite"] == suite and match["date"] != date:
+            path.unlink()
+
+
+def run_suite(name: str, outdir: Path, extra_args: Sequence[str] = (), plot: bool = False) -> tuple[bool, str]:
+    """Run one suite (GPU) and write its files; returns (complete, a line saying what happened)."""
+    import torch
+
+    suite = SUITES[name]
+    if not module_present(name):
+        return False, f"{name}: module {suite.module} is not in this checkout"
+    if torch.cuda.device_count() < suite.gpus:
+        return False, f"{name}: needs {suite.gpus} CUDA GPUs, found {torch.cuda.device_count()}"
+    gpu_name = torch.cuda.get_device_name()
+    gpu, date = gpu_slug(gpu_name, suite.gpus), dt.date.today().isoformat()
+    stem = result_stem(gpu, name, date)
+    outdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / (name if suite.out_dir_file else f"{name}.json")
+        rows_file = out / suite.out_dir_file if suite.out_dir_file else out
+        with _logged(outdir / f"{stem}.log"):
             try:
-                status = importlib.import_module(module_name).main(["--out", str(out), *extra])
+                status = load(name).main([*suite.args, *extra_args, "--out", str(out)])
             except Exception:  # one broken suite must not cost the others' numbers
                 logger.exception("suite %s failed", name)
                 status = 1
-            if out.exists():
-                rows += [{**r, "suite": name} for r in json.loads(out.read_text()).get("rows", [])]
-            if status:
-                failed.append(name)
+        rows = json.loads(rows_file.read_text()).get("rows", []) if rows_file.exists() else []
+    if not rows:
+        return False, f"{name}: no rows (exit status {status}); see {outdir / stem}.log"
     rows += fp8_speedup_rows(rows)
-    flashinfer_version = None
-    if package_available("flashinfer"):
-        import flashinfer
-
-        flashinfer_version = getattr(flashinfer, "__version__", "installed")
-    header = {
-        "gpu": gpu, "date": date, "command": command, "torch": torch.__version__, "triton": triton.__version__,
-        "flashinfer": flashinfer_version, "failed_suites": failed,
-    }
-    outdir = Path(args.outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    stem = f"{_gpu_slug(gpu)}-{date}" + (f"-{args.tag}" if args.tag else "")
+    command = " ".join(["python -m benchmarks.run --suite", name, *(["--", *extra_args] if extra_args else [])])
+    header = {"gpu": gpu_name, "date": date, "suite": name, "command": command, **_versions(),
+              "complete": not status}
     write_json(outdir / f"{stem}.json", header, rows)
-    print(write_markdown(outdir / f"{stem}.md", header, rows))
-    plotted = write_plot(outdir / f"{stem}.png", rows)
-    print(f"wrote {outdir / stem}.json/.md" + ("/.png" if plotted else "")
-          + (f"; failed suites: {', '.join(failed)}" if failed else ""))
+    write_markdown(outdir / f"{stem}.md", header, rows)
+    if plot:
+        write_plot(outdir / f"{stem}.png", rows)
+    if not status:
+        _remove_older(outdir, gpu, name, date)
+    return not status, f"{name}: {len(rows)} rows -> {outdir / stem}.json" + ("" if not status else
+                                                                              f" (exit status {status})")
+
+
+def index_path(outdir: Path) -> Path:
+    """Where RESULTS.md goes: beside the results folder for the default one, inside any other."""
+    return DEFAULT_OUTDIR.parent / "RESULTS.md" if outdir.resolve() == DEFAULT_OUTDIR else outdir / "RESULTS.md"
+
+
+def write_index(outdir: Path) -> Path:
+    """Rewrite every kept run's markdown table and RESULTS.md from the JSON files in ``outdir``."""
+    for path in sorted(outdir.glob("*.json")):
+        if RESULT_NAME.match(path.name):
+            data = json.loads(path.read_text())
+            rows = data.pop("rows", [])
+            write_markdown(path.with_suffix(".md"), data, rows)
+    index = index_path(outdir)
+    write_results_index(outdir, index, suite_order=SUITES, about={k: s.about for k, s in SUITES.items()})
+    return index
+
+
+def list_text() -> str:
+    lines = ["suites (* = run when none is named):"]
+    for name, suite in SUITES.items():
+        where = suite.module + (" " + " ".join(suite.args) if suite.args else "")
+        missing = "" if module_present(name) else "  [module not in this checkout]"
+        gpus = f", {suite.gpus} GPUs" if suite.gpus > 1 else ""
+        lines.append(f"  {'*' if suite.default else ' '} {name:<19} {suite.about} ({where}{gpus}){missing}")
+    lines.append("GPU test groups (--gpu-tests):")
+    for name in gpu_tests.group_names():
+        paths = gpu_tests.GROUPS.get(name, ("every test outside the other groups",))
+        lines.append(f"    {name:<19} {' '.join(paths)}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", action="append", default=[], metavar="NAME", help="a suite to run (repeatable)")
+    ap.add_argument("--suites", default="", metavar="A,B", help="suites to run, comma separated")
+    ap.add_argument("--list", action="store_true", help="list the suites and the GPU test groups, then exit")
+    ap.add_argument("--gpu-tests", nargs="*", metavar="GROUP", default=None,
+                    help="run pytest -m gpu over these test groups (none named: every group)")
+    ap.add_argument("--sanitize", action="store_true", help="with --gpu-tests: under compute-sanitizer memcheck")
+    ap.add_argument("-k", dest="keyword", default=None, help="with --gpu-tests: pytest's -k expression")
+    ap.add_argument("--parallel", action="store_true", help="with --gpu-tests: the groups side by side")
+    ap.add_argument("--timeout", type=float, default=None, help="with --gpu-tests: seconds per group")
+    ap.add_argument("--index", action="store_true",
+                    help="only rewrite RESULTS.md and the tables from the JSON files in --outdir (no GPU)")
+    ap.add_argument("--outdir", type=Path, default=DEFAULT_OUTDIR)
+    ap.add_argument("--plot", action="store_true", help="also a PNG of decode time against context per suite")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        print(list_text())
+        return 0
+    outdir: Path = args.outdir
+    if args.index:
+        print(f"wrote {write_index(outdir)}")
+        return 0
+    named = [*args.suite, *(s.strip() for s in args.suites.split(",") if s.strip())]
+    try:
+        suites = list(dict.fromkeys(resolve(s) for s in named))
+        for group in args.gpu_tests or ():
+            gpu_tests.group_paths(group)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.gpu_tests is None and not suites:
+        suites = [name for name, suite in SUITES.items() if suite.default]
+    status = 0
+    if args.gpu_tests is not None:
+        status |= _run_gpu_tests(args, outdir)
+    if suites:
+        status |= _run_suites(suites, outdir, extra, args.plot)
+    return status
+
+
+def _run_gpu_tests(args: argparse.Namespace, outdir: Path) -> int:
+    import torch
+
+    groups = args.gpu_tests or gpu_tests.group_names()
+    gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
+    kind = "sanitize" if args.sanitize else "gpu_tests"
+    log_name = f"{gpu}-{kind}_{{group}}-{dt.date.today().isoformat()}.log"
+    results = gpu_tests.run_groups(groups, outdir, log_name, keyword=args.keyword, sanitize=args.sanitize,
+                                   parallel=args.parallel, timeout_s=args.timeout)
+    failed = False
+    for r in results:
+        timed_out = " TIMED OUT (tests after the last PASSED line did not run)" if r.returncode is None else ""
+        memcheck = "" if r.memcheck_errors is None else f" memcheck errors={r.memcheck_errors}"
+        print(f"{r.name}: passed={r.passed} failed={r.failed} skipped={r.skipped}{memcheck}{timed_out} -> {r.log}")
+        for line in r.failures:
+            print(f"  {line}")
+        # pytest's 5: nothing collected (e.g. a -k matching no test of the group)
+        failed |= r.returncode not in (0, 5) or bool(r.memcheck_errors)
     return 1 if failed else 0
+
+
+def _run_suites(suites: list[str], outdir: Path, extra: Sequence[str], plot: bool) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("the benchmarks need a CUDA GPU: the suites time GPU kernels against GPU peers", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    incomplete = []
+    for name in tqdm(suites, desc="benchmark suites", unit="suite"):
+        complete, line = run_suite(name, outdir, extra, plot)
+        print(line)
+        if not complete:
+            incomplete.append(name)
+    print(f"wrote {write_index(outdir)}" + (f"; incomplete: {', '.join(incomplete)}" if incomplete else ""))
+    return 1 if incomplete else 0
 
 
 if __name__ == "__main__":

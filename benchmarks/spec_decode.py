@@ -5,8 +5,8 @@
 - ``decode_multi`` / ``triton`` / ``triton_single``: a uniform 1 + 3-token decode at B=64 L=4096 against a
   single-token decode of the same batch (the same KV is read once in both).
 
-    python benchmarks/spec_decode.py --out benchmarks/results/<gpu>-<date>-spec-decode.json
-    python benchmarks/spec_decode.py --smoke --out /tmp/spec.json      # CPU: tiny shapes, reference + Triton interpreted
+    python -m benchmarks.run --suite spec_decode                         # GPU, results kept
+    python -m benchmarks.spec_decode --smoke --out /tmp/spec.json      # CPU: tiny shapes, reference + Triton interpreted
 
 Each backend: ``builder.build(common)`` once, then ``impl.forward(q, k, v, kv_cache, metadata, out)`` timed (one
 layer; the new tokens' K/V are written as an engine's forward does), ``triton.testing.do_bench`` medians on the GPU,

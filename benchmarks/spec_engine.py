@@ -11,7 +11,7 @@ Drafters: ``ngram`` (prompt lookup, 2 branches x 3 tokens) and ``draft_model`` (
 seed, so the same successor table: top-2 first tokens, each continued greedily to 3 tokens; it runs its own dense
 forward per proposed token, without a cache, and that time counts in tokens/s). Verify batches carry a tree mask.
 
-    python -m benchmarks.spec_engine --out benchmarks/results/<gpu>-<date>-spec-engine     # GPU, bf16
+    python -m benchmarks.run --suite spec_engine                                          # GPU, bf16, results kept
     python -m benchmarks.spec_engine --smoke --out /tmp/spec-engine                        # CPU, float32, tiny
 
 Writes ``spec_engine.json`` under ``--out`` (one row per backend and drafter, plus the plain run's rows) and prints
@@ -130,21 +130,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
             continue
         plain = run(hf, prompts, backend, new_tokens, engine_config)
-        base = {"gpu": gpu, "backend": backend, "dtype": str(dtype).removeprefix("torch."), "prompts": num_prompts,
+        base = {"case": "spec_engine", "gpu": gpu, "backend": backend, "dtype": str(dtype).removeprefix("torch."), "prompts": num_prompts,
                 "new_tokens": new_tokens, "num_speculative_tokens": k}
-        rows.append({**base, "drafter": None, "tokens_per_s": round(plain.tokens_per_second, 1),
+        rows.append({**base, "peer": None, "drafter": None, "tokens_per_s": round(plain.tokens_per_second, 1),
                      "steps": plain.num_steps, "seconds": round(plain.seconds, 4)})
         print(json.dumps(rows[-1]), flush=True)
         for name, make in drafters.items():
             result = run(hf, prompts, backend, new_tokens, engine_config, SpeculativeConfig(make(), k))
             stats = result.speculative
             rows.append({
-                **base, "drafter": name, "tokens_identical": result.tokens == plain.tokens,
+                **base, "peer": "no_speculation", "drafter": name, "tokens_identical": result.tokens == plain.tokens,
                 "acceptance_length": round(stats.acceptance_length, 3), "verify_steps": stats.verify_steps,
                 "branching_steps": stats.branching_steps, "draft_tokens": stats.draft_tokens,
                 "accepted_tokens": stats.accepted_tokens, "steps": result.num_steps,
                 "tokens_per_s": round(result.tokens_per_second, 1),
                 "speedup_vs_plain": round(result.tokens_per_second / plain.tokens_per_second, 3),
+                # throughput: the peer's tokens/s over ours, as PERF.md's rows of tokens/s
+                "ratio": round(plain.tokens_per_second / result.tokens_per_second, 3),
                 "seconds": round(result.seconds, 4),
             })
             print(json.dumps(rows[-1]), flush=True)

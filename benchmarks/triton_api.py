@@ -1,6 +1,7 @@
 """The Triton backend through its public API, as an engine calls it, side by side with FlashInfer and torch SDPA.
 
-    python benchmarks/triton_api.py --out results.json [--quick]
+    python -m benchmarks.run --suite triton_api [-- --quick]     # results kept in benchmarks/results/
+    python -m benchmarks.triton_api --out rows.json [--quick]
 
 ``builder.build(common)`` once per batch, then ``impl.forward`` timed: decodes as ``forward(q, None, None,
 kv_cache, metadata, out)`` (the cache already holds every key); prefill and mixed batches as an engine runs them,

@@ -1,0 +1,92 @@
+"""The benchmark suites ``python -m benchmarks.run`` knows, by short name.
+
+A suite is a module with ``main(argv) -> int`` that writes ``{"rows": [...]}`` (rows in the format of
+``PERF.md``) to the file given as ``--out``; ``args`` are passed before ``--out``. Modules are imported only when a
+suite runs, so a suite whose module is missing from the checkout is reported, not a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Optional
+
+__all__ = ["Suite", "SUITES", "load", "module_present", "resolve"]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One registered suite.
+
+    Attributes
+    ----------
+    module : the module whose ``main(argv)`` runs it
+    about : one line for ``--list``
+    args : arguments passed to ``main`` before ``--out``
+    default : run when no suite is named
+    gpus : GPUs it needs (the result files' GPU name gets ``x<gpus>`` when above 1)
+    out_dir_file : when set, ``--out`` names a directory and the rows are in this file under it
+    """
+
+    module: str
+    about: str
+    args: tuple[str, ...] = ()
+    default: bool = False
+    gpus: int = 1
+    out_dir_file: Optional[str] = None
+    aliases: tuple[str, ...] = field(default=())
+
+
+SUITES: dict[str, Suite] = {
+    "triton": Suite("benchmarks.triton_vs_flashinfer", "Triton kernels called directly vs FlashInfer wrappers "
+                    "(decode bf16/fp8, prefill, mixed)", default=True, aliases=("triton_vs_flashinfer",)),
+    "triton_api": Suite("benchmarks.triton_api", "the Triton backend through build() + forward() vs FlashInfer and "
+                        "SDPA (host time, eager decode, decode, prefill, mixed)", default=True),
+    "prefill_sweep": Suite("benchmarks.triton_api", "the Triton prefill kernel's tile configs on the prefill shapes "
+                           "and the mixed step", args=("--prefill-sweep",)),
+    "write_sweep": Suite("benchmarks.triton_api", "the KV-cache write kernel alone and beside the Gluon prefill on "
+                         "k SMs", args=("--write-sweep",)),
+    "flashinfer_adapter": Suite("benchmarks.flashinfer_adapter", "the FlashInfer adapter's cost over raw "
+                                "FlashInfer wrapper calls; build() host time", default=True),
+    "mla": Suite("benchmarks.mla", "MLA decode and prefill (DeepSeek-V3 dims) vs FlashInfer MLA", default=True),
+    "phase_selection": Suite("benchmarks.phase_selection", "prefill per backend and an engine-like mixed workload "
+                             "on each backend and on the measured composition"),
+    "hybrid_decode": Suite("benchmarks.hybrid_decode", "a Gemma-3-shaped decode step (sliding + global layer "
+                           "groups) vs the sum of its groups alone", default=True),
+    "spec_decode": Suite("benchmarks.spec_decode", "speculative verify with a tree mask and multi-token decode",
+                         default=True),
+    "spec_engine": Suite("benchmarks.spec_engine", "speculative decoding end to end on the compact engine: "
+                         "acceptance and tokens/s per drafter", out_dir_file="spec_engine.json"),
+    "serving_trace": Suite("benchmarks.serving_trace", "serving traces (chat, long documents, short prompts, "
+                           "decode-heavy) on model layer shapes"),
+    "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",
+                       gpus=2),
+}
+
+
+def resolve(name: str) -> str:
+    """The registered name of ``name`` (a name or an alias); ValueError naming the allowed names otherwise."""
+    if name in SUITES:
+        return name
+    for key, suite in SUITES.items():
+        if name in suite.aliases:
+            return key
+    raise ValueError(f"unknown suite {name!r}; allowed: {', '.join(SUITES)}")
+
+
+def module_present(name: str) -> bool:
+    """Whether the suite's module exists in this checkout (without importing it)."""
+    try:
+        return importlib.util.find_spec(SUITES[name].module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def load(name: str) -> ModuleType:
+    """Import the suite's module; ModuleNotFoundError naming the suite when its module is not in the checkout."""
+    suite = SUITES[name]
+    if not module_present(name):
+        raise ModuleNotFoundError(f"suite {name}: module {suite.module} is not in this checkout")
+    return importlib.import_module(suite.module)
