@@ -37,13 +37,13 @@ VARIANTS = {
 
 
 def compile_variant(name: str, **config) -> dict:
-    """Compile one variant; the report of ``benchmarks.prefill_explore_gluon_ws.compile_report``'s keys."""
+    """Compile one variant; the report of ``benchmarks.compile_check.gluon_prefill_report``'s keys."""
     from triton.experimental.gluon._runtime import GluonASTSource
     import triton
 
     from attnbackends.triton.prefill_hopper_paged import _paged_prefill_kernel, paged_prefill_args, plan_paged_prefill
     from benchmarks.offline_compile import SHARED_LIMIT, _ptxas_notes, _signature, _tool, sm90_target
-    from benchmarks.prefill_explore_gluon_ws import _launch_attrs, _sass_facts
+    from benchmarks.compile_check import _launch_attrs, _sass_facts
 
     fields = dict(VARIANTS[name])
     fields.setdefault("dtype", "bfloat16")

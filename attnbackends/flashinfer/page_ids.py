@@ -12,7 +12,7 @@ one is recorded in the device's fault record (request, block-table column, page 
 the next check point. Without it (a block table with a host copy, which the guard checks before any kernel) they
 copy the ids as they are.
 
-The host's cost is one launch whatever the number of pages (benchmarks/NOTES-host-and-tiles.md).
+The host's cost is one launch whatever the number of pages (benchmarks/NOTES.md).
 On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; other CPU tensors use torch.
 """
 

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: Up to this many pages in a batch, page ids are gathered on the host (numpy, copied with the rest of the page
-#: table); above it, on the device (one kernel launch, a fixed host cost); see benchmarks/NOTES-host-and-tiles.md.
+#: table); above it, on the device (one kernel launch, a fixed host cost); see benchmarks/NOTES.md.
 DEFAULT_HOST_GATHER_MAX_PAGES = 4096
 
 

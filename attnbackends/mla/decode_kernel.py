@@ -53,7 +53,7 @@ def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecod
     """The launch config for ``num_heads`` heads (tiny tiles under the interpreter)."""
     if interpreted:
         return MLADecodeConfig(block_h=max(16, min(next_power_of_2(num_heads), 16)), block_n=16, num_warps=4, num_stages=1)
-    # The fastest config of the sweep in benchmarks/NOTES-host-and-tiles.md (python -m benchmarks.mla --sweep).
+    # The fastest config of the sweep in benchmarks/NOTES.md (python -m benchmarks.mla --sweep).
     block_h = 64 if num_heads >= 64 else max(16, next_power_of_2(num_heads))
     return MLADecodeConfig(block_h=block_h, block_n=64 if block_h >= 64 else 32, num_warps=8 if block_h >= 64 else 4,
                            num_stages=2, use_tma=True, use_hopper=block_h == HOPPER_BLOCK_H)

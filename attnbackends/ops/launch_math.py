@@ -2,7 +2,7 @@
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are ``@triton.jit`` functions: called from Python they go through the
 JIT's call machinery, several per launch. These plain-Python versions skip it, which matters on host-bound decode
-steps (a KV-cache write per layer, the FlashInfer page-table kernels per step; benchmarks/NOTES-host-and-tiles.md).
+steps (a KV-cache write per layer, the FlashInfer page-table kernels per step; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

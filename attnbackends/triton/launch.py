@@ -162,7 +162,7 @@ class KernelConfig:
 def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, *, has_decode_path: bool,
                        has_generic_path: bool, kv_fp8: bool = False, keys_per_split: Optional[int] = None,
                        max_seq_len: Optional[int] = None) -> KernelConfig:
-    """Default tiles, from sweeps on an H100 (benchmarks/NOTES-triton.md).
+    """Default tiles, from sweeps on an H100 (benchmarks/NOTES.md).
 
     Decode: ``max(16, queries_per_kv)`` rows; 128 keys (8 pages of 16) per step, or 64 when split-KV leaves
     fewer than 512 keys per segment; 4 warps, 3 stages. Prefill: up to 128 rows; 128 keys per step with
@@ -192,7 +192,7 @@ def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, 
         tile_n = 64
     if has_generic_path and has_decode_path and block_m >= 128 and not big_head:
         # One launch for decodes + prefills: 4 warps and 32-key prefill steps suit both paths (the mixed-batch
-        # sweep in benchmarks/NOTES-triton.md).
+        # sweep in benchmarks/NOTES.md).
         tile_n, num_warps, num_stages = 32, 4, 3
     elif has_generic_path and block_m >= 128 and long_seqs:
         num_warps, num_stages = 8, 3

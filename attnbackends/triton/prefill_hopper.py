@@ -71,7 +71,7 @@ REGS_LOAD and the default partition what is left: (240, 24) gives both consumers
 
 Gluon does not run under the Triton interpreter: the GPU tests (``tests/triton_backend/test_prefill_hopper.py``)
 check the kernel against the oracle; on a CPU it is only compiled for sm_90
-(``python -m benchmarks.prefill_explore_gluon_ws --compile-only``).
+(``python -m benchmarks.compile_check``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ write is bandwidth-bound. The builder may
 therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority stream, and the write on the forward's
 stream, where the hardware runs it on the ``k`` SMs left free and then on every SM the prefill gives back.
 
-What the H100 measured (``benchmarks/NOTES-triton.md``): a few SMs move the write at well under their share of
+What the H100 measured (``benchmarks/NOTES.md``): a few SMs move the write at well under their share of
 the GPU's bandwidth, and the write streaming through L2 beside a prefill of long sequences slows that prefill by
 more than the write saves. The overlap pays where the write is a large share of the step (many short prefills)
 and costs where it is small (long ones). :func:`cache_write_sms` encodes that: ``k`` SMs

@@ -265,11 +265,10 @@ def test_backend_config_compiles_for_sm90():
     """Offline sm_90 compile (a fresh process: the interpreter patches triton.language in this one) of the
     backend's config through the library's own argument builder: no spill, consumers and loader within their
     setmaxnreg limits, shared memory within a block's limit, wgmma not serialised."""
-    from benchmarks.prefill_explore_gluon_ws import compile_problems
+    from benchmarks.compile_check import gluon_prefill_problems as compile_problems
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_explore_gluon_ws", "--compile-only", "--configs",
-                          "0"], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env,
+    res = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "--gluon-prefill"], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env,
                          timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (rep,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -284,11 +283,11 @@ def test_backend_config_with_its_cache_write_compiles_for_sm90():
     """The same offline compile of the variant the backend runs for batches of fresh prefills only (the kernel
     writing the cache itself: a writer warp beside the loader): within every limit above except that the two
     single-warp partitions, at their few registers, keep a few scalars on the stack."""
-    from benchmarks.prefill_explore_gluon_ws import compile_problems
+    from benchmarks.compile_check import gluon_prefill_problems as compile_problems
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_explore_gluon_ws", "--compile-only", "--configs",
-                          "0", "--cache-write"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "--gluon-prefill",
+                          "--cache-write"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2], env=env, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (rep,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
