@@ -367,26 +367,31 @@ class DescriptorLauncher(DirectLauncher):
         self._raw: dict[Hashable, tuple] = {}
         self._encoded: dict[tuple, tuple[Any, list]] = {}
 
+    def encoded_args(self, key: Hashable, args: tuple, metas: tuple) -> list:
+        """``args`` with each descriptor replaced by its encoded launcher arguments (encoded on first sight, per
+        compiled kernel ``key`` and descriptor object)."""
+        final: list = []
+        at = 0
+        for i, pos in enumerate(self.descriptor_positions):
+            desc = args[pos]
+            slot = (key, id(desc))
+            hit = self._encoded.get(slot)
+            if hit is None or hit[0] is not desc:
+                if len(self._encoded) >= self.MAX_ENCODED:
+                    self._encoded.clear()
+                hit = self._encoded[slot] = (desc, _descriptor_encoder()[0](desc, metas[i]))
+            final += args[at:pos]
+            final += hit[1]
+            at = pos + 1
+        final += args[at:]
+        return final
+
     def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, constexprs: tuple,
                  num_warps: int, num_stages: int) -> None:
         raw = self._raw.get(key)
         if raw is not None and not _launch_hooks_set():
-            launch, base, metas = raw
-            final: list = []
-            at = 0
-            for i, pos in enumerate(self.descriptor_positions):
-                desc = args[pos]
-                slot = (key, id(desc))
-                hit = self._encoded.get(slot)
-                if hit is None or hit[0] is not desc:
-                    if len(self._encoded) >= self.MAX_ENCODED:
-                        self._encoded.clear()
-                    hit = self._encoded[slot] = (desc, _descriptor_encoder()[0](desc, metas[i]))
-                final += args[at:pos]
-                final += hit[1]
-                at = pos + 1
-            final += args[at:]
-            launch(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *base, *final, *constexprs)
+            raw[0](grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *raw[1],
+                   *self.encoded_args(key, args, raw[2]), *constexprs)
             return
         entry = self._compiled.get(key)
         if entry is not None and not _launch_hooks_set():

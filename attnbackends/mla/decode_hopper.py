@@ -68,6 +68,7 @@ from typing import Any, Optional
 import torch
 
 from ..compat import DescriptorLauncher, gluon_available
+from ..platform import DeviceInfo, is_triton_interpreted
 
 __all__ = ["HOPPER_BLOCK_H", "HOPPER_BLOCK_N", "HOPPER_CONSTEXPRS", "gluon_available", "hopper_args",
            "hopper_constexprs", "hopper_decode_applies", "hopper_descriptors", "hopper_inputs_reason",
@@ -149,9 +150,9 @@ def hopper_inputs_reason(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
 
 def hopper_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, tree: bool) -> bool:
     """Whether this kernel serves these inputs: a CUDA cache and :func:`hopper_inputs_reason` finds nothing."""
-    if not kv_cache.is_cuda:
+    if is_triton_interpreted() or kv_cache.device.type != "cuda":
         return False
-    return not hopper_inputs_reason(q_nope, q_pe, kv_cache, tree, torch.cuda.get_device_capability(kv_cache.device))
+    return not hopper_inputs_reason(q_nope, q_pe, kv_cache, tree, DeviceInfo.current(kv_cache.device).compute_capability)
 
 
 def hopper_descriptors(kv_cache: torch.Tensor, kv_lora: int) -> tuple[Any, Any]:

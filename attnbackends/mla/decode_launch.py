@@ -35,8 +35,8 @@ from .decode_kernel import (
     tma_descriptors,
 )
 
-__all__ = ["MLACacheState", "MLADecodePlan", "choose_decode_kernel", "launch_mla_decode", "plan_mla_decode",
-           "LOG2E"]
+__all__ = ["CacheStates", "LOG2E", "MLACacheState", "MLADecodePlan", "choose_decode_kernel", "decode_launch_args",
+           "launch_mla_decode", "plan_mla_decode", "tensor_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,17 +280,11 @@ def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
     return plan._pointer_plan
 
 
-def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
-                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None) -> torch.Tensor:
-    """Run ``plan`` (no checks beyond the unit last strides: see :func:`plan_mla_decode`).
-
-    q_nope : [T, H, Lkv] absorbed queries, any strides with a unit last one; q_pe : [T, H, R] likewise.
-    cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
-    cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
-    caller knows it (a buffer the builder owns). Returns ``plan.output``.
-    """
-    if plan.grid[1] == 0:
-        return plan.output
+def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
+                       qk_scale_log2: float, v_scale: float,
+                       q_nope_key: Optional[tuple] = None) -> tuple[DescriptorLauncher, tuple, tuple, MLADecodePlan]:
+    """(launcher, compiled-kernel key, runtime arguments, plan) of the decode kernel's launch for these queries and
+    this cache (arguments as :func:`launch_mla_decode`; the plan is ``plan`` or its portable-kernel fallback)."""
     if plan.kernel != "pointer" and not cache.rows_contiguous:
         plan = _pointer_fallback(plan)
     qn_key = q_nope_key if q_nope_key is not None else tensor_key(q_nope)
@@ -303,23 +297,34 @@ def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Ten
         args = hopper_args(q_nope, q_pe, cache.descriptors("hopper", plan.kv_lora, plan.config), plan.block_table,
                            plan.seq_lens, plan.query_start, plan.out, plan.lse, plan.stride_o_s, cache.num_blocks,
                            plan.num_splits, qk_scale_log2, v_scale)
-        hopper_launcher()(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
-    else:
-        out, lse = plan.out, plan.lse
-        lse_t = lse if lse is not None else plan.seq_lens
-        lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-        common = (plan.block_table, plan.seq_lens, plan.query_start, plan.tree_mask, plan.tree_indptr, out, lse_t,
-                  q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-                  cache.stride_blk, cache.stride_tok, plan.block_table.stride(0), cache.num_blocks,
-                  out.stride(0), out.stride(1), plan.stride_o_s, *lse_strides,
-                  q_nope.shape[1], plan.num_splits, float(qk_scale_log2))
-        if kernel == "tma":
-            kv_desc, pe_desc = cache.descriptors("tma", plan.kv_lora, plan.config)
-            _TMA(key, plan.grid, (q_nope, q_pe, kv_desc, pe_desc, cache.cache) + common, plan.constexprs,
-                 plan.num_warps, plan.num_stages)
-        else:
-            _POINTER(key, plan.grid, (q_nope, q_pe, cache.cache) + common + (float(v_scale),), plan.constexprs,
-                     plan.num_warps, plan.num_stages)
+        return hopper_launcher(), key, args, plan
+    out, lse = plan.out, plan.lse
+    lse_t = lse if lse is not None else plan.seq_lens
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    common = (plan.block_table, plan.seq_lens, plan.query_start, plan.tree_mask, plan.tree_indptr, out, lse_t,
+              q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+              cache.stride_blk, cache.stride_tok, plan.block_table.stride(0), cache.num_blocks,
+              out.stride(0), out.stride(1), plan.stride_o_s, *lse_strides,
+              q_nope.shape[1], plan.num_splits, float(qk_scale_log2))
+    if kernel == "tma":
+        kv_desc, pe_desc = cache.descriptors("tma", plan.kv_lora, plan.config)
+        return _TMA, key, (q_nope, q_pe, kv_desc, pe_desc, cache.cache) + common, plan
+    return _POINTER, key, (q_nope, q_pe, cache.cache) + common + (float(v_scale),), plan
+
+
+def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
+                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None) -> torch.Tensor:
+    """Run ``plan`` (no checks beyond the unit last strides: see :func:`plan_mla_decode`).
+
+    q_nope : [T, H, Lkv] absorbed queries, any strides with a unit last one; q_pe : [T, H, R] likewise.
+    cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
+    cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
+    caller knows it (a buffer the builder owns). Returns ``plan.output``.
+    """
+    if plan.grid[1] == 0:
+        return plan.output
+    launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key)
+    launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
         _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)
     return plan.output
