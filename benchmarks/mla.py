@@ -55,6 +55,28 @@ HOST_SHAPE = (1, 4096)
 ROTATE_BYTES = 160 * 1024 * 1024
 
 
+class Rows(list):
+    """The result rows, written to ``path`` (and as markdown to ``md_path``) after every row: a run cut short
+    keeps what it measured."""
+
+    def __init__(self, path: str, md_path: Optional[str], log: Callable[[str], None]) -> None:
+        super().__init__()
+        self.path, self.md_path, self.log = path, md_path, log
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.log(json.dumps(row))
+        self.save()
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": list(self)}, f, indent=1)
+        if self.md_path:
+            with open(self.md_path, "w") as f:
+                f.write(markdown(self))
+
+
 def event_time(fn: Callable[[], Any], calls: int, reps: int = 5) -> float:
     """Microseconds per call of ``fn`` run ``calls`` times back to back (median of ``reps`` timings)."""
     fn()
@@ -260,7 +282,6 @@ def run_forward(rows: list, log, shapes=FORWARD_SHAPES) -> None:
                 "kernel_us": _r(res["kernel"]), "flashinfer_raw_us": _r(peer.get("raw")),
                 "layers_cycled": step.layers, "max_abs_diff_vs_peer": diff,
             })
-            log(json.dumps(rows[-1]))
         del step, impl, meta
         torch.cuda.empty_cache()
 
@@ -278,7 +299,6 @@ def run_host(rows: list, log) -> None:
     rows.append({"case": "mla_host", "backend": "triton_mla", "peer": "flashinfer_mla", "B": batch, "L": seq_len,
                  "H": H, "dtype": "bfloat16", "kv_dtype": "auto", "us": _r(us), "peer_us": _r(peer_us),
                  "ratio": _ratio(us, peer_us)})
-    log(json.dumps(rows[-1]))
 
 
 def run_fp8(rows: list, log, shapes=FP8_SHAPES) -> None:
@@ -297,7 +317,6 @@ def run_fp8(rows: list, log, shapes=FP8_SHAPES) -> None:
                      "peer_us": _r(res["auto"][0]), "ratio": _ratio(res["fp8"][0], res["auto"][0]),
                      "eager_us": _r(res["fp8"][1]), "peer_eager_us": _r(res["auto"][1]),
                      "products": "16-bit (e4m3 pages widened in shared memory)"})
-        log(json.dumps(rows[-1]))
 
 
 def run_prefill(rows: list, log) -> None:
@@ -355,6 +374,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON file for the result rows")
     parser.add_argument("--markdown", help="also write the rows as a markdown table here")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: forward, host, fp8")
+    parser.add_argument("--shapes", help="forward shapes instead of the default: 'B,L,q;...'")
     parser.add_argument("--prefill", action="store_true", help="also time the MLA prefill per prefill kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -366,23 +386,16 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     log(f"device: {DeviceInfo.current().describe()}, torch {torch.__version__}, triton {triton.__version__}")
-    rows: list[dict] = []
-    try:
-        if "host" not in skip:
-            run_host(rows, log)
-        if "forward" not in skip:
-            run_forward(rows, log)
-        if "fp8" not in skip:
-            run_fp8(rows, log)
-        if args.prefill:
-            run_prefill(rows, log)
-    finally:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "rows": rows}, f, indent=1)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(markdown(rows))
+    rows = Rows(args.out, args.markdown, log)
+    rows.save()
+    shapes = (tuple(tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")) if args.shapes
+              else FORWARD_SHAPES)
+    parts = (("forward", lambda r, lg: run_forward(r, lg, shapes)), ("host", run_host), ("fp8", run_fp8))
+    for name, part in parts:
+        if name not in skip:
+            _try(log, name, lambda: part(rows, log))
+    if args.prefill:
+        _try(log, "prefill", lambda: run_prefill(rows, log))
     return 0
 
 
