@@ -301,6 +301,38 @@ def run_host(rows: list, log) -> None:
                  "ratio": _ratio(us, peer_us)})
 
 
+def run_host_parts(rows: list, log) -> None:
+    """Where ``triton_mla.forward``'s host time goes at B=1 (each stage timed alone, the GPU kept busy): row
+    ``mla_host_parts`` with one field per stage (microseconds per call)."""
+    batch, seq_len = HOST_SHAPE
+    step = make_step(batch, seq_len)
+    _, meta, impl, forward = backend_calls(TritonMLABackend, step)
+    forward()
+    cache = step.caches[0]
+    extra = meta.decode.extra
+    n = meta.num_actual_tokens
+    q, out = step.q[:n], step.out[:n]
+    plan, ql, ql_t, ql_key, latent = extra["plan"], extra["ql"], extra["ql_t"], extra["ql_key"], extra["latent"]
+    state = impl._caches.get(cache)
+    parts = {
+        "forward": forward,
+        "check_inputs": lambda: impl.check_inputs(step.q, step.kv_c, step.k_pe, cache, meta, step.out),
+        "cache_write": lambda: impl.update_kv_cache(step.kv_c[:n], step.k_pe[:n], cache, meta.slot_mapping),
+        "absorb_bmm": lambda: torch.bmm(q[:, :, :P].transpose(0, 1), impl.W_UK_T, out=ql),
+        "decode_launch": lambda: launch_mla_decode(plan, ql_t, q[:, :, P:], state, impl._qk_scale_log2,
+                                                   impl._v_scale, ql_key),
+        "cache_state_lookup": lambda: impl._caches.get(cache),
+        "up_bmm": lambda: torch.bmm(latent, impl.W_UV, out=out.transpose(0, 1)),
+        "up_bmm_contiguous_out": lambda: torch.bmm(latent, impl.W_UV),
+        "empty_torch_op": lambda: q[:, :, :P],
+    }
+    row = {"case": "mla_host_parts", "backend": "triton_mla", "B": batch, "L": seq_len, "H": H,
+           "splits": plan.num_splits, "kernel": plan.kernel}
+    for name, fn in parts.items():
+        row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
+    rows.append(row)
+
+
 def run_fp8(rows: list, log, shapes=FP8_SHAPES) -> None:
     for batch, seq_len in shapes:
         res = {}
@@ -373,7 +405,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file for the result rows")
     parser.add_argument("--markdown", help="also write the rows as a markdown table here")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: forward, host, fp8")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: forward, host, host_parts, fp8")
     parser.add_argument("--shapes", help="forward shapes instead of the default: 'B,L,q;...'")
     parser.add_argument("--prefill", action="store_true", help="also time the MLA prefill per prefill kernel")
     args = parser.parse_args(argv)
@@ -390,7 +422,7 @@ def main(argv=None) -> int:
     rows.save()
     shapes = (tuple(tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")) if args.shapes
               else FORWARD_SHAPES)
-    parts = (("forward", lambda r, lg: run_forward(r, lg, shapes)), ("host", run_host), ("fp8", run_fp8))
+    parts = (("forward", lambda r, lg: run_forward(r, lg, shapes)), ("host", run_host), ("host_parts", run_host_parts), ("fp8", run_fp8))
     for name, part in parts:
         if name not in skip:
             _try(log, name, lambda: part(rows, log))
