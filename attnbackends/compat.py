@@ -29,6 +29,7 @@ from triton import knobs
 from . import platform as _platform
 
 __all__ = [
+    "DescriptorLauncher",
     "DirectLauncher",
     "PRIVATE_SURFACES",
     "PrivateSurface",
@@ -41,6 +42,7 @@ __all__ = [
     "flashinfer_installed",
     "import_flashinfer",
     "flashinfer_jit_generators",
+    "gluon_available",
     "package_version",
     "surface_unsupported_reason",
 ]
@@ -88,6 +90,15 @@ PRIVATE_SURFACES: dict[str, PrivateSurface] = {
     "flash_attn_cute_private_forward": PrivateSurface(
         "flash-attn-4", "flash_attn.cute.interface._flash_attn_fwd(..., out=) writing into the caller's output",
         frozenset({"4.0.0b36"})),
+    # MLA launch path (DescriptorLauncher, gluon_available)
+    "triton_descriptor_launch": PrivateSurface(
+        "triton", "a compiled kernel's C launcher behind the wrapper that encodes its host TMA descriptors on every "
+        "launch (the wrapper's closure variable 'launcher' and 'tensordesc_indices', and "
+        "triton.backends.nvidia.driver.make_tensordesc_arg, which encodes one descriptor)",
+        frozenset({"3.6.0"})),
+    "triton_gluon": PrivateSurface(
+        "triton", "triton.experimental.gluon and its Hopper language (an experimental package: checked by importing "
+        "it)"),
 }
 
 
@@ -480,3 +491,125 @@ def install_transformers_cb_hooks(implementation: str) -> None:
     cb_cache.PagedAttentionCache.update = torch.compiler.disable(paged_update)
     continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
     cb_cache._attnbackends_hooked = True
+
+
+# =================================================================================================== MLA launch path
+# Gluon availability and the launcher for kernels that take host TMA descriptors (the MLA decode kernels).
+
+try:
+    from triton.experimental import gluon as _gluon  # noqa: F401
+    from triton.experimental.gluon.language.nvidia import hopper as _gluon_hopper  # noqa: F401
+
+    _GLUON_IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as _exc:  # a Triton without Gluon: the Triton kernels serve every GPU
+    _GLUON_IMPORT_ERROR = _exc
+
+
+def gluon_available() -> bool:
+    """Whether the installed Triton ships Gluon's Hopper language (``triton.experimental.gluon``)."""
+    return _GLUON_IMPORT_ERROR is None
+
+
+@lru_cache(maxsize=None)
+def _descriptor_encoder() -> tuple[Optional[Callable[..., list]], Optional[str]]:
+    """(Triton's encoder of one host TMA descriptor into launcher arguments, None) or (None, why not)."""
+    reason = surface_unsupported_reason("triton_descriptor_launch")
+    if reason is not None:
+        return None, reason
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError as exc:
+        return None, f"triton.backends.nvidia.driver.make_tensordesc_arg: {exc}"
+    return make_tensordesc_arg, None
+
+
+def _raw_descriptor_launch(compiled: Any, positions: tuple[int, ...]) -> tuple[Optional[tuple], Optional[str]]:
+    """(launch, base arguments, descriptor metadata) that launch ``compiled`` with descriptors encoded by the caller,
+    or (None, why not)."""
+    encode, reason = _descriptor_encoder()
+    if encode is None:
+        return None, reason
+    run = compiled.run
+    wrapper = getattr(run, "launch", None)
+    code, cells = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or not cells:
+        return None, "the compiled kernel's launcher does not wrap its descriptors"
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    raw, indices = free.get("launcher"), free.get("tensordesc_indices")
+    if not callable(raw) or indices is None or sorted(indices) != list(positions):
+        return None, f"the launcher's descriptor arguments {sorted(indices or ())} are not {list(positions)}"
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None, "the kernel needs launch scratch memory"
+    metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(positions)
+    base = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+            None, None, None)
+    return (raw, base, tuple(metas)), None
+
+
+class DescriptorLauncher(DirectLauncher):
+    """:class:`DirectLauncher` for kernels that take host TMA descriptors (Triton's ``TensorDescriptor`` or
+    Gluon's) at argument ``descriptor_positions``, or that declare ``num_warps`` as a constexpr parameter (Gluon).
+
+    Triton's launcher encodes every descriptor argument (``cuTensorMapEncodeTiled``) on every launch; this one
+    encodes each descriptor object once per compiled kernel and launches the C launcher with the encoded arguments
+    (surface ``triton_descriptor_launch``; elsewhere it launches like :class:`DirectLauncher`). A descriptor object
+    must therefore describe the same memory for as long as it is launched with: make a new one for a new tensor.
+    """
+
+    __slots__ = ("descriptor_positions", "_raw", "_encoded")
+
+    #: Encoded descriptors kept per launcher before the oldest are dropped (each holds its tensor).
+    MAX_ENCODED = 4096
+
+    def __init__(self, kernel: Any, constexpr_names: Sequence[str], descriptor_positions: Sequence[int] = ()) -> None:
+        super().__init__(kernel, constexpr_names)
+        self.descriptor_positions = tuple(descriptor_positions)
+        self._raw: dict[Hashable, tuple] = {}
+        self._encoded: dict[tuple, tuple[Any, list]] = {}
+
+    def encoded_args(self, key: Hashable, args: tuple, metas: tuple) -> list:
+        """``args`` with each descriptor replaced by its encoded launcher arguments (encoded on first sight, per
+        compiled kernel ``key`` and descriptor object)."""
+        final: list = []
+        at = 0
+        for i, pos in enumerate(self.descriptor_positions):
+            desc = args[pos]
+            slot = (key, id(desc))
+            hit = self._encoded.get(slot)
+            if hit is None or hit[0] is not desc:
+                if len(self._encoded) >= self.MAX_ENCODED:
+                    self._encoded.clear()
+                hit = self._encoded[slot] = (desc, _descriptor_encoder()[0](desc, metas[i]))
+            final += args[at:pos]
+            final += hit[1]
+            at = pos + 1
+        final += args[at:]
+        return final
+
+    def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, constexprs: tuple,
+                 num_warps: int, num_stages: int) -> None:
+        raw = self._raw.get(key)
+        if raw is not None and not _launch_hooks_set():
+            raw[0](grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *raw[1],
+                   *self.encoded_args(key, args, raw[2]), *constexprs)
+            return
+        entry = self._compiled.get(key)
+        if entry is not None and not _launch_hooks_set():
+            run, function, packed = entry
+            run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), function, packed, None, None,
+                None, *args, *constexprs)
+            return
+        options = dict(zip(self.constexpr_names, constexprs))
+        options.setdefault("num_warps", num_warps)
+        options.setdefault("num_stages", num_stages)
+        compiled = self.kernel[grid](*args, **options)
+        if entry is None:
+            self._remember(key, compiled)
+            if key in self._compiled and self.descriptor_positions:
+                raw, reason = _raw_descriptor_launch(compiled, self.descriptor_positions)
+                if raw is not None:
+                    self._raw[key] = raw
+                else:
+                    fallback_reason("triton_descriptor_launch",
+                                    f"{getattr(self.kernel, '__name__', 'kernel')}: descriptors encoded on every "
+                                    f"launch ({reason})")

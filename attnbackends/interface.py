@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
-from .validation import check_batch_limits, check_device_available
+from .validation import check_batch_limits, check_device_available, check_forward_inputs
 
 __all__ = [
     "AttentionBackend",
@@ -27,6 +27,7 @@ __all__ = [
     "AttentionImplBase",
     "AttentionMetadataBuilder",
     "CudaGraphSupport",
+    "MLAAttentionImpl",
     "QueryLenSupport",
     "STANDARD_KV_CACHE_LAYOUT",
 ]
@@ -389,7 +390,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 class AttentionImplBase(ABC, Generic[M]):
     """What every impl shares (one per layer): the spec, the scales, the sinks, the validation state. Each kind of
     layer has its own contract on top: :class:`AttentionImpl` (query, key, value) and
-    :class:`attnbackends.mla.common.MLAAttentionImpl` (latent MLA).
+    :class:`MLAAttentionImpl` (latent MLA).
 
     Parameters
     ----------
@@ -499,3 +500,82 @@ class AttentionImpl(AttentionImplBase[M]):
         raise NotImplementedError(
             f"{type(self).__name__} cannot return its log-sum-exp (can_return_lse is False)"
         )
+
+
+class MLAAttentionImpl(AttentionImplBase[M]):
+    """One multi-head latent attention layer (DeepSeek-V2/V3): writes its new tokens' latent vectors into its
+    latent cache and computes attention from it (the MLA semantics of DESIGN.md).
+
+    Notation: N query heads, latent Lkv = kv_lora_rank, rope R = qk_rope_head_dim, nope P = qk_nope_head_dim,
+    V = v_head_dim. The cache is [num_blocks, block_size, Lkv + R], one latent vector c = [kv_c ; k_pe] per token.
+
+    Parameters
+    ----------
+    spec : an MLA spec (:meth:`AttentionSpec.mla`).
+    kv_b_proj : [N * (P + V), Lkv] up-projection weight (nn.Linear layout: [k_nope ; v] of head n are rows
+        n * (P + V) ... of ``kv_c @ kv_b_proj.T``), in the model dtype.
+    k_scale : fp8 scale of the latent cache (stored = saturate(c / k_scale)); ignored for other cache dtypes.
+    v_scale : the cache holds one latent per token, read with k_scale alone: None, 1.0 or equal to k_scale;
+        anything else is a ValueError.
+    """
+
+    def __init__(self, spec: AttentionSpec, *, kv_b_proj: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: Optional[float] = None, **kwargs: Any) -> None:
+        if not spec.is_mla:
+            raise ValueError("MLA impls need an MLA spec (AttentionSpec.mla(...))")
+        if v_scale is not None and float(v_scale) not in (1.0, float(k_scale)):
+            raise ValueError(
+                f"v_scale={v_scale} is not supported by MLA: the latent cache has one scale, k_scale={k_scale} "
+                "(values are read from the same latent); pass v_scale=None, 1.0 or k_scale"
+            )
+        super().__init__(spec, k_scale=k_scale, v_scale=k_scale, **kwargs)
+        n, p, v, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+        if kv_b_proj.shape != (n * (p + v), lkv):
+            raise ValueError(
+                f"kv_b_proj must have shape ({n * (p + v)}, {lkv}) = (N * (P + V), Lkv), got {tuple(kv_b_proj.shape)}"
+            )
+        self.kv_b_proj = kv_b_proj
+
+    def process_weights_after_loading(self) -> None:
+        """Called once after the weights are final (``kv_b_proj`` included); impls derive their weights here."""
+
+    @abstractmethod
+    def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        """Write latent tokens into the cache.
+
+        kv_c_normed : [T, Lkv]; k_pe : [T, R] (model dtype); kv_cache : [num_blocks, block_size, Lkv + R];
+        slot_mapping : [T] int64, -1 = padding (skipped).
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: Optional[torch.Tensor],
+        k_pe: Optional[torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: M,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA attention for one batch, written into ``output``.
+
+        Parameters
+        ----------
+        q : [T, N, P + R] queries, [q_nope ; q_pe] per head, model dtype.
+        kv_c_normed : [T, Lkv] the new tokens' normalised latent KV (written to the cache first), or None when the
+            cache already holds them.
+        k_pe : [T, R] their rotary key part (one per token, shared by the heads), or None with kv_c_normed.
+        kv_cache : [num_blocks, block_size, Lkv + R] in the cache dtype.
+        metadata : from this backend's builder; decodes come first.
+        output : [T, N, V]; rows past num_actual_tokens are left untouched.
+
+        Returns
+        -------
+        output
+        """
+
+    def check_inputs(self, q, kv_c_normed, k_pe, kv_cache, metadata, output) -> None:
+        """The validation hook (:func:`attnbackends.validation.check_forward_inputs`): tensors on the first call,
+        tensors and the block table on every call in debug mode. Every ``forward`` calls it first."""
+        check_forward_inputs(self, metadata, metadata.common, q, kv_c_normed, k_pe, kv_cache, output, mla=True)

@@ -1,11 +1,24 @@
-"""MLA benchmarks on one GPU, every backend side by side in one process (../shared/PERF.md).
+"""MLA benchmarks on one GPU: what an engine calls, every backend side by side in one process (../shared/PERF.md).
 
-Decode (DeepSeek-V3: 128 heads, latent 512 + rope 64, page 64, bf16, pages in random order): triton_mla's kernel
-against FlashInfer's BatchMLAPagedAttentionWrapper (backend "fa3", else "auto");
-TFLOP/s = 2 * B * H * L * (576 + 512) / time. Prefill: the MLA prefill (up-projection, chunked context, merge) with
-each installed prefill kernel at 4 x 4096 new tokens on 8192 cached tokens.
+DeepSeek-V3 layer (128 heads, latent 512 + rope 64, nope 128, v 128, page 64, bf16, pages in random order). Both
+``triton_mla`` and ``flashinfer_mla`` impls are built from the same spec and ``kv_b_proj``, so both include the
+same cache write, query absorption and up-projection; ``build()`` runs once per step, outside the timings.
 
-    python -m benchmarks.mla --out benchmarks/results/<gpu>-<date>-mla.json [--sweep]
+Rows (``case``):
+
+- ``mla_forward`` (field ``mode``): ``impl.forward`` end to end per layer, ``eager`` (back-to-back calls over
+  several layers' caches, timed by CUDA events: whichever of host and GPU is slower sets the pace, as in an engine)
+  and ``graph`` (the same calls captured in one CUDA graph and replayed). Extra fields: ``host_us`` /
+  ``peer_host_us`` (host time per call with the GPU kept busy, so nothing waits for it), ``kernel_us`` (our decode
+  launch alone), ``flashinfer_raw_us`` (FlashInfer's ``BatchMLAPagedAttentionWrapper.run`` alone),
+  ``max_abs_diff_vs_peer``.
+- ``mla_host``: host time per ``forward`` at B=1 (the GPU kept busy), ours against ``flashinfer_mla``'s.
+- ``mla_fp8``: ``triton_mla`` over fp8 e4m3 latent pages against our bf16 pages (``us``: graph replay; ``eager_us``
+  and ``peer_eager_us`` beside).
+- ``mla_prefill`` (``--prefill``): the MLA prefill with each installed prefill kernel at 4 x 4096 new tokens on
+  8192 cached tokens.
+
+    python -m benchmarks.mla --out benchmarks/results/<gpu>-mla-<date>.json
 """
 
 from __future__ import annotations
@@ -13,138 +26,332 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
+import time
 import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import triton
-import triton.testing
 
 from attnbackends import DeviceInfo
+from attnbackends.compat import cuda_sleep
 from attnbackends.metadata import build_common_metadata
-from attnbackends.mla.backends import TritonMLABackend, TritonMLAMetadataBuilder
-from attnbackends.mla.decode_kernel import (
-    MLADecodeConfig, choose_num_splits, decode_descriptors, decode_kernel_name, default_decode_config, mla_decode,
-)
+from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
+from attnbackends.mla.decode_launch import launch_mla_decode
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.platform import package_available
 from attnbackends.spec import AttentionSpec
 
-H, LKV, R, PAGE = 128, 512, 64, 64
+H, LKV, R, P, V, PAGE = 128, 512, 64, 128, 128, 64
+#: (B, L, query tokens per request): the decode shapes of the MLA targets.
+FORWARD_SHAPES = ((64, 4096, 1), (128, 8192, 1), (1, 32768, 1), (4, 32768, 1), (8, 32768, 1), (16, 8192, 1),
+                  (64, 4096, 4))
+FP8_SHAPES = ((64, 4096), (128, 8192))
+HOST_SHAPE = (1, 4096)
+#: Layers' caches cycled through per timing: at least this many bytes, so that L2 does not keep a cache warm.
+ROTATE_BYTES = 160 * 1024 * 1024
 
 
-def bench(fn) -> float:
-    """Median time in microseconds."""
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+class Rows(list):
+    """The result rows, written to ``path`` (and as markdown to ``md_path``) after every row: a run cut short
+    keeps what it measured."""
+
+    def __init__(self, path: str, md_path: Optional[str], log: Callable[[str], None]) -> None:
+        super().__init__()
+        self.path, self.md_path, self.log = path, md_path, log
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.log(json.dumps(row))
+        self.save()
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": list(self)}, f, indent=1)
+        if self.md_path:
+            with open(self.md_path, "w") as f:
+                f.write(markdown(self))
 
 
-def decode_inputs(batch: int, seq_len: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def event_time(fn: Callable[[], Any], calls: int, reps: int = 5) -> float:
+    """Microseconds per call of ``fn`` run ``calls`` times back to back (median of ``reps`` timings)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def host_time(fn: Callable[[], Any], calls: int = 40, reps: int = 5) -> float:
+    """Host microseconds per call of ``fn``, the GPU kept busy by a sleep kernel queued first (so the host never
+    waits for it and the launch queue never fills)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        cuda_sleep(100_000_000)  # ~60 ms at 1.7 GHz: longer than the calls' host time
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graph_time(fn: Callable[[], Any], calls: int) -> float:
+    """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return event_time(graph.replay, 1, reps=7) / calls
+
+
+@dataclass
+class Step:
+    """One decode step of a layer stack: the batch's metadata, the inputs, and ``layers`` caches."""
+
+    spec: AttentionSpec
+    common: Any
+    caches: list[torch.Tensor]
+    q: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    kv_b_proj: torch.Tensor
+    out: torch.Tensor
+
+    @property
+    def layers(self) -> int:
+        return len(self.caches)
+
+
+def make_step(batch: int, seq_len: int, q_len: int = 1, kv_cache_dtype: str = "auto", seed: int = 0) -> Step:
+    spec = AttentionSpec.mla(H, dtype="bfloat16", block_size=PAGE, kv_cache_dtype=kv_cache_dtype,
+                             num_speculative_tokens=q_len - 1)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     pages_per = math.ceil(seq_len / PAGE)
     num_pages = batch * pages_per
-    cache = torch.randn(num_pages, PAGE, LKV + R, device="cuda", dtype=torch.bfloat16, generator=g)
-    block_table = torch.randperm(num_pages, device="cuda", generator=g).int().view(batch, pages_per)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-    ql = torch.randn(batch, H, LKV, device="cuda", dtype=torch.bfloat16, generator=g)
-    qpe = torch.randn(batch, H, R, device="cuda", dtype=torch.bfloat16, generator=g)
-    return cache, block_table, seq_lens, ql, qpe
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).view(batch, pages_per)
+    common = build_common_metadata([q_len] * batch, [seq_len - q_len] * batch, order.tolist(), PAGE, "cuda")
+    cache_bytes = num_pages * PAGE * (LKV + R) * spec.kv_cache_torch_dtype.itemsize
+    layers = max(1, math.ceil(ROTATE_BYTES / cache_bytes))
+    caches = []
+    for _ in range(layers):
+        c = torch.randn(num_pages, PAGE, LKV + R, device="cuda", dtype=torch.bfloat16, generator=gen)
+        caches.append(c.to(spec.kv_cache_torch_dtype))
+    t = batch * q_len
+    q = torch.randn(t, H, P + R, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kv_c = torch.randn(t, LKV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_pe = torch.randn(t, R, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(H * (P + V), LKV, device="cuda", generator=gen) / math.sqrt(LKV)).bfloat16()
+    out = torch.empty(t, H, V, device="cuda", dtype=torch.bfloat16)
+    return Step(spec, common, caches, q, kv_c, k_pe, w, out)
 
 
-def flashinfer_decode(cache, block_table, seq_lens, ql, qpe, scale):
-    """(callable, backend name) running FlashInfer's MLA wrapper on the same inputs."""
+def backend_calls(backend_cls, step: Step):
+    """(builder, metadata, impl, forward over the layers' caches in turn) for one backend."""
+    builder = backend_cls.get_builder_cls()(step.spec, "cuda")
+    meta = builder.build(step.common)
+    impl = backend_cls.get_impl_cls()(step.spec, kv_b_proj=step.kv_b_proj)
+    impl.process_weights_after_loading()
+    at = [0]
+
+    def forward():
+        cache = step.caches[at[0] % step.layers]
+        at[0] += 1
+        return impl.forward(step.q, step.kv_c, step.k_pe, cache, meta, step.out)
+
+    return builder, meta, impl, forward
+
+
+def flashinfer_raw(step: Step) -> Callable[[], Any]:
+    """FlashInfer's MLA wrapper alone (planned once, ``run`` per layer) on the step's caches."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-    batch, pages_per = block_table.shape
-    out = torch.empty_like(ql)
+    common = step.common
+    batch = common.num_reqs
+    table = common.block_table[:batch]
+    pages_per = table.shape[1]
     ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    errors = []
-    for backend in ("fa3", "auto"):
-        try:
-            w = BatchMLAPagedAttentionWrapper(ws, backend=backend)
-            w.plan(
-                torch.arange(batch + 1, dtype=torch.int32),
-                torch.arange(batch + 1, dtype=torch.int32) * pages_per,
-                block_table.flatten(),
-                seq_lens.cpu(),
-                H, LKV, R, PAGE, False, scale, torch.bfloat16, torch.bfloat16,
-            )
-            fn = lambda: w.run(ql, qpe, cache[..., :LKV], cache[..., LKV:], out=out)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            return fn, backend, out
-        except Exception as exc:  # fa3 may be unavailable for this build: fall back to auto
-            errors.append(f"{backend}: {type(exc).__name__}: {exc}")
-    raise RuntimeError("; ".join(errors))
+    wrapper = BatchMLAPagedAttentionWrapper(ws, backend="fa3")
+    wrapper.plan(common.query_start_loc_cpu.to(torch.int32), torch.arange(batch + 1, dtype=torch.int32) * pages_per,
+                 table.flatten().to(torch.int32), common.seq_lens_cpu.to(torch.int32), H, LKV, R, PAGE,
+                 common.max_query_len > 1, step.spec.softmax_scale, torch.bfloat16, torch.bfloat16)
+    t = step.q.shape[0]
+    ql = torch.randn(t, H, LKV, device="cuda", dtype=torch.bfloat16)
+    qpe = step.q[..., P:].contiguous()
+    out = torch.empty_like(ql)
+    at = [0]
+
+    def run():
+        cache = step.caches[at[0] % step.layers]
+        at[0] += 1
+        wrapper.run(ql, qpe, cache[..., :LKV], cache[..., LKV:], out=out)
+
+    return run
 
 
-# block_h,block_n,num_warps,num_stages[,use_tma]; H100 2026-11-21 (pointer loads): 64,64,8,2 was fastest.
-DEFAULT_SWEEP = ("64,64,8,2;64,64,8,3;64,128,8,2;64,32,8,2;"
-                 "64,64,8,2,1;64,64,8,3,1;64,64,4,2,1;64,32,8,2,1;64,32,8,3,1;64,32,4,3,1;32,64,4,2,1;128,32,8,2,1")
+def triton_kernel_only(impl, meta, step: Step) -> Callable[[], Any]:
+    """Our decode launch alone (the planned launch over the absorbed queries already in the plan's buffer)."""
+    extra = meta.decode.extra
+    at = [0]
+    q_pe = step.q[..., P:]
+
+    def run():
+        cache = step.caches[at[0] % step.layers]
+        at[0] += 1
+        launch_mla_decode(extra["plan"], extra["ql_t"], q_pe, impl._caches.get(cache), impl._qk_scale_log2,
+                          impl._v_scale, extra["ql_key"])
+
+    return run
 
 
-def run_decode(rows, sweep: bool, log, sweep_configs: str = DEFAULT_SWEEP):
-    scale = 1.0 / math.sqrt(192)
-    sm = DeviceInfo.current().sm_count
-    for batch, seq_len in ((64, 4096), (128, 8192)):
-        cache, block_table, seq_lens, ql, qpe = decode_inputs(batch, seq_len)
-        flops = 2 * batch * H * seq_len * (LKV + R + LKV)
-        out = torch.empty_like(ql)
-        cfg = default_decode_config(H)
-        splits = choose_num_splits(batch, H, seq_len, sm, cfg)
-        candidates = [(cfg, splits)]
-        if sweep:
-            for spec_ in sweep_configs.split(";"):
-                fields = [int(x) for x in spec_.split(",")]
-                c = MLADecodeConfig(*fields[:4], use_tma=bool(fields[4]) if len(fields) > 4 else False)
-                for s in (1, 2):
-                    if (c, s) not in candidates:
-                        candidates.append((c, s))
-        peer_us, peer_name, peer_out = None, None, None
-        if package_available("flashinfer"):
-            try:
-                fn, peer_name, peer_out = flashinfer_decode(cache, block_table, seq_lens, ql, qpe, scale)
-                peer_us = bench(fn)
-            except Exception:
-                log(f"flashinfer MLA failed at B={batch} L={seq_len}:\n{traceback.format_exc()}")
-        results = []
-        for c, s in candidates:
-            try:
-                kernel = decode_kernel_name(ql, qpe, cache, c, tree=False)
-                desc = decode_descriptors(kernel, cache, LKV, c)  # built once, as the backend's impl does
-                fn = lambda: mla_decode(ql, qpe, cache, block_table, seq_lens, out, scale=scale, num_splits=s,  # noqa: E731
-                                        config=c, descriptors=desc)
-                fn()
+def _try(log, what: str, fn: Callable[[], Any]) -> Optional[Any]:
+    try:
+        return fn()
+    except Exception:
+        log(f"{what} failed:\n{traceback.format_exc()}")
+        return None
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return round(a / b, 3) if a and b else None
+
+
+def _r(x: Optional[float], nd: int = 1) -> Optional[float]:
+    return round(x, nd) if x is not None else None
+
+
+def run_forward(rows: list, log, shapes=FORWARD_SHAPES) -> None:
+    have_fi = package_available("flashinfer")
+    for batch, seq_len, q_len in shapes:
+        step = make_step(batch, seq_len, q_len)
+        calls = step.layers * max(1, 8 // step.layers)
+        _, meta, impl, ours = backend_calls(TritonMLABackend, step)
+        ours()
+        torch.cuda.synchronize()
+        ours_out = step.out.clone()
+        res: dict[str, Any] = {
+            "eager": _try(log, "triton_mla eager", lambda: event_time(ours, calls)),
+            "host": _try(log, "triton_mla host", lambda: host_time(ours)),
+            "graph": _try(log, "triton_mla graph", lambda: graph_time(ours, calls)),
+            "kernel": _try(log, "triton_mla kernel", lambda: event_time(triton_kernel_only(impl, meta, step), calls)),
+        }
+        peer: dict[str, Any] = {}
+        diff = None
+        if have_fi:
+            fi = _try(log, "flashinfer_mla build", lambda: backend_calls(FlashInferMLABackend, step))
+            if fi is not None:
+                theirs = fi[3]
+                theirs()
                 torch.cuda.synchronize()
-                us = bench(fn)
-                err = float((out.float() - peer_out.float()).abs().max()) if peer_out is not None else float("nan")
-                results.append((us, c, s, err, kernel))
-                log(f"decode B={batch} L={seq_len} {kernel} {c} splits={s}: {us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s), "
-                    f"max |triton - flashinfer| = {err:.3g}")
-            except Exception as exc:
-                log(f"decode B={batch} L={seq_len} {c} splits={s}: failed: {type(exc).__name__}: {str(exc)[:200]}")
-        default_us = results[0][0] if results and results[0][1:3] == (cfg, splits) else None
-        best = min(results, key=lambda r: r[0]) if results else None
-        for label, res in (("default", results[0] if default_us is not None else None), ("best", best if sweep else None)):
-            if res is None:
-                continue
-            us, c, s, _, kernel = res
+                diff = float((step.out.float() - ours_out.float()).abs().max())
+                peer = {
+                    "eager": _try(log, "flashinfer_mla eager", lambda: event_time(theirs, calls)),
+                    "host": _try(log, "flashinfer_mla host", lambda: host_time(theirs)),
+                    "graph": _try(log, "flashinfer_mla graph", lambda: graph_time(theirs, calls)),
+                    "raw": _try(log, "flashinfer raw", lambda: event_time(flashinfer_raw(step), calls)),
+                }
+        flops = 2 * batch * q_len * H * seq_len * (LKV + R + LKV)
+        for mode in ("eager", "graph"):
+            us, peer_us = res[mode], peer.get(mode)
             rows.append({
-                "case": "mla_decode", "backend": "triton_mla", "peer": "flashinfer_mla",
-                "peer_impl": f"BatchMLAPagedAttentionWrapper(backend={peer_name!r})" if peer_name else None,
-                "config": f"{label}: kernel={kernel} block_h={c.block_h} block_n={c.block_n} warps={c.num_warps} stages={c.num_stages} "
-                          f"tma={c.use_tma} splits={s}",
-                "B": batch, "L": seq_len, "H": H, "dtype": "bfloat16", "kv_dtype": "auto",
-                "us": round(us, 2), "peer_us": round(peer_us, 2) if peer_us else None,
-                "ratio": round(us / peer_us, 3) if peer_us else None,
-                "TFLOPs": round(flops / us / 1e6, 1),
-                "peer_TFLOPs": round(flops / peer_us / 1e6, 1) if peer_us else None,
-                "max_abs_diff_vs_peer": res[3],
+                "case": "mla_forward", "mode": mode, "backend": "triton_mla", "peer": "flashinfer_mla",
+                "B": batch, "L": seq_len, "q_len": q_len, "H": H, "dtype": "bfloat16", "kv_dtype": "auto",
+                "us": _r(us), "peer_us": _r(peer_us), "ratio": _ratio(us, peer_us),
+                "TFLOPs": _r(flops / us / 1e6) if us else None,
+                "host_us": _r(res["host"]), "peer_host_us": _r(peer.get("host")),
+                "kernel_us": _r(res["kernel"]), "flashinfer_raw_us": _r(peer.get("raw")),
+                "layers_cycled": step.layers, "max_abs_diff_vs_peer": diff,
             })
-        del cache
+        del step, impl, meta
         torch.cuda.empty_cache()
 
 
-def run_prefill(rows, log):
+def run_host(rows: list, log) -> None:
+    batch, seq_len = HOST_SHAPE
+    step = make_step(batch, seq_len)
+    ours = backend_calls(TritonMLABackend, step)[3]
+    us = _try(log, "triton_mla host", lambda: host_time(ours, calls=100))
+    peer_us = None
+    if package_available("flashinfer"):
+        fi = _try(log, "flashinfer_mla build", lambda: backend_calls(FlashInferMLABackend, step))
+        if fi is not None:
+            peer_us = _try(log, "flashinfer_mla host", lambda: host_time(fi[3], calls=100))
+    rows.append({"case": "mla_host", "backend": "triton_mla", "peer": "flashinfer_mla", "B": batch, "L": seq_len,
+                 "H": H, "dtype": "bfloat16", "kv_dtype": "auto", "us": _r(us), "peer_us": _r(peer_us),
+                 "ratio": _ratio(us, peer_us)})
+
+
+def run_host_parts(rows: list, log) -> None:
+    """Where ``triton_mla.forward``'s host time goes at B=1 (each stage timed alone, the GPU kept busy): row
+    ``mla_host_parts`` with one field per stage (microseconds per call)."""
+    batch, seq_len = HOST_SHAPE
+    step = make_step(batch, seq_len)
+    _, meta, impl, forward = backend_calls(TritonMLABackend, step)
+    forward()
+    cache = step.caches[0]
+    extra = meta.decode.extra
+    n = meta.num_actual_tokens
+    q, out = step.q[:n], step.out[:n]
+    plan, ql, ql_t, ql_key, latent = extra["plan"], extra["ql"], extra["ql_t"], extra["ql_key"], extra["latent"]
+    state = impl._caches.get(cache)
+    parts = {
+        "forward": forward,
+        "check_inputs": lambda: impl.check_inputs(step.q, step.kv_c, step.k_pe, cache, meta, step.out),
+        "cache_write": lambda: impl.update_kv_cache(step.kv_c[:n], step.k_pe[:n], cache, meta.slot_mapping),
+        "absorb_bmm": lambda: torch.bmm(q[:, :, :P].transpose(0, 1), impl.W_UK_T, out=ql),
+        "decode_launch": lambda: launch_mla_decode(plan, ql_t, q[:, :, P:], state, impl._qk_scale_log2,
+                                                   impl._v_scale, ql_key),
+        "cache_state_lookup": lambda: impl._caches.get(cache),
+        "up_bmm": lambda: torch.bmm(latent, impl.W_UV, out=out.transpose(0, 1)),
+        "up_bmm_contiguous_out": lambda: torch.bmm(latent, impl.W_UV),
+        "empty_torch_op": lambda: q[:, :, :P],
+    }
+    row = {"case": "mla_host_parts", "backend": "triton_mla", "B": batch, "L": seq_len, "H": H,
+           "splits": plan.num_splits, "kernel": plan.kernel}
+    for name, fn in parts.items():
+        row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
+    rows.append(row)
+
+
+def run_fp8(rows: list, log, shapes=FP8_SHAPES) -> None:
+    for batch, seq_len in shapes:
+        res = {}
+        for kv in ("fp8", "auto"):
+            step = make_step(batch, seq_len, kv_cache_dtype=kv)
+            calls = step.layers * max(1, 8 // step.layers)
+            fwd = backend_calls(TritonMLABackend, step)[3]
+            res[kv] = (_try(log, f"triton_mla {kv} graph", lambda: graph_time(fwd, calls)),
+                       _try(log, f"triton_mla {kv} eager", lambda: event_time(fwd, calls)))
+            del step, fwd
+            torch.cuda.empty_cache()
+        rows.append({"case": "mla_fp8", "backend": "triton_mla", "peer": "triton_mla_bf16", "B": batch, "L": seq_len,
+                     "H": H, "dtype": "bfloat16", "kv_dtype": "fp8", "us": _r(res["fp8"][0]),
+                     "peer_us": _r(res["auto"][0]), "ratio": _ratio(res["fp8"][0], res["auto"][0]),
+                     "eager_us": _r(res["fp8"][1]), "peer_eager_us": _r(res["auto"][1]),
+                     "products": "16-bit (e4m3 pages widened in shared memory)"})
+
+
+def run_prefill(rows: list, log) -> None:
     spec = AttentionSpec.mla(H, dtype="bfloat16", block_size=PAGE)
     num_reqs, q_len, ctx = 4, 4096, 8192
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -154,69 +361,73 @@ def run_prefill(rows, log):
     common = build_common_metadata([q_len] * num_reqs, [ctx] * num_reqs, tables, PAGE, "cuda")
     cache = torch.randn(num_pages, PAGE, LKV + R, device="cuda", dtype=torch.bfloat16, generator=g)
     t = num_reqs * q_len
-    q = torch.randn(t, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(t, H, P + R, device="cuda", dtype=torch.bfloat16, generator=g)
     kv_c = torch.randn(t, LKV, device="cuda", dtype=torch.bfloat16, generator=g)
     k_pe = torch.randn(t, R, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(H * 256, LKV, device="cuda", generator=g) / math.sqrt(LKV)).bfloat16()
-    out = torch.empty(t, H, 128, device="cuda", dtype=torch.bfloat16)
-    # attention FLOPs: qk (192) and pv (128) over the context plus the causal half of the new tokens
-    flops = 2 * num_reqs * H * (192 + 128) * (q_len * ctx + q_len * (q_len + 1) / 2)
-    kernels = available_prefill_kernels(DeviceInfo.current(), torch.bfloat16)
+    w = (torch.randn(H * (P + V), LKV, device="cuda", generator=g) / math.sqrt(LKV)).bfloat16()
+    out = torch.empty(t, H, V, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * num_reqs * H * (P + R + V) * (q_len * ctx + q_len * (q_len + 1) / 2)
     times, outs = {}, {}
-    for name in kernels:
+    for name in available_prefill_kernels(DeviceInfo.current(), torch.bfloat16):
         try:
-            builder = TritonMLAMetadataBuilder(spec, "cuda", prefill_backend=name)
-            meta = builder.build(common)
+            meta = TritonMLAMetadataBuilder(spec, "cuda", prefill_backend=name).build(common)
             impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=w)
             impl.process_weights_after_loading()
-            fn = lambda: impl._forward_prefill(q, kv_c, k_pe, cache, meta.prefill, out)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
+            fn = lambda: impl.forward(q, kv_c, k_pe, cache, meta, out)  # noqa: E731
+            times[name] = event_time(fn, 3, reps=3)
             outs[name] = out.clone()
-            times[name] = bench(fn)
-            log(f"prefill {name}: {times[name]:.0f} us ({flops / times[name] / 1e6:.0f} TFLOP/s attention), "
-                f"{len(meta.prefill.chunks)} context chunk(s)")
+            log(f"prefill {name}: {times[name]:.0f} us ({flops / times[name] / 1e6:.0f} TFLOP/s attention)")
         except Exception:
             log(f"prefill {name} failed:\n{traceback.format_exc()}")
     peer = next((n for n in ("flash_attn", "flashinfer") if n in times), None)
     for name, us in times.items():
-        err = float((outs[name].float() - outs[peer].float()).abs().max()) if peer else None
         rows.append({
             "case": "mla_prefill", "backend": f"mla_prefill[{name}]", "peer": f"mla_prefill[{peer}]" if peer else None,
             "B": num_reqs, "L": q_len, "context": ctx, "H": H, "dtype": "bfloat16", "kv_dtype": "auto",
-            "us": round(us, 1), "peer_us": round(times[peer], 1) if peer else None,
-            "ratio": round(us / times[peer], 3) if peer else None,
-            "TFLOPs": round(flops / us / 1e6, 1), "max_abs_diff_vs_peer": err,
+            "us": _r(us), "peer_us": _r(times[peer]) if peer else None, "ratio": _ratio(us, times.get(peer)),
+            "TFLOPs": _r(flops / us / 1e6),
+            "max_abs_diff_vs_peer": float((outs[name].float() - outs[peer].float()).abs().max()) if peer else None,
         })
+
+
+def markdown(rows: list) -> str:
+    """A short table of the rows."""
+    lines = ["| case | mode | B | L | q | kv | ours µs | peer µs | ratio | host µs | peer host µs |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r.get('mode', '')} | {r.get('B')} | {r.get('L')} | {r.get('q_len', '')} | "
+                     f"{r.get('kv_dtype')} | {r.get('us')} | {r.get('peer_us')} | {r.get('ratio')} | "
+                     f"{r.get('host_us', '')} | {r.get('peer_host_us', '')} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file for the result rows")
-    parser.add_argument("--sweep", action="store_true", help="also try other decode launch configs and split counts")
-    parser.add_argument("--configs", default=DEFAULT_SWEEP,
-                        help="decode configs to sweep: 'block_h,block_n,num_warps,num_stages[,use_tma];...'")
-    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--markdown", help="also write the rows as a markdown table here")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: forward, host, host_parts, fp8")
+    parser.add_argument("--shapes", help="forward shapes instead of the default: 'B,L,q;...'")
+    parser.add_argument("--prefill", action="store_true", help="also time the MLA prefill per prefill kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    skip = set(filter(None, args.skip.split(",")))
 
     def log(msg):
         print(msg, flush=True)
 
     log(f"device: {DeviceInfo.current().describe()}, torch {torch.__version__}, triton {triton.__version__}")
-    rows: list[dict] = []
-    try:
-        run_decode(rows, args.sweep, log, args.configs)
-        if not args.skip_prefill:
-            run_prefill(rows, log)
-    finally:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "rows": rows}, f, indent=1)
-        for r in rows:
-            log(json.dumps(r))
+    rows = Rows(args.out, args.markdown, log)
+    rows.save()
+    shapes = (tuple(tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")) if args.shapes
+              else FORWARD_SHAPES)
+    parts = (("forward", lambda r, lg: run_forward(r, lg, shapes)), ("host", run_host), ("host_parts", run_host_parts), ("fp8", run_fp8))
+    for name, part in parts:
+        if name not in skip:
+            _try(log, name, lambda: part(rows, log))
+    if args.prefill:
+        _try(log, "prefill", lambda: run_prefill(rows, log))
     return 0
 
 

@@ -80,7 +80,7 @@ class Ctx:
             pytest.skip(f"{target.backend} declines the catalogue's spec: {'; '.join(reasons)}")
         self.device = torch.device(target.device)
         if target.mla:
-            from attnbackends.mla.testing import make_random_mla_batch
+            from attnbackends.testing.mla import make_random_mla_batch
 
             batch = make_random_mla_batch(self.spec, SHAPES, seed=3, device=self.device)
             self.tensors = dict(query=batch.q, key=batch.kv_c, value=batch.k_pe, kv_cache=batch.kv_cache,

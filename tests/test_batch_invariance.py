@@ -14,7 +14,7 @@ import torch
 from attnbackends import AttentionSpec, build_common_metadata
 from attnbackends.mla.backends import TritonMLABackend
 from attnbackends.mla.reference import ReferenceMLABackend
-from attnbackends.mla.testing import make_random_mla_batch, run_mla_backend
+from attnbackends.testing.mla import make_random_mla_batch, run_mla_backend
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import make_random_batch, run_backend_on_batch, tolerance_for

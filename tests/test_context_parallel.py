@@ -265,7 +265,7 @@ def test_two_ranks_nccl_match_single_rank_attention():
 
 def test_mla_decode_partials_merge_exactly():
     """The MLA decode kernel on each rank's local metadata (one rank holds nothing of request 0) merges exactly."""
-    from attnbackends.mla.decode_kernel import mla_decode
+    from attnbackends.mla.decode_launch import mla_decode
     from attnbackends import build_common_metadata
 
     gen = torch.Generator().manual_seed(3)

@@ -1,5 +1,5 @@
 """Edge cases every backend that runs here gets right: reference and triton (interpreted), reference_mla and
-triton_mla (interpreted), each checked against its oracle (attnbackends.testing / attnbackends.mla.testing).
+triton_mla (interpreted), each checked against its oracle (attnbackends.testing / attnbackends.testing.mla).
 
 Fully masked rows: in a causal layer a query at position p always sees key p (itself), and a sliding window of W >= 1
 keys includes self, so no causal row is ever empty; non-causal rows see their whole sequence (seq_len >= 1). The one
@@ -16,7 +16,7 @@ import torch
 from attnbackends import AttentionSpec
 from attnbackends.mla.backends import TritonMLABackend
 from attnbackends.mla.reference import ReferenceMLABackend
-from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
+from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.ops.merge_attn_states import merge_attn_states
 from attnbackends.ops.quant import dequantize_from_cache, fp8_max
 from attnbackends.reference.backend import ReferenceBackend

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from attnbackends import AttentionSpec, DeviceInfo
 from attnbackends.mla.backends import TritonMLABackend
 from attnbackends.mla.reference import ReferenceMLABackend
-from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
+from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import SequenceShape, assert_close_to_oracle, check_backend_on_batch, make_random_batch
 from attnbackends.testing import tolerance_for

@@ -8,7 +8,7 @@ import torch
 
 from attnbackends import AttentionSpec
 from attnbackends.mla.backends import TritonMLABackend
-from attnbackends.mla.testing import make_random_mla_batch
+from attnbackends.testing.mla import make_random_mla_batch
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import make_random_batch

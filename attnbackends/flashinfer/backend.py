@@ -40,7 +40,6 @@ import torch
 from ..compat import import_flashinfer
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
-from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..speculative.tree_mask import expand_tree_mask
 from ..validation import check_forward_inputs

@@ -12,14 +12,14 @@ from ..flashinfer.plan_guard import planning
 from ..flashinfer.workspace import shared_workspace
 from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
 from ..ops.page_guard import PageTableError, contain_page_ids, has_host_table, raise_pending_faults
-from ..platform import DeviceInfo
+from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
 from .decode_hopper import hopper_reason
-from .decode_kernel import (
-    MLADecodeConfig, choose_num_splits, decode_descriptors, decode_kernel_name, default_decode_config, mla_decode,
-)
+from ..ops.quant import FP8_DTYPES
+from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config
+from .decode_launch import LOG2E, CacheStates, launch_mla_decode, plan_mla_decode, tensor_key
 
 __all__ = [
     "TritonMLABackend",
@@ -45,8 +45,10 @@ class _MLABackendBase(AttentionBackend):
 
 
 class TritonMLAMetadataBuilder(MLAMetadataBuilder):
-    """Adds the decode kernel's launch config and KV split count (from host data only), and views of the builder's
-    persistent decode buffers: the latent output and the split-KV partials, shared by every layer of a batch.
+    """Plans the decode once per batch for every layer (:func:`~attnbackends.mla.decode_launch.plan_mla_decode`:
+    the kernel, the KV split count from host data only, grid, constexprs) over views of the builder's persistent
+    decode buffers, shared by every layer of a batch: the absorbed queries and the latent output ([N, T, Lkv] each,
+    the layouts the absorption and up-projection matmuls write and read without copies) and the split-KV partials.
 
     Speculative decoding: decodes of up to ``max_decode_query_len`` tokens (any mix of lengths) run on the decode
     kernel, a request's query tokens x heads as the rows of its programs (the cache is read once per request), with
@@ -60,7 +62,8 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
                  decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(spec, device, **kwargs)
-        self.decode_config = decode_config or default_decode_config(spec.num_heads, interpreted=not self.device_info.is_cuda)
+        self.decode_config = decode_config or default_decode_config(
+            spec.num_heads, interpreted=is_triton_interpreted())
         self.num_splits = num_splits
         self._decode_buffer = torch.empty(0, dtype=torch.float32, device=self.device)
 
@@ -70,47 +73,55 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             decode.num_decodes, spec.num_heads * decode.max_query_len, decode.max_seq_len, self.device_info.sm_count,
             self.decode_config,
         )
-        decode.extra["num_splits"] = splits
-        decode.extra["config"] = self.decode_config
-        b, n, lkv = decode.num_decode_tokens, spec.num_heads, spec.kv_lora_rank
-        # float32 elements: [T, N, Lkv] latent output (in the model dtype), then [T, N, S, Lkv] and [T, N, S] partials
-        out_elems = -(-b * n * lkv * spec.torch_dtype.itemsize // 256) * 64  # the partials start 256-byte aligned
-        part_elems = b * n * splits * (lkv + 1) if splits > 1 else 0
-        if self._decode_buffer.numel() < out_elems + part_elems:
-            self._decode_buffer = torch.empty(out_elems + part_elems, dtype=torch.float32, device=self.device)
+        t, n, lkv = decode.num_decode_tokens, spec.num_heads, spec.kv_lora_rank
+        # float32 elements: [N, T, Lkv] absorbed queries and [N, T, Lkv] latent output in the model dtype, then the
+        # [T, N, S, Lkv] and [T, N, S] float32 partials; every part starts 256-byte aligned
+        part16 = -(-t * n * lkv * spec.torch_dtype.itemsize // 256) * 64
+        part_elems = t * n * splits * (lkv + 1) if splits > 1 else 0
+        if self._decode_buffer.numel() < 2 * part16 + part_elems:
+            self._decode_buffer = torch.empty(2 * part16 + part_elems, dtype=torch.float32, device=self.device)
         buf = self._decode_buffer
-        decode.extra["latent_out"] = buf[:out_elems].view(spec.torch_dtype)[: b * n * lkv].view(b, n, lkv)
+        ql = buf[:part16].view(spec.torch_dtype)[: t * n * lkv].view(n, t, lkv)
+        latent = buf[part16: 2 * part16].view(spec.torch_dtype)[: t * n * lkv].view(n, t, lkv)
+        partials = None
         if splits > 1:
-            o_part = buf[out_elems: out_elems + b * n * splits * lkv].view(b, n, splits, lkv)
-            lse_part = buf[out_elems + b * n * splits * lkv: out_elems + part_elems].view(b, n, splits)
-            decode.extra["partials"] = (o_part, lse_part)
-
-
-class TritonMLAImpl(MLAImpl):
-    """MLA with the Triton split-KV decode kernel (:func:`~attnbackends.mla.decode_kernel.mla_decode`)."""
-
-    def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
-        super().__init__(spec, **kwargs)
-        self._descriptors: dict[tuple, Any] = {}  # this layer's TMA descriptors, by cache, config and tree
-
-    def _kernel_descriptors(self, ql, q_pe, kv_cache, config: MLADecodeConfig, tree: bool) -> Optional[tuple[Any, Any]]:
-        """The descriptors of the decode kernel these inputs run on (:func:`decode_kernel_name`), built once."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, config, tree)
-        if key not in self._descriptors:
-            kernel = decode_kernel_name(ql, q_pe, kv_cache, config, tree)
-            self._descriptors[key] = decode_descriptors(kernel, kv_cache, ql.shape[-1], config)
-        return self._descriptors[key]
-
-    def _decode_latent(self, ql, q_pe, kv_cache, decode):
-        config = decode.extra["config"]
-        descriptors = self._kernel_descriptors(ql, q_pe, kv_cache, config, decode.tree_indptr is not None)
-        return mla_decode(
-            ql, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.extra["latent_out"],
-            scale=self.scale, k_scale=self.k_scale, num_splits=decode.extra["num_splits"], config=config,
-            partials=decode.extra.get("partials"), descriptors=descriptors,
+            at = 2 * part16
+            partials = (buf[at: at + t * n * splits * lkv].view(t, n, splits, lkv),
+                        buf[at + t * n * splits * lkv: at + part_elems].view(t, n, splits))
+        plan = plan_mla_decode(
+            num_tokens=t, num_heads=n, kv_lora=lkv, rope=spec.qk_rope_head_dim, page=spec.block_size,
+            cache_dtype=spec.kv_cache_torch_dtype, q_dtype=spec.torch_dtype, block_table=decode.block_table,
+            seq_lens=decode.seq_lens, output=latent.transpose(0, 1), num_splits=splits, config=self.decode_config,
+            compute_capability=self.device_info.compute_capability, partials=partials,
             query_start_loc=decode.query_start_loc, max_query_len=decode.max_query_len, tree_mask=decode.tree_mask,
             tree_indptr=decode.tree_indptr,
         )
+        ql_t = ql.transpose(0, 1)
+        decode.extra.update(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
+                            ql_key=tensor_key(ql_t), latent=latent)
+
+
+class TritonMLAImpl(MLAImpl):
+    """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`: per decode, the absorption
+    matmul into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
+    up-projection matmul straight into ``output``."""
+
+    def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self._caches = CacheStates()  # this layer's per-cache launch state (TMA descriptors)
+        fp8 = spec.kv_cache_torch_dtype in FP8_DTYPES
+        self._qk_scale_log2 = self.scale * LOG2E * (self.k_scale if fp8 else 1.0)
+        self._v_scale = self.k_scale if fp8 else 1.0
+
+    def _forward_decode(self, q, kv_cache, decode, output) -> None:
+        extra = decode.extra
+        p = self.spec.qk_nope_head_dim
+        ql = extra["ql"]  # [N, T, Lkv]
+        torch.bmm(q[:, :, :p].transpose(0, 1), self.W_UK_T, out=ql)
+        launch_mla_decode(extra["plan"], extra["ql_t"], q[:, :, p:], self._caches.get(kv_cache),
+                          self._qk_scale_log2, self._v_scale, extra["ql_key"])
+        # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
+        torch.bmm(extra["latent"], self.W_UV, out=output.transpose(0, 1))
 
 
 class TritonMLABackend(_MLABackendBase):

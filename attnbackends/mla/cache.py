@@ -6,12 +6,14 @@ stored * k_scale (one per-tensor scale for the whole latent vector).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from ..compat import DirectLauncher
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.page_guard import (
     FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault, safe_page,
@@ -38,7 +40,7 @@ def mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> tupl
     return (num_blocks, block_size, head_size)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _concat_and_cache_mla_kernel(
     KV_C,
     K_PE,
@@ -129,34 +131,28 @@ def concat_and_cache_mla(
         return
     if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("concat_and_cache_mla needs unit stride in the last dimension of kv_c, k_pe and kv_cache")
-    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    constexprs = _write_constexprs(kv_lora, rope, kv_cache.dtype)
     faults = fault_record(kv_cache.device)
-    _concat_and_cache_mla_kernel[(num_tokens,)](
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        kv_c.stride(0),
-        k_pe.stride(0),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        float(k_scale),
-        kv_cache.shape[1],
-        kv_cache.shape[0] * kv_cache.shape[1],
-        faults.record,
-        faults.host_flag,
-        KV_LORA=kv_lora,
-        ROPE=rope,
-        BLOCK_C=next_power_of_2(kv_lora),
-        BLOCK_R=next_power_of_2(rope),
-        IS_FP8=is_fp8,
-        FP8_MAX=fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
-        FP8_MANT_BITS=fp8_grid(kv_cache.dtype)[0],
-        FP8_MIN_EXP=fp8_grid(kv_cache.dtype)[1],
-        INTERPRET=not kv_cache.is_cuda,
-    )
-    if not kv_cache.is_cuda:  # interpreted: the fault record is already written, and reading it costs no sync
+    strides = (kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+    args = (kv_c, k_pe, kv_cache, slot_mapping, *strides, float(k_scale), kv_cache.shape[1],
+            kv_cache.shape[0] * kv_cache.shape[1], faults.record, faults.host_flag)
+    key = (constexprs, kv_c.dtype, kv_cache.dtype, strides, kv_cache.shape[1], kv_c.data_ptr() % 16,
+           k_pe.data_ptr() % 16, kv_cache.data_ptr() % 16, slot_mapping.data_ptr() % 16)
+    _WRITE(key, (num_tokens, 1, 1), args, constexprs, 4, 3)
+    if constexprs[-1]:  # interpreted: the fault record is already written, and reading it costs no sync
         raise_pending_faults(kv_cache.device)
+
+
+@lru_cache(maxsize=None)
+def _write_constexprs(kv_lora: int, rope: int, cache_dtype: torch.dtype) -> tuple:
+    """The write kernel's constexprs for one layer."""
+    is_fp8 = cache_dtype in FP8_DTYPES
+    return (kv_lora, rope, next_power_of_2(kv_lora), next_power_of_2(rope), is_fp8,
+            fp8_max(cache_dtype) if is_fp8 else 0.0, *fp8_grid(cache_dtype), is_triton_interpreted())
+
+
+_WRITE = DirectLauncher(_concat_and_cache_mla_kernel, (
+    "KV_LORA", "ROPE", "BLOCK_C", "BLOCK_R", "IS_FP8", "FP8_MAX", "FP8_MANT_BITS", "FP8_MIN_EXP", "INTERPRET"))
 
 
 def context_slots(
@@ -186,7 +182,7 @@ def context_slots(
 _GATHER_TOKENS = 8  # tokens per program of the gather kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gather_mla_cache_kernel(
     CACHE, SLOTS, OUT, stride_cache_blk, stride_cache_tok, stride_out_t, n, num_blocks, block_size, scale,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, TOKENS: tl.constexpr, DEQUANT: tl.constexpr,
@@ -212,6 +208,9 @@ def _gather_mla_cache_kernel(
     tl.store(OUT + t.to(tl.int64)[:, None] * stride_out_t + offs[None, :], x.to(OUT.dtype.element_ty), mask=mask)
 
 
+_GATHER = DirectLauncher(_gather_mla_cache_kernel, ("WIDTH", "BLOCK_W", "TOKENS", "DEQUANT", "ROUND_BF16"))
+
+
 def gather_mla_cache(
     kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, k_scale: float = 1.0
 ) -> torch.Tensor:
@@ -232,12 +231,13 @@ def gather_mla_cache(
         if kv_cache.stride(-1) != 1 or out.stride(-1) != 1:
             raise ValueError("gather_mla_cache needs unit stride in the last dimension of kv_cache and out")
         num_blocks, block_size, width = kv_cache.shape
-        _gather_mla_cache_kernel[(cdiv(n, _GATHER_TOKENS),)](
-            kv_cache, slots, dst, kv_cache.stride(0), kv_cache.stride(1), dst.stride(0), n, num_blocks, block_size,
-            float(k_scale),
-            WIDTH=width, BLOCK_W=next_power_of_2(width), TOKENS=_GATHER_TOKENS, DEQUANT=kv_cache.dtype in FP8_DTYPES,
-            ROUND_BF16=not kv_cache.is_cuda and out.dtype == torch.bfloat16,
-        )
+        constexprs = (width, next_power_of_2(width), _GATHER_TOKENS, kv_cache.dtype in FP8_DTYPES,
+                      is_triton_interpreted() and out.dtype == torch.bfloat16)
+        args = (kv_cache, slots, dst, kv_cache.stride(0), kv_cache.stride(1), dst.stride(0), n, num_blocks,
+                block_size, float(k_scale))
+        key = (constexprs, kv_cache.dtype, dst.dtype, kv_cache.stride(), dst.stride(0), kv_cache.data_ptr() % 16,
+               dst.data_ptr() % 16, slots.data_ptr() % 16, num_blocks % 16 == 0, num_blocks == 1, block_size)
+        _GATHER(key, (cdiv(n, _GATHER_TOKENS), 1, 1), args, constexprs, 4, 3)
         return dst
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     if kv_cache.dtype == out.dtype:

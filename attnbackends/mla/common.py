@@ -12,24 +12,25 @@ per head ([Lkv] -> [V]). With speculative decoding a decode has 1 + k query toke
 mask (:attr:`CommonAttentionMetadata.spec_tree_mask`) applies to decodes only: the prefill path is causal. Prefill: [k_nope ; v] = kv_c @ kv_b_proj.T per head, k = [k_nope ; k_pe]; causal MHA over
 the new tokens, plus the cached context processed in chunks through a bounded workspace (each chunk non-causal
 with its lse) merged with :func:`~attnbackends.ops.merge_attn_states.merge_attn_states`.
+
+The impl contract, :class:`~attnbackends.interface.MLAAttentionImpl`, lives beside ``AttentionImpl`` in
+:mod:`attnbackends.interface` (imported here too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from abc import abstractmethod
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import torch
 
-from ..interface import AttentionImplBase, AttentionMetadataBuilder
+from ..interface import AttentionMetadataBuilder, MLAAttentionImpl
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..ops.merge_attn_states import merge_attn_states
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .cache import concat_and_cache_mla, context_slots, gather_mla_cache
-from ..validation import check_forward_inputs
 from .prefill import PrefillKernel, RaggedPlan, get_prefill_kernel, select_prefill_kernel
 
 __all__ = [
@@ -39,12 +40,9 @@ __all__ = [
     "MLAPrefillMetadata",
     "MLAMetadata",
     "MLAMetadataBuilder",
-    "MLAAttentionImpl",
     "MLAImpl",
     "split_kv_b_proj",
 ]
-
-M = TypeVar("M")
 
 #: Default context workspace, in tokens (64k tokens x 576 x 2 bytes = 72 MiB in bf16).
 DEFAULT_WORKSPACE_TOKENS = 64 * 1024
@@ -264,77 +262,6 @@ def split_kv_b_proj(kv_b_proj: torch.Tensor, spec: AttentionSpec) -> tuple[torch
     return w[:, :p, :].contiguous(), w[:, p:, :].transpose(1, 2).contiguous()
 
 
-class MLAAttentionImpl(AttentionImplBase[M]):
-    """The contract of every MLA impl (one per layer): the latent cache write and the MLA forward below.
-
-    Parameters
-    ----------
-    spec : an MLA spec (:meth:`AttentionSpec.mla`).
-    kv_b_proj : [N * (P + V), Lkv] up-projection weight (nn.Linear layout), in the model dtype.
-    k_scale : fp8 scale of the latent cache (stored = saturate(c / k_scale)); ignored for other cache dtypes.
-    v_scale : the cache holds one latent per token, read with k_scale alone: None, 1.0 or equal to k_scale;
-        anything else is a ValueError.
-    """
-
-    def __init__(self, spec: AttentionSpec, *, kv_b_proj: torch.Tensor, k_scale: float = 1.0,
-                 v_scale: Optional[float] = None, **kwargs: Any) -> None:
-        if not spec.is_mla:
-            raise ValueError("MLA impls need an MLA spec (AttentionSpec.mla(...))")
-        if v_scale is not None and float(v_scale) not in (1.0, float(k_scale)):
-            raise ValueError(
-                f"v_scale={v_scale} is not supported by MLA: the latent cache has one scale, k_scale={k_scale} "
-                "(values are read from the same latent); pass v_scale=None, 1.0 or k_scale"
-            )
-        super().__init__(spec, k_scale=k_scale, v_scale=k_scale, **kwargs)
-        n, p, v, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
-        if kv_b_proj.shape != (n * (p + v), lkv):
-            raise ValueError(
-                f"kv_b_proj must have shape ({n * (p + v)}, {lkv}) = (N * (P + V), Lkv), got {tuple(kv_b_proj.shape)}"
-            )
-        self.kv_b_proj = kv_b_proj
-
-    def process_weights_after_loading(self) -> None:
-        """Called once after the weights are final (``kv_b_proj`` included); impls derive their weights here."""
-
-    def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
-        """Write latent tokens: kv_c_normed [T, Lkv], k_pe [T, R] -> kv_cache [num_blocks, block_size, Lkv + R];
-        slot_mapping [T] int64, -1 = padding (see :func:`concat_and_cache_mla`)."""
-        concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, self.k_scale)
-
-    @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        kv_c_normed: Optional[torch.Tensor],
-        k_pe: Optional[torch.Tensor],
-        kv_cache: torch.Tensor,
-        metadata: M,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        """MLA attention for one batch, written into ``output``.
-
-        Parameters
-        ----------
-        q : [T, N, P + R] queries, [q_nope ; q_pe] per head, model dtype.
-        kv_c_normed : [T, Lkv] the new tokens' normalised latent KV (written to the cache first), or None when the
-            cache already holds them.
-        k_pe : [T, R] their rotary key part (one per token, shared by the heads), or None with kv_c_normed.
-        kv_cache : [num_blocks, block_size, Lkv + R] in the cache dtype.
-        metadata : from this backend's builder; decodes come first.
-        output : [T, N, V]; rows past num_actual_tokens are left untouched.
-
-        Returns
-        -------
-        output
-        """
-
-    def check_inputs(self, q, kv_c_normed, k_pe, kv_cache, metadata, output) -> None:
-        """The validation hook (:func:`attnbackends.validation.check_forward_inputs`): tensors on the first call,
-        tensors and the block table on every call in debug mode. Every ``forward`` calls it first."""
-        check_forward_inputs(self, metadata, metadata.common, q, kv_c_normed, k_pe, kv_cache, output, mla=True)
-
-
 class MLAImpl(MLAAttentionImpl[MLAMetadata]):
     """The absorbed MLA impl the fast backends share: weight absorption, the decode requests through a subclass's
     kernel (:meth:`_decode_latent`), chunked-context prefill. Constructor as :class:`MLAAttentionImpl`."""
@@ -348,24 +275,24 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
         """Build W_UK_T [N, P, Lkv] and W_UV [N, Lkv, V] (once, after the weights are final)."""
         self.W_UK_T, self.W_UV = split_kv_b_proj(self.kv_b_proj, self.spec)
 
+    def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        """See :meth:`MLAAttentionImpl.update_kv_cache` (:func:`~attnbackends.mla.cache.concat_and_cache_mla`)."""
+        concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, self.k_scale)
+
     def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, metadata: MLAMetadata, output: torch.Tensor) -> torch.Tensor:
         """See :meth:`MLAAttentionImpl.forward`."""
         self.check_inputs(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         if self.W_UK_T is None:
             self.process_weights_after_loading()
-        spec = self.spec
         n_tokens = metadata.num_actual_tokens
         if kv_c_normed is not None:
             self.update_kv_cache(kv_c_normed[:n_tokens], k_pe[:n_tokens], kv_cache, metadata.slot_mapping)
-        if metadata.decode is not None:
-            nd = metadata.decode.num_decode_tokens
-            q_nope, q_pe = q[:nd].split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
-            ql = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)  # [B, N, Lkv]
-            o_latent = self._decode_latent(ql.contiguous(), q_pe.contiguous(), kv_cache, metadata.decode)
-            # [N, B, Lkv] @ [N, Lkv, V] -> [N, B, V]
-            o = torch.bmm(o_latent.transpose(0, 1).to(self.W_UV.dtype), self.W_UV)
-            output[:nd] = o.transpose(0, 1).to(output.dtype)
+        decode = metadata.decode
+        if decode is not None:
+            nd = decode.num_decode_tokens
+            self._forward_decode(q[:nd], kv_cache, decode, output[:nd])
         if metadata.prefill is not None:
             if kv_c_normed is None:
                 raise ValueError("prefill tokens need kv_c_normed and k_pe")
@@ -374,6 +301,17 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
             end = nd + pre.num_prefill_tokens
             self._forward_prefill(q[nd:end], kv_c_normed[nd:end], k_pe[nd:end], kv_cache, pre, output[nd:end])
         return output
+
+    def _forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata,
+                        output: torch.Tensor) -> None:
+        """The decode requests: q [T, N, P + R] -> output [T, N, V] (absorbed queries, :meth:`_decode_latent`, the
+        up-projection of the latent output)."""
+        q_nope, q_pe = q.split([self.spec.qk_nope_head_dim, self.spec.qk_rope_head_dim], dim=-1)
+        ql = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)  # [T, N, Lkv]
+        o_latent = self._decode_latent(ql.contiguous(), q_pe.contiguous(), kv_cache, decode)
+        # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V]
+        o = torch.bmm(o_latent.transpose(0, 1).to(self.W_UV.dtype), self.W_UV)
+        output.copy_(o.transpose(0, 1))
 
     def _decode_latent(
         self, ql: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata

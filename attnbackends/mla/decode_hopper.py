@@ -63,12 +63,16 @@ A page id outside the cache is read as page 0 (the page guard reports it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["HOPPER_BLOCK_H", "HOPPER_BLOCK_N", "gluon_available", "hopper_decode_applies", "hopper_descriptors",
-           "hopper_inputs_reason", "hopper_reason", "launch_hopper_decode"]
+from ..compat import DescriptorLauncher, gluon_available
+from ..platform import DeviceInfo, is_triton_interpreted
+
+__all__ = ["HOPPER_BLOCK_H", "HOPPER_BLOCK_N", "HOPPER_CONSTEXPRS", "gluon_available", "hopper_args",
+           "hopper_constexprs", "hopper_decode_applies", "hopper_descriptors", "hopper_inputs_reason",
+           "hopper_kernel", "hopper_launcher", "hopper_reason"]
 
 HOPPER_BLOCK_H = 64  # rows per program: one wgmma M tile
 HOPPER_BLOCK_N = 64  # keys per tile; P [64 rows, 64 keys] is published over the [64 keys, R = 64] rope slot
@@ -82,7 +86,7 @@ HOPPER_REGS = (232, 40)  # registers per thread of the P.V warpgroup and of the 
 HOPPER_FP8_BITS = True
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
-try:
+if gluon_available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -93,15 +97,6 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-
-    _GLUON_IMPORT_ERROR = None
-except ImportError as exc:  # a Triton without Gluon: the Triton kernels serve every GPU
-    _GLUON_IMPORT_ERROR = exc
-
-
-def gluon_available() -> bool:
-    """Whether the installed Triton ships Gluon's Hopper language (``triton.experimental.gluon``)."""
-    return _GLUON_IMPORT_ERROR is None
 
 
 def hopper_reason(kv_lora: int, rope: int, block_size: int, kv_cache_dtype: torch.dtype,
@@ -155,9 +150,9 @@ def hopper_inputs_reason(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
 
 def hopper_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, tree: bool) -> bool:
     """Whether this kernel serves these inputs: a CUDA cache and :func:`hopper_inputs_reason` finds nothing."""
-    if not kv_cache.is_cuda:
+    if is_triton_interpreted() or kv_cache.device.type != "cuda":
         return False
-    return not hopper_inputs_reason(q_nope, q_pe, kv_cache, tree, torch.cuda.get_device_capability(kv_cache.device))
+    return not hopper_inputs_reason(q_nope, q_pe, kv_cache, tree, DeviceInfo.current(kv_cache.device).compute_capability)
 
 
 def hopper_descriptors(kv_cache: torch.Tensor, kv_lora: int) -> tuple[Any, Any]:
@@ -171,27 +166,44 @@ def hopper_descriptors(kv_cache: torch.Tensor, kv_lora: int) -> tuple[Any, Any]:
             GluonTensorDescriptor.from_tensor(rows, shape_pe, gl.NVMMASharedLayout.get_default_for(shape_pe, gdt)))
 
 
-def launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start, out, lse, stride_o_s: int,
-                         num_splits: int, qk_scale_log2: float, max_query_len: int, grid, descriptors, *,
-                         v_scale: float = 1.0) -> None:
-    """One launch over ``grid`` = (cdiv(H * max_query_len, 64), B, num_splits); arguments as the Triton TMA
-    kernel's (``out``/``lse``: the output and LSE, or the split partials with ``stride_o_s``). An fp8 e4m3 cache is
-    read as stored * k_scale: ``qk_scale_log2`` = scale * log2(e) * k_scale and ``v_scale`` = k_scale (16-bit
-    caches: unused)."""
-    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
-    kv_desc, pe_desc = descriptors if descriptors is not None else hopper_descriptors(kv_cache, kv_lora)
-    _mla_decode_hopper_kernel[grid](
-        q_nope, q_pe, kv_desc, pe_desc, block_table, seq_lens, query_start, out,
-        lse if lse is not None else seq_lens,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0), kv_cache.shape[0],
-        out.stride(0), out.stride(1), stride_o_s,
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        q_nope.shape[1], num_splits, qk_scale_log2, float(v_scale),
-        LKV=kv_lora, R=rope, PAGE=kv_cache.shape[1], BLOCK_H=HOPPER_BLOCK_H, BLOCK_N=HOPPER_BLOCK_N, NBUF=HOPPER_NBUF,
-        STORE_LSE=lse is not None, MAX_Q=int(max_query_len), REGS_PV=HOPPER_REGS[0], REGS_LOAD=HOPPER_REGS[1],
-        FP8=kv_cache.dtype == torch.float8_e4m3fn, FP8_BITS=HOPPER_FP8_BITS,
-        num_warps=4,
-    )
+#: The constexpr parameters of ``_mla_decode_hopper_kernel``, in signature order (``num_warps`` is one: a Gluon
+#: kernel declares it).
+HOPPER_CONSTEXPRS = ("LKV", "R", "PAGE", "BLOCK_H", "BLOCK_N", "NBUF", "STORE_LSE", "MAX_Q", "REGS_PV", "REGS_LOAD",
+                     "FP8", "FP8_BITS", "num_warps")
+HOPPER_NUM_WARPS = 4  # the default partition: one warpgroup
+
+
+def hopper_constexprs(kv_lora: int, rope: int, page: int, store_lse: bool, max_query_len: int,
+                      fp8: bool) -> tuple:
+    """The values of :data:`HOPPER_CONSTEXPRS` for one layer and batch."""
+    return (kv_lora, rope, page, HOPPER_BLOCK_H, HOPPER_BLOCK_N, HOPPER_NBUF, bool(store_lse), int(max_query_len),
+            HOPPER_REGS[0], HOPPER_REGS[1], bool(fp8), HOPPER_FP8_BITS, HOPPER_NUM_WARPS)
+
+
+def hopper_args(q_nope, q_pe, descriptors, block_table, seq_lens, query_start, out, lse, stride_o_s: int,
+                num_blocks: int, num_splits: int, qk_scale_log2: float, v_scale: float) -> tuple:
+    """The runtime arguments of ``_mla_decode_hopper_kernel`` in signature order, for a launch over
+    (cdiv(H * max_query_len, 64), B, num_splits). ``out``/``lse``: the output and LSE (``lse`` None: none), or the
+    split partials with ``stride_o_s``. An fp8 e4m3 cache is read as stored * k_scale: ``qk_scale_log2`` = scale *
+    log2(e) * k_scale and ``v_scale`` = k_scale (16-bit caches: unused). ``descriptors``: :func:`hopper_descriptors`
+    of the cache."""
+    kv_desc, pe_desc = descriptors
+    return (q_nope, q_pe, kv_desc, pe_desc, block_table, seq_lens, query_start, out,
+            lse if lse is not None else seq_lens,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0), num_blocks,
+            out.stride(0), out.stride(1), stride_o_s,
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+            q_nope.shape[1], num_splits, float(qk_scale_log2), float(v_scale))
+
+
+def hopper_launcher() -> Optional[DescriptorLauncher]:
+    """The cached launcher of ``_mla_decode_hopper_kernel`` (None without Gluon)."""
+    return _LAUNCHER
+
+
+def hopper_kernel() -> Any:
+    """The ``@gluon.jit`` kernel (for ahead-of-time compiles; None without Gluon)."""
+    return _mla_decode_hopper_kernel if gluon_available() else None
 
 
 if gluon_available():
@@ -718,3 +730,7 @@ if gluon_available():
                             q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
                             stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, LKV, R, PAGE,
                             BLOCK_H, BLOCK_N, NBUF, STORE_LSE, MAX_Q, REGS_PV, REGS_LOAD)
+
+
+# The descriptors are arguments 2 and 3 (kv_desc, pe_desc): encoded once per descriptor object.
+_LAUNCHER = DescriptorLauncher(_mla_decode_hopper_kernel, HOPPER_CONSTEXPRS, (2, 3)) if gluon_available() else None

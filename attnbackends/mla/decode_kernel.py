@@ -27,14 +27,14 @@ import triton.language as tl
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
-from ..ops.quant import FP8_DTYPES, dequantize_from_cache
+from ..ops.quant import dequantize_from_cache
 from ..ops.tree_mask import tree_visible
-from .decode_hopper import HOPPER_BLOCK_H, hopper_decode_applies, hopper_descriptors, launch_hopper_decode
+from ..platform import DeviceInfo
+from .decode_hopper import HOPPER_BLOCK_H, hopper_decode_applies, hopper_descriptors
 
-__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode", "mla_decode_torch", "choose_num_splits",
+__all__ = ["MLADecodeConfig", "default_decode_config", "mla_decode_torch", "choose_num_splits",
            "decode_kernel_name", "decode_descriptors", "tma_descriptors"]
 
-_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -464,7 +464,7 @@ def tma_decode_applies(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         return False
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != kv_lora + rope or kv_cache.stride(0) != page * (kv_lora + rope):
         return False
-    if kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+    if kv_cache.is_cuda and DeviceInfo.current(kv_cache.device).compute_capability < (9, 0):
         return False
     return q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
 
@@ -498,179 +498,6 @@ def decode_descriptors(kernel: str, kv_cache: torch.Tensor, kv_lora: int, config
     return tma_descriptors(kv_cache, kv_lora, config) if kernel == "tma" else None
 
 
-def _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, out, lse, stride_o_s, num_splits,
-                qk_scale_log2, config: MLADecodeConfig, grid, descriptors) -> None:
-    page = kv_cache.shape[1]
-    kv_lora, rope = q_nope.shape[-1], q_pe.shape[-1]
-    kv_desc, pe_desc = descriptors if descriptors is not None else tma_descriptors(kv_cache, kv_lora, config)
-    query_start, tree_mask, tree_indptr, max_q = speculative
-    _mla_decode_tma_kernel[grid](
-        q_nope, q_pe, kv_desc, pe_desc, kv_cache, block_table, seq_lens, query_start, tree_mask, tree_indptr, out,
-        lse if lse is not None else seq_lens,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
-        out.stride(0), out.stride(1), stride_o_s,
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        q_nope.shape[1], num_splits, qk_scale_log2,
-        KV_LORA=kv_lora, HALF=kv_lora // 2, ROPE=rope, PAGE_SIZE=page, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        STORE_LSE=lse is not None, MAX_Q=max_q, USE_TREE=tree_indptr is not seq_lens, INTERPRET=not q_nope.is_cuda,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-
-
-def mla_decode(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    output: torch.Tensor,
-    *,
-    scale: float,
-    k_scale: float = 1.0,
-    num_splits: int = 1,
-    config: Optional[MLADecodeConfig] = None,
-    lse: Optional[torch.Tensor] = None,
-    partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    descriptors: Optional[tuple[Any, Any]] = None,
-    query_start_loc: Optional[torch.Tensor] = None,
-    max_query_len: int = 1,
-    tree_mask: Optional[torch.Tensor] = None,
-    tree_indptr: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Decode attention over the latent cache: B requests, T query tokens (one per request, or several for
-    speculative verification).
-
-    Parameters
-    ----------
-    q_nope : [T, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
-    q_pe : [T, H, R] rotary part of the queries.
-    kv_cache : [num_blocks, block_size, Lkv + R] in the model dtype or fp8 (read as stored * k_scale).
-    block_table : [B, W] int32 page ids (one outside ``[0, num_blocks)`` is read as page 0); seq_lens : [B] int32
-        (keys per request, its new tokens included).
-    output : [T, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
-    num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
-    lse : [T, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
-    partials : preallocated ([T, H, S, Lkv] float32, [T, H, S] float32) buffers for num_splits > 1.
-    descriptors : :func:`decode_descriptors` of the kernel :func:`decode_kernel_name` picks for these inputs (built
-        here when that kernel reads through TMA and none are given).
-    query_start_loc : [B + 1] int32, request b's query tokens are ``query_start_loc[b] : query_start_loc[b + 1]``
-        (each at most ``max_query_len``; token t of a request with L keys and Q tokens sits at position L - Q + t
-        and sees keys up to it). None: one token per request (T == B).
-    max_query_len : the longest request's query (host int; the kernel's rows per request are this x H).
-    tree_mask, tree_indptr : the packed tree mask ([sum n_i^2] uint8 or bool) and its [B + 1] int32 offsets
-        (:attr:`CommonAttentionMetadata.spec_tree_mask`): request b's last n_b tokens are a draft segment whose
-        tokens see only their ancestors in it.
-
-    Returns
-    -------
-    output
-    """
-    num_tokens, num_heads, kv_lora = q_nope.shape
-    rope = q_pe.shape[-1]
-    batch = seq_lens.shape[0]
-    if kv_cache.shape[-1] != kv_lora + rope:
-        raise ValueError(f"kv_cache last dimension {kv_cache.shape[-1]} != Lkv + R = {kv_lora + rope}")
-    if (tree_mask is None) != (tree_indptr is None):
-        raise ValueError("tree_mask and tree_indptr go together: pass both or neither")
-    max_query_len = int(max_query_len)
-    if query_start_loc is None and (max_query_len != 1 or num_tokens != batch):
-        raise ValueError(f"{num_tokens} query tokens for {batch} requests (max_query_len {max_query_len}) need "
-                         "query_start_loc")
-    if batch == 0:
-        return output
-    config = config or default_decode_config(num_heads, interpreted=not q_nope.is_cuda)
-    num_splits = max(1, int(num_splits))
-    block_c = next_power_of_2(kv_lora)
-    block_r = next_power_of_2(rope)
-    is_fp8 = kv_cache.dtype in FP8_DTYPES
-    # The row blocks of one request are adjacent programs: they read the same pages, which L2 then serves once.
-    grid = (cdiv(num_heads * max_query_len, config.block_h), batch, num_splits)
-    speculative = (
-        query_start_loc if query_start_loc is not None else seq_lens,
-        tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens,
-        tree_indptr if tree_indptr is not None else seq_lens,
-        max_query_len,
-    )
-    common = dict(
-        KV_LORA=kv_lora,
-        ROPE=rope,
-        BLOCK_C=block_c,
-        BLOCK_R=block_r,
-        PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        IS_FP8=is_fp8,
-        MAX_Q=max_query_len,
-        USE_TREE=tree_indptr is not None,
-        INTERPRET=not q_nope.is_cuda,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    qk_scale_log2 = scale * _LOG2E * (k_scale if is_fp8 else 1.0)
-    v_scale = k_scale if is_fp8 else 1.0
-    kernel = decode_kernel_name(q_nope, q_pe, kv_cache, config, tree_indptr is not None)
-    use_tma = kernel == "tma"
-    if num_splits == 1:
-        if kernel == "hopper":
-            launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative[0], output, lse, 0, 1,
-                                 qk_scale_log2, max_query_len, grid, descriptors, v_scale=v_scale)
-            return output
-        if use_tma:
-            _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, output, lse, 0, 1, qk_scale_log2,
-                        config, grid, descriptors)
-            return output
-        lse_t = lse if lse is not None else seq_lens
-        _mla_decode_kernel[grid](
-            q_nope, q_pe, kv_cache, block_table, seq_lens, *speculative[:3], output, lse_t,
-            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
-            output.stride(0), output.stride(1), 0,
-            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            num_heads, 1, qk_scale_log2, v_scale,
-            STORE_LSE=lse is not None,
-            **common,
-        )
-        return output
-    if partials is None:
-        o_part = torch.empty(num_tokens, num_heads, num_splits, kv_lora, dtype=torch.float32, device=q_nope.device)
-        lse_part = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
-    else:
-        o_part, lse_part = partials
-    if kernel == "hopper":
-        launch_hopper_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative[0], o_part, lse_part,
-                             o_part.stride(2), num_splits, qk_scale_log2, max_query_len, grid, descriptors,
-                             v_scale=v_scale)
-    elif use_tma:
-        _launch_tma(q_nope, q_pe, kv_cache, block_table, seq_lens, speculative, o_part, lse_part, o_part.stride(2),
-                    num_splits, qk_scale_log2, config, grid, descriptors)
-    else:
-        _mla_decode_kernel[grid](
-            q_nope, q_pe, kv_cache, block_table, seq_lens, *speculative[:3], o_part, lse_part,
-            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), kv_cache.shape[0],
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1),
-            num_heads, num_splits, qk_scale_log2, v_scale,
-            STORE_LSE=True,
-            **common,
-        )
-    reduce_c = reduce_block_c(kv_lora, num_splits)
-    _mla_decode_reduce_kernel[(num_tokens, num_heads, cdiv(kv_lora, reduce_c))](
-        o_part, lse_part, output, lse if lse is not None else lse_part,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        output.stride(0), output.stride(1),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        KV_LORA=kv_lora,
-        BLOCK_C=reduce_c,
-        NUM_SPLITS=num_splits,
-        BLOCK_S=next_power_of_2(num_splits),
-        STORE_LSE=lse is not None,
-        num_warps=4,
-    )
-    return output
-
 
 def mla_decode_torch(
     q_nope: torch.Tensor,
@@ -685,7 +512,7 @@ def mla_decode_torch(
     query_lens_cpu: Optional[torch.Tensor] = None,
     tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
-    """Pure-torch :func:`mla_decode` (a loop over requests, float32): the CPU path and the kernel's test twin.
+    """Pure-torch :func:`~attnbackends.mla.decode_launch.mla_decode` (a loop over requests, float32): the CPU path and the kernel's test twin.
 
     seq_lens_cpu : [B] int32 on the CPU. query_lens_cpu : [B] int32 on the CPU, the query tokens per request (None:
     one each). tree_masks : per request its [n, n] bool draft-segment mask or None. Other arguments as in

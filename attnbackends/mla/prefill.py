@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import efficient_attention_with_lse, flash_attn_cute_available
+from ..compat import DirectLauncher, efficient_attention_with_lse, flash_attn_cute_available
 from ..flashinfer.plan_guard import planning
 from ..flashinfer.workspace import shared_workspace
-from ..platform import DeviceInfo, package_available
+from ..platform import DeviceInfo, is_triton_interpreted, package_available
 from ..ops.launch_math import cdiv, next_power_of_2
 
 __all__ = [
@@ -400,16 +400,18 @@ def ragged_attention_triton(
     head_qk, head_v = q.shape[-1], v.shape[-1]
     head_a = 1 << (head_qk.bit_length() - 1)
     head_b = next_power_of_2(head_qk - head_a) if head_qk > head_a else 0
-    interpreted = not q.is_cuda
+    interpreted = is_triton_interpreted()
     block_m, block_n = (16, 16) if interpreted else (64, 64)
     grid = (cdiv(max(plan.max_seqlen_q, 1), block_m), q.shape[1], num_reqs)
-    _ragged_attention_kernel[grid](
-        q, k, v, out, lse,
-        plan.cu_seqlens_q, plan.cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        plan.scale * 1.4426950408889634,
-        HEAD_QK=head_qk, HEAD_A=head_a, HEAD_B=head_b, HEAD_V=head_v, BLOCK_V=next_power_of_2(head_v),
-        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=plan.causal, INTERPRET=interpreted,
-        num_warps=4 if interpreted else 8, num_stages=1 if interpreted else 2,
-    )
+    constexprs = (head_qk, head_a, head_b, head_v, next_power_of_2(head_v), block_m, block_n, plan.causal,
+                  interpreted)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+               out.stride(1), lse.stride(0))
+    args = (q, k, v, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k, *strides, plan.scale * 1.4426950408889634)
+    key = (constexprs, q.dtype, k.dtype, v.dtype, out.dtype, strides,
+           tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k)))
+    _RAGGED(key, grid, args, constexprs, 4 if interpreted else 8, 1 if interpreted else 2)
+
+
+_RAGGED = DirectLauncher(_ragged_attention_kernel, (
+    "HEAD_QK", "HEAD_A", "HEAD_B", "HEAD_V", "BLOCK_V", "BLOCK_M", "BLOCK_N", "CAUSAL", "INTERPRET"))

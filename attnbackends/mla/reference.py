@@ -12,21 +12,25 @@ from typing import Optional
 
 import torch
 
-from ..interface import AttentionBackend, CudaGraphSupport
+from ..interface import AttentionBackend, CudaGraphSupport, MLAAttentionImpl
 from ..ops.quant import dequantize_from_cache
 from ..reference.backend import ReferenceMetadata, ReferenceMetadataBuilder
 from ..reference.functional import sequence_attention
 from ..spec import KV_CACHE_DTYPES, AttentionSpec
 from .cache import MLA_KV_CACHE_LAYOUT, concat_and_cache_mla, mla_kv_cache_shape
-from .common import MLAAttentionImpl
 
 __all__ = ["ReferenceMLABackend", "ReferenceMLAImpl"]
 
 
 class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
     """Naive MLA: up-project the whole latent cache, run MHA per request. Constructor and forward as
-    :class:`~attnbackends.mla.common.MLAAttentionImpl`; metadata from
+    :class:`~attnbackends.interface.MLAAttentionImpl`; metadata from
     :class:`~attnbackends.reference.backend.ReferenceMetadataBuilder`."""
+
+    def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        """See :meth:`MLAAttentionImpl.update_kv_cache` (the torch write)."""
+        concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, self.k_scale, impl="torch")
 
     def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, metadata: ReferenceMetadata, output: torch.Tensor) -> torch.Tensor:
@@ -35,7 +39,7 @@ class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
         common = metadata.common
         n_tokens = common.num_actual_tokens
         if kv_c_normed is not None:
-            concat_and_cache_mla(kv_c_normed[:n_tokens], k_pe[:n_tokens], kv_cache, common.slot_mapping, self.k_scale, impl="torch")
+            self.update_kv_cache(kv_c_normed[:n_tokens], k_pe[:n_tokens], kv_cache, common.slot_mapping)
         n, p, v_dim, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         w = self.kv_b_proj.to(compute)

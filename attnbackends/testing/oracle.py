@@ -7,11 +7,13 @@ import torch
 
 from .cases import RandomBatch
 
-__all__ = ["oracle_attention"]
+__all__ = ["draft_visibility", "oracle_attention"]
 
 
-def _draft_visibility(parents: list[int], query_len: int, seq_len: int) -> torch.Tensor:
-    """[Q, L] bool: False where a draft token would see a draft token that is not itself or an ancestor."""
+def draft_visibility(parents: list[int], query_len: int, seq_len: int) -> torch.Tensor:
+    """[Q, L] bool for a request of Q query tokens and L keys whose last ``len(parents)`` tokens are a draft tree
+    (``parents[i]``: the parent of draft token i, -1 for a root): False where a draft token would see a draft token
+    that is not itself or an ancestor (causality is the caller's)."""
     n = len(parents)
     allowed = torch.ones(query_len, seq_len, dtype=torch.bool)
     for a in range(n):
@@ -23,6 +25,9 @@ def _draft_visibility(parents: list[int], query_len: int, seq_len: int) -> torch
             if b not in ancestors:
                 allowed[query_len - n + a, seq_len - n + b] = False
     return allowed
+
+
+_draft_visibility = draft_visibility  # the name older tests import
 
 
 def oracle_attention(batch: RandomBatch) -> torch.Tensor:
@@ -56,7 +61,7 @@ def oracle_attention(batch: RandomBatch) -> torch.Tensor:
         if spec.sliding_window is not None:
             allowed &= k_pos > p_pos - spec.sliding_window
         if parents:
-            allowed &= _draft_visibility(parents, shape.query_len, shape.seq_len)
+            allowed &= draft_visibility(parents, shape.query_len, shape.seq_len)
         s = torch.where(allowed, s, torch.full_like(s, -torch.inf))
         row_max = s.amax(dim=-1, keepdim=True)
         if sinks is not None:

@@ -47,10 +47,10 @@ def put_host_ahead(device: "torch.device | str") -> None:
 def run_ahead_batches(spec: AttentionSpec, device: "torch.device | str", num_blocks: int = 96) -> list[Any]:
     """One random batch per entry of :data:`RUN_AHEAD_STEPS`, each with its own cache (standard attention: of
     ``num_blocks`` pages, so a step that reads another step's page table reads valid memory and fails on its values,
-    not by a crash). MLA specs get :class:`~attnbackends.mla.testing.MLABatch` es sharing one ``kv_b_proj`` (one
+    not by a crash). MLA specs get :class:`~attnbackends.testing.mla.MLABatch` es sharing one ``kv_b_proj`` (one
     impl runs them all)."""
     if spec.is_mla:
-        from ..mla.testing import make_random_mla_batch
+        from .mla import make_random_mla_batch
 
         batches = [make_random_mla_batch(spec, shapes, seed=100 + i, device=device)
                    for i, shapes in enumerate(RUN_AHEAD_STEPS)]
@@ -109,7 +109,7 @@ def _device_of(batch) -> torch.device:
 
 def _oracle(batch) -> torch.Tensor:
     if batch.spec.is_mla:
-        from ..mla.testing import mla_oracle
+        from .mla import mla_oracle
 
         return mla_oracle(batch)
     return oracle_attention(batch)

@@ -83,7 +83,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..mla.decode_hopper import gluon_available
+from ..compat import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
 

@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ..mla.decode_hopper import gluon_available
+from ..compat import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
 from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, hopper_prefill_items

@@ -10,10 +10,11 @@ import torch
 from attnbackends import AttentionConfig, DeviceInfo, explain, select
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
 from attnbackends.mla.cache import concat_and_cache_mla, concat_and_cache_mla_torch
-from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode, mla_decode_torch
+from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode_torch
+from attnbackends.mla.decode_launch import mla_decode
 from attnbackends.mla.prefill import SdpaPrefill, TritonPrefill
 from attnbackends.mla.reference import ReferenceMLABackend
-from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
+from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.ops.quant import dequantize_from_cache
 from attnbackends.spec import AttentionSpec
 from attnbackends.testing import SequenceShape as S
@@ -310,7 +311,7 @@ def test_split_count_fills_one_wave(batch, seq_len):
     ("auto", 128, 64, (8, 0), "compute capability is not 9.0 rules out"),
 ])
 def test_explain_names_the_mla_decode_kernel(kv_cache_dtype, heads, block_size, cc, kernel):
-    from attnbackends.mla.decode_hopper import gluon_available
+    from attnbackends.compat import gluon_available
 
     if not gluon_available() and "Gluon Hopper kernel (warp" in kernel:
         kernel = "triton.experimental.gluon is not installed"

@@ -22,7 +22,8 @@ import torch
 
 from attnbackends.mla import decode_hopper as dh
 from attnbackends.mla import decode_kernel as dk
-from attnbackends.mla.decode_kernel import decode_kernel_name, default_decode_config, mla_decode
+from attnbackends.mla.decode_kernel import decode_kernel_name, default_decode_config
+from attnbackends.mla.decode_launch import mla_decode
 from attnbackends.ops.quant import quantize_for_cache
 from attnbackends.testing import assert_close_to_oracle, tolerance_for
 
@@ -110,6 +111,8 @@ def test_hopper_descriptors_for_e4m3():
 _COMPILE = r"""
 import json, re, sys, torch
 from attnbackends.mla import decode_hopper as dh
+from attnbackends.mla.decode_kernel import default_decode_config
+from attnbackends.mla.decode_launch import MLACacheState, decode_launch_args, plan_mla_decode
 from benchmarks.offline_compile import SHARED_LIMIT, compile_call
 
 def launch_args(cache_dtype, q_dtype, max_q, splits):
@@ -118,24 +121,15 @@ def launch_args(cache_dtype, q_dtype, max_q, splits):
     qn, qp = torch.zeros(B * max_q, H, lkv, dtype=q_dtype), torch.zeros(B * max_q, H, rope, dtype=q_dtype)
     bt, sl = torch.zeros(B, 8, dtype=torch.int32), torch.full((B,), 300, dtype=torch.int32)
     qs = torch.arange(0, B * max_q + 1, max_q, dtype=torch.int32)
-    if splits == 1:
-        out, lse, so = torch.zeros_like(qn), torch.zeros(B * max_q, H), 0
-    else:
-        out, lse = torch.zeros(B * max_q, H, splits, lkv), torch.zeros(B * max_q, H, splits)
-        so = out.stride(2)
-    calls = []
-
-    class Capture:  # the launcher's arguments, as a launch would pass them
-        def __getitem__(self, grid):
-            return lambda *a, **k: calls.append((a, k))
-
-    kernel, dh._mla_decode_hopper_kernel = dh._mla_decode_hopper_kernel, Capture()
-    try:
-        dh.launch_hopper_decode(qn, qp, cache, bt, sl, qs, out, lse, so, splits, 0.1, max_q, (2, B, splits), None,
-                                v_scale=0.5)
-    finally:
-        dh._mla_decode_hopper_kernel = kernel
-    return kernel, calls[0]
+    partials = (torch.zeros(B * max_q, H, splits, lkv), torch.zeros(B * max_q, H, splits)) if splits > 1 else None
+    plan = plan_mla_decode(num_tokens=B * max_q, num_heads=H, kv_lora=lkv, rope=rope, page=page,
+                           cache_dtype=cache_dtype, q_dtype=q_dtype, block_table=bt, seq_lens=sl,
+                           output=torch.zeros_like(qn), num_splits=splits, config=default_decode_config(H),
+                           compute_capability=(9, 0), lse=torch.zeros(B * max_q, H), partials=partials,
+                           query_start_loc=qs, max_query_len=max_q, kernel="hopper")
+    # the arguments the launch path passes (the launcher's own assembly, not a copy of it)
+    _, _, args, plan = decode_launch_args(plan, qn, qp, MLACacheState(cache), 0.1, 0.5)
+    return dh.hopper_kernel(), (args, dict(zip(dh.HOPPER_CONSTEXPRS, plan.constexprs)))
 
 reports = []
 for label, cache_dtype, q_dtype, max_q, splits, bits in [
@@ -322,7 +316,7 @@ def test_triton_mla_fp8_at_128_heads_on_gpu(num_splits):
     """DeepSeek-V3's 128 heads on an fp8 e4m3 cache through the backend: decodes on the Hopper kernel (compute
     capability 9.0), prefills behind them, against the oracle."""
     from attnbackends.mla.backends import TritonMLABackend
-    from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
+    from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
     from attnbackends.spec import AttentionSpec
     from attnbackends.testing import SequenceShape as S
 

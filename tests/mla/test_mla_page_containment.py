@@ -13,8 +13,9 @@ if not torch.cuda.is_available():
 
 from attnbackends.mla.backends import TritonMLABackend  # noqa: E402
 from attnbackends.mla.cache import gather_mla_cache  # noqa: E402
-from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode, tma_decode_applies  # noqa: E402
-from attnbackends.mla.testing import make_random_mla_batch, run_mla_backend  # noqa: E402
+from attnbackends.mla.decode_kernel import MLADecodeConfig, tma_decode_applies  # noqa: E402
+from attnbackends.mla.decode_launch import mla_decode  # noqa: E402
+from attnbackends.testing.mla import make_random_mla_batch, run_mla_backend  # noqa: E402
 from attnbackends.ops import page_guard  # noqa: E402
 from attnbackends.ops.page_guard import PageTableError, raise_pending_faults  # noqa: E402
 from attnbackends.ops.quant import dequantize_from_cache  # noqa: E402

@@ -13,8 +13,8 @@ from attnbackends.interface import QueryLenSupport
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
 from attnbackends.mla.decode_kernel import MLADecodeConfig
 from attnbackends.mla.reference import ReferenceMLABackend
-from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.speculative.tree_mask import chain_parents
+from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.spec import AttentionSpec
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import assert_close_to_oracle, tolerance_for

@@ -10,7 +10,7 @@ import torch
 
 from attnbackends import DeviceInfo
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend
-from attnbackends.mla.testing import make_random_mla_batch, mla_oracle, run_mla_backend
+from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.spec import AttentionSpec
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import assert_close_to_oracle, tolerance_for

@@ -1,4 +1,4 @@
-"""Random MLA batches and the float64 naive oracle (up-project every latent token, causal MHA per request, tree
+"""MLA test support: random MLA batches and the float64 naive oracle (up-project every latent token, causal MHA per request, tree
 masks over tree-verify requests' draft segments)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ..metadata import CommonAttentionMetadata, build_common_metadata
 from ..ops.quant import dequantize_from_cache, quantize_for_cache
 from ..spec import AttentionSpec
 from ..speculative.tree_mask import with_tree_mask
-from ..testing.cases import SequenceShape
-from ..testing.oracle import _draft_visibility
+from .cases import SequenceShape
+from .oracle import draft_visibility
 
 __all__ = ["MLABatch", "make_random_mla_batch", "mla_oracle", "run_mla_backend"]
 
@@ -149,7 +149,7 @@ def mla_oracle(batch: MLABatch) -> torch.Tensor:
         pos_k = torch.arange(shape.seq_len)[None, :]
         visible = pos_k <= pos_q
         if parents:
-            visible &= _draft_visibility(parents, shape.query_len, shape.seq_len)
+            visible &= draft_visibility(parents, shape.query_len, shape.seq_len)
         s = s.masked_fill(~visible, float("-inf"))
         outs.append((torch.softmax(s, dim=-1) @ kv[..., p:]).transpose(0, 1))
     return torch.cat(outs)

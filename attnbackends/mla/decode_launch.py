@@ -1,0 +1,410 @@
+"""The MLA decode's launch plan: every launch decision made once per batch, then one cached launch per kernel.
+
+:func:`plan_mla_decode` (a builder calls it in ``build``, once per batch for every layer) picks the kernel (the
+Gluon Hopper kernel, the Triton TMA kernel or the portable Triton kernel), the KV split count, the grid, the
+constexprs and the output buffers (the latent output, or the split partials and the reduction's launch), and
+works out the part of the compiled-kernel key that depends on the batch. :class:`MLACacheState` holds what depends
+on one cache tensor only (its TMA descriptors, its page count and its part of the key), built once per cache.
+:func:`launch_mla_decode` then adds the queries and launches through the kernels' cached launchers
+(:class:`~attnbackends.compat.DescriptorLauncher`): no argument binding, no descriptor encoding, no decisions.
+
+A compiled kernel is specialised on its integer arguments (== 1, multiple of 16) and on its pointers' 16-byte
+alignment, so its key holds those properties of every argument: the batch's (planned), the cache's (per cache) and
+the queries' (per call: their strides and alignment).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..compat import DescriptorLauncher
+from ..ops.launch_math import cdiv, next_power_of_2
+from ..ops.quant import FP8_DTYPES
+from ..platform import is_triton_interpreted
+from .decode_hopper import (
+    HOPPER_BLOCK_H, HOPPER_NUM_WARPS, hopper_args, hopper_constexprs, hopper_descriptors, hopper_launcher,
+    hopper_reason,
+)
+from .decode_kernel import (
+    MLADecodeConfig, _mla_decode_kernel, _mla_decode_reduce_kernel, _mla_decode_tma_kernel, decode_kernel_name,
+    default_decode_config, reduce_block_c,
+    tma_descriptors,
+)
+
+__all__ = ["CacheStates", "LOG2E", "MLACacheState", "MLADecodePlan", "choose_decode_kernel", "decode_launch_args",
+           "launch_mla_decode", "mla_decode", "plan_mla_decode", "tensor_key"]
+
+logger = logging.getLogger(__name__)
+
+LOG2E = 1.4426950408889634
+
+POINTER_CONSTEXPRS = ("KV_LORA", "ROPE", "BLOCK_C", "BLOCK_R", "PAGE_SIZE", "BLOCK_H", "BLOCK_N", "IS_FP8",
+                      "STORE_LSE", "MAX_Q", "USE_TREE", "INTERPRET")
+TMA_CONSTEXPRS = ("KV_LORA", "HALF", "ROPE", "PAGE_SIZE", "BLOCK_H", "BLOCK_N", "STORE_LSE", "MAX_Q", "USE_TREE",
+                  "INTERPRET")
+REDUCE_CONSTEXPRS = ("KV_LORA", "BLOCK_C", "NUM_SPLITS", "BLOCK_S", "STORE_LSE")
+
+_POINTER = DescriptorLauncher(_mla_decode_kernel, POINTER_CONSTEXPRS)
+_TMA = DescriptorLauncher(_mla_decode_tma_kernel, TMA_CONSTEXPRS, (2, 3))
+_REDUCE = DescriptorLauncher(_mla_decode_reduce_kernel, REDUCE_CONSTEXPRS)
+
+
+def _int_key(*values: int) -> tuple:
+    """How Triton specialises these integers (1 is a constant, multiples of 16 are marked, 64-bit ones differ)."""
+    return tuple((v == 1, v % 16 == 0, v >= 2 ** 31) for v in values)
+
+
+def _ptr_key(*tensors: torch.Tensor) -> tuple:
+    """How Triton specialises these pointers (16-byte aligned or not) and their element types."""
+    return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """A query tensor's part of a compiled-kernel key: dtype, strides (specialised integers) and alignment."""
+    return (t.dtype, t.stride(), t.data_ptr() % 16 == 0)
+
+
+def choose_decode_kernel(*, num_heads: int, kv_lora: int, rope: int, page: int, cache_dtype: torch.dtype,
+                         q_dtype: torch.dtype, compute_capability: "tuple[int, int] | None", tree: bool,
+                         config: MLADecodeConfig) -> str:
+    """The decode kernel for a layer and batch, from host facts only: "hopper" (the Gluon kernel: asked for by
+    ``config.use_hopper``, 64-row programs, no tree, a cache and queries it reads), "tma" (the Triton kernel with
+    TMA tiles, a 16-bit cache on compute capability >= 9.0) or "pointer" (any other). The cache's layout (pages of
+    contiguous rows) is checked per cache by :class:`MLACacheState`."""
+    if (config.use_hopper and config.block_h == HOPPER_BLOCK_H and not tree
+            and not hopper_reason(kv_lora, rope, page, cache_dtype, compute_capability)
+            and q_dtype in (torch.float16, torch.bfloat16)
+            and (cache_dtype == torch.float8_e4m3fn or cache_dtype == q_dtype)):
+        return "hopper"
+    half = kv_lora // 2
+    if (config.use_tma and cache_dtype in (torch.float16, torch.bfloat16) and kv_lora % 2 == 0
+            and not half & (half - 1) and not rope & (rope - 1) and half <= 256 and rope <= 256
+            and page % config.block_n == 0
+            and (compute_capability is None or compute_capability >= (9, 0))):
+        return "tma"
+    return "pointer"
+
+
+class MLACacheState:
+    """What the decode launch needs of one latent cache [num_blocks, block_size, Lkv + R], built once per cache:
+    its page count and strides, whether its pages are contiguous rows (the TMA kernels read them so), its TMA
+    descriptors (per kernel and tile), and its part of the compiled-kernel key."""
+
+    __slots__ = ("cache", "num_blocks", "stride_blk", "stride_tok", "rows_contiguous", "key", "_descriptors",
+                 "__weakref__")
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        num_blocks, page, width = kv_cache.shape
+        self.cache = kv_cache
+        self.num_blocks = num_blocks
+        self.stride_blk, self.stride_tok = kv_cache.stride(0), kv_cache.stride(1)
+        self.rows_contiguous = kv_cache.stride() == (page * width, width, 1)
+        self.key = (kv_cache.dtype, tuple(kv_cache.shape[1:]), kv_cache.stride(), kv_cache.data_ptr() % 16 == 0,
+                    _int_key(num_blocks))
+        self._descriptors: dict[tuple, Any] = {}
+
+    def descriptors(self, kernel: str, kv_lora: int, config: MLADecodeConfig) -> Optional[tuple[Any, Any]]:
+        """The TMA descriptors ``kernel`` reads this cache through (None for the pointer kernel), built once."""
+        if kernel == "pointer":
+            return None
+        k = (kernel, kv_lora, config.block_n)
+        d = self._descriptors.get(k)
+        if d is None:
+            d = self._descriptors[k] = (hopper_descriptors(self.cache, kv_lora) if kernel == "hopper"
+                                        else tma_descriptors(self.cache, kv_lora, config))
+        return d
+
+
+class CacheStates:
+    """An impl's :class:`MLACacheState` per cache tensor: found by identity (the engine passes the same tensor every
+    step), else by (data_ptr, shape, strides, dtype), else built."""
+
+    __slots__ = ("_by_id", "_by_layout")
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Any, MLACacheState]] = {}
+        self._by_layout: dict[tuple, MLACacheState] = {}
+
+    def get(self, kv_cache: torch.Tensor) -> MLACacheState:
+        hit = self._by_id.get(id(kv_cache))
+        if hit is not None and hit[0]() is kv_cache:
+            return hit[1]
+        layout = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype)
+        state = self._by_layout.get(layout)
+        if state is None:
+            if len(self._by_layout) >= 64:  # caches reallocated over and over: drop the old ones
+                self._by_layout.clear()
+                self._by_id.clear()
+            state = self._by_layout[layout] = MLACacheState(kv_cache)
+        self._by_id[id(kv_cache)] = (weakref.ref(kv_cache), state)
+        return state
+
+
+@dataclass
+class MLADecodePlan:
+    """One batch's decode launch (see the module docstring). Made by :func:`plan_mla_decode`.
+
+    Attributes
+    ----------
+    kernel : "hopper", "tma" or "pointer".
+    grid : (cdiv(H * max_query_len, block_h), B, num_splits).
+    out : what the decode kernel writes: the latent output [T, H, Lkv] or the float32 partials [T, H, S, Lkv].
+    lse : the LSE (or the split partials' [T, H, S]); None: not stored.
+    output, output_lse : the caller's latent output [T, H, Lkv] and LSE [T, H] (or None).
+    reduce_grid, reduce_args, reduce_constexprs, reduce_key : the split reduction's launch (grid None: no split).
+    """
+
+    kernel: str
+    config: MLADecodeConfig
+    grid: tuple[int, int, int]
+    constexprs: tuple
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    kv_lora: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    tree_mask: torch.Tensor
+    tree_indptr: torch.Tensor
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+    stride_o_s: int
+    output: torch.Tensor
+    output_lse: Optional[torch.Tensor]
+    key: tuple
+    reduce_grid: Optional[tuple[int, int, int]] = None
+    reduce_args: tuple = ()
+    reduce_constexprs: tuple = ()
+    reduce_key: tuple = ()
+    replan: dict = field(default_factory=dict, repr=False)  # plan_mla_decode's arguments (for the fallback)
+    _pointer_plan: Optional["MLADecodePlan"] = field(default=None, repr=False)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.grid[1] == 0
+
+
+def plan_mla_decode(
+    *, num_tokens: int, num_heads: int, kv_lora: int, rope: int, page: int, cache_dtype: torch.dtype,
+    q_dtype: torch.dtype, block_table: torch.Tensor, seq_lens: torch.Tensor, output: torch.Tensor,
+    num_splits: int = 1, config: MLADecodeConfig, compute_capability: "tuple[int, int] | None",
+    lse: Optional[torch.Tensor] = None, partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    query_start_loc: Optional[torch.Tensor] = None, max_query_len: int = 1,
+    tree_mask: Optional[torch.Tensor] = None, tree_indptr: Optional[torch.Tensor] = None,
+    kernel: Optional[str] = None,
+) -> MLADecodePlan:
+    """The launch plan of one batch's decode (arguments as :func:`~attnbackends.mla.decode_kernel.mla_decode`;
+    ``output`` [T, H, Lkv] may have any strides with a unit last one). Host facts only, no device work beyond
+    allocating the split partials when ``partials`` is None and ``num_splits > 1``. ``kernel``: force one (else
+    :func:`choose_decode_kernel`)."""
+    batch = seq_lens.shape[0]
+    max_query_len = int(max_query_len)
+    num_splits = max(1, int(num_splits))
+    tree = tree_indptr is not None
+    if kernel is None:
+        kernel = choose_decode_kernel(num_heads=num_heads, kv_lora=kv_lora, rope=rope, page=page,
+                                      cache_dtype=cache_dtype, q_dtype=q_dtype,
+                                      compute_capability=compute_capability, tree=tree, config=config)
+    block_h = HOPPER_BLOCK_H if kernel == "hopper" else config.block_h
+    # The row blocks of one request are adjacent programs: they read the same pages, which L2 then serves once.
+    grid = (cdiv(num_heads * max_query_len, block_h), batch, num_splits)
+    query_start = query_start_loc if query_start_loc is not None else seq_lens
+    tree_mask_t = tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens
+    tree_indptr_t = tree_indptr if tree_indptr is not None else seq_lens
+    if num_splits > 1:
+        if partials is None:
+            o_part = torch.empty(num_tokens, num_heads, num_splits, kv_lora, dtype=torch.float32, device=output.device)
+            lse_part = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=output.device)
+        else:
+            o_part, lse_part = partials
+        out, out_lse, stride_o_s = o_part, lse_part, o_part.stride(2)
+    else:
+        out, out_lse, stride_o_s = output, lse, 0
+    fp8 = cache_dtype in FP8_DTYPES
+    store_lse = out_lse is not None
+    interpret = is_triton_interpreted()
+    if kernel == "hopper":
+        constexprs = hopper_constexprs(kv_lora, rope, page, store_lse, max_query_len, cache_dtype == torch.float8_e4m3fn)
+        num_warps, num_stages = HOPPER_NUM_WARPS, 3
+    elif kernel == "tma":
+        constexprs = (kv_lora, kv_lora // 2, rope, page, config.block_h, config.block_n, store_lse, max_query_len, tree,
+                      interpret)
+        num_warps, num_stages = config.num_warps, config.num_stages
+    else:
+        constexprs = (kv_lora, rope, next_power_of_2(kv_lora), next_power_of_2(rope), page, config.block_h,
+                      config.block_n, fp8, store_lse, max_query_len, tree, interpret)
+        num_warps, num_stages = config.num_warps, config.num_stages
+    lse_strides = (out_lse.stride(0), out_lse.stride(1)) if out_lse is not None else (0, 0)
+    key = (kernel, constexprs, num_warps, num_stages,
+           _ptr_key(block_table, seq_lens, query_start, tree_mask_t, tree_indptr_t, out,
+                    out_lse if out_lse is not None else seq_lens),
+           _int_key(block_table.stride(0), out.stride(0), out.stride(1), stride_o_s, *lse_strides, num_heads,
+                    num_splits))
+    plan = MLADecodePlan(
+        kernel=kernel, config=config, grid=grid, constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,
+        num_splits=num_splits, kv_lora=kv_lora, block_table=block_table, seq_lens=seq_lens, query_start=query_start,
+        tree_mask=tree_mask_t, tree_indptr=tree_indptr_t, out=out, lse=out_lse, stride_o_s=stride_o_s, output=output,
+        output_lse=lse, key=key,
+    )
+    if num_splits > 1:
+        reduce_c = reduce_block_c(kv_lora, num_splits)
+        plan.reduce_grid = (num_tokens, num_heads, cdiv(kv_lora, reduce_c))
+        plan.reduce_args = (
+            o_part, lse_part, output, lse if lse is not None else lse_part,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            output.stride(0), output.stride(1),
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        )
+        plan.reduce_constexprs = (kv_lora, reduce_c, num_splits, next_power_of_2(num_splits), lse is not None)
+        plan.reduce_key = (plan.reduce_constexprs, _ptr_key(*plan.reduce_args[:4]), _int_key(*plan.reduce_args[4:]))
+    plan.replan = dict(num_tokens=num_tokens, num_heads=num_heads, kv_lora=kv_lora, rope=rope, page=page,
+                        cache_dtype=cache_dtype, q_dtype=q_dtype, block_table=block_table, seq_lens=seq_lens,
+                        output=output, num_splits=num_splits, config=config, compute_capability=compute_capability,
+                        lse=lse, partials=(out, out_lse) if num_splits > 1 else None,
+                        query_start_loc=query_start_loc, max_query_len=max_query_len, tree_mask=tree_mask,
+                        tree_indptr=tree_indptr)
+    return plan
+
+
+def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
+    """The same batch on the portable kernel (a cache whose pages are not contiguous rows), planned once."""
+    if plan._pointer_plan is None:
+        logger.info("MLA decode: the cache's pages are not contiguous rows; the %s kernel cannot read them, the "
+                    "portable kernel serves this batch", plan.kernel)
+        plan._pointer_plan = plan_mla_decode(**plan.replan, kernel="pointer")
+    return plan._pointer_plan
+
+
+def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
+                       qk_scale_log2: float, v_scale: float,
+                       q_nope_key: Optional[tuple] = None) -> tuple[DescriptorLauncher, tuple, tuple, MLADecodePlan]:
+    """(launcher, compiled-kernel key, runtime arguments, plan) of the decode kernel's launch for these queries and
+    this cache (arguments as :func:`launch_mla_decode`; the plan is ``plan`` or its portable-kernel fallback)."""
+    if plan.kernel != "pointer" and not cache.rows_contiguous:
+        plan = _pointer_fallback(plan)
+    qn_key = q_nope_key if q_nope_key is not None else tensor_key(q_nope)
+    qp_key = tensor_key(q_pe)
+    if qn_key[1][-1] != 1 or qp_key[1][-1] != 1:
+        raise ValueError("the MLA decode needs queries with unit stride in the last dimension")
+    key = (plan.key, qn_key, qp_key, cache.key)
+    kernel = plan.kernel
+    if kernel == "hopper":
+        args = hopper_args(q_nope, q_pe, cache.descriptors("hopper", plan.kv_lora, plan.config), plan.block_table,
+                           plan.seq_lens, plan.query_start, plan.out, plan.lse, plan.stride_o_s, cache.num_blocks,
+                           plan.num_splits, qk_scale_log2, v_scale)
+        return hopper_launcher(), key, args, plan
+    out, lse = plan.out, plan.lse
+    lse_t = lse if lse is not None else plan.seq_lens
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    common = (plan.block_table, plan.seq_lens, plan.query_start, plan.tree_mask, plan.tree_indptr, out, lse_t,
+              q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+              cache.stride_blk, cache.stride_tok, plan.block_table.stride(0), cache.num_blocks,
+              out.stride(0), out.stride(1), plan.stride_o_s, *lse_strides,
+              q_nope.shape[1], plan.num_splits, float(qk_scale_log2))
+    if kernel == "tma":
+        kv_desc, pe_desc = cache.descriptors("tma", plan.kv_lora, plan.config)
+        return _TMA, key, (q_nope, q_pe, kv_desc, pe_desc, cache.cache) + common, plan
+    return _POINTER, key, (q_nope, q_pe, cache.cache) + common + (float(v_scale),), plan
+
+
+def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
+                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None) -> torch.Tensor:
+    """Run ``plan`` (no checks beyond the unit last strides: see :func:`plan_mla_decode`).
+
+    q_nope : [T, H, Lkv] absorbed queries, any strides with a unit last one; q_pe : [T, H, R] likewise.
+    cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
+    cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
+    caller knows it (a buffer the builder owns). Returns ``plan.output``.
+    """
+    if plan.grid[1] == 0:
+        return plan.output
+    launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key)
+    launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
+    if plan.reduce_grid is not None:
+        _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)
+    return plan.output
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: float = 1.0,
+    num_splits: int = 1,
+    config: Optional[MLADecodeConfig] = None,
+    lse: Optional[torch.Tensor] = None,
+    partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    descriptors: Optional[tuple[Any, Any]] = None,
+    query_start_loc: Optional[torch.Tensor] = None,
+    max_query_len: int = 1,
+    tree_mask: Optional[torch.Tensor] = None,
+    tree_indptr: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode attention over the latent cache: B requests, T query tokens (one per request, or several for
+    speculative verification).
+
+    Parameters
+    ----------
+    q_nope : [T, H, Lkv] absorbed queries (q_nope @ W_UK_T), fp16/bf16, unit stride in the last dimension.
+    q_pe : [T, H, R] rotary part of the queries.
+    kv_cache : [num_blocks, block_size, Lkv + R] in the model dtype or fp8 (read as stored * k_scale).
+    block_table : [B, W] int32 page ids (one outside ``[0, num_blocks)`` is read as page 0); seq_lens : [B] int32
+        (keys per request, its new tokens included).
+    output : [T, H, Lkv] receives the latent output softmax(scale * [q_nope; q_pe] . c) @ kv_c.
+    num_splits : KV splits (see :func:`choose_num_splits`); > 1 adds a reduction kernel.
+    lse : [T, H] float32 or None; receives the natural-log log-sum-exp of the scaled logits.
+    partials : preallocated ([T, H, S, Lkv] float32, [T, H, S] float32) buffers for num_splits > 1.
+    descriptors : :func:`decode_descriptors` of the kernel :func:`decode_kernel_name` picks for these inputs (built
+        here when that kernel reads through TMA and none are given).
+    query_start_loc : [B + 1] int32, request b's query tokens are ``query_start_loc[b] : query_start_loc[b + 1]``
+        (each at most ``max_query_len``; token t of a request with L keys and Q tokens sits at position L - Q + t
+        and sees keys up to it). None: one token per request (T == B).
+    max_query_len : the longest request's query (host int; the kernel's rows per request are this x H).
+    tree_mask, tree_indptr : the packed tree mask ([sum n_i^2] uint8 or bool) and its [B + 1] int32 offsets
+        (:attr:`CommonAttentionMetadata.spec_tree_mask`): request b's last n_b tokens are a draft segment whose
+        tokens see only their ancestors in it.
+
+    Returns
+    -------
+    output
+    """
+    num_tokens, num_heads, kv_lora = q_nope.shape
+    rope = q_pe.shape[-1]
+    batch = seq_lens.shape[0]
+    if kv_cache.shape[-1] != kv_lora + rope:
+        raise ValueError(f"kv_cache last dimension {kv_cache.shape[-1]} != Lkv + R = {kv_lora + rope}")
+    if (tree_mask is None) != (tree_indptr is None):
+        raise ValueError("tree_mask and tree_indptr go together: pass both or neither")
+    max_query_len = int(max_query_len)
+    if query_start_loc is None and (max_query_len != 1 or num_tokens != batch):
+        raise ValueError(f"{num_tokens} query tokens for {batch} requests (max_query_len {max_query_len}) need "
+                         "query_start_loc")
+    if batch == 0:
+        return output
+    config = config or default_decode_config(num_heads, interpreted=is_triton_interpreted())
+    tree = tree_indptr is not None
+    kernel = decode_kernel_name(q_nope, q_pe, kv_cache, config, tree)
+    plan = plan_mla_decode(
+        num_tokens=num_tokens, num_heads=num_heads, kv_lora=kv_lora, rope=rope, page=kv_cache.shape[1],
+        cache_dtype=kv_cache.dtype, q_dtype=q_nope.dtype, block_table=block_table, seq_lens=seq_lens, output=output,
+        num_splits=num_splits, config=config, compute_capability=None, lse=lse, partials=partials,
+        query_start_loc=query_start_loc, max_query_len=max_query_len, tree_mask=tree_mask, tree_indptr=tree_indptr,
+        kernel=kernel,
+    )
+    cache = MLACacheState(kv_cache)
+    if descriptors is not None and kernel != "pointer":
+        cache._descriptors[(kernel, kv_lora, config.block_n)] = descriptors
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    launch_mla_decode(plan, q_nope, q_pe, cache, scale * LOG2E * (k_scale if is_fp8 else 1.0),
+                      k_scale if is_fp8 else 1.0)
+    return output
