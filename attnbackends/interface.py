@@ -454,7 +454,7 @@ class AttentionImplBase(ABC, Generic[M]):
             raise ValueError(f"metadata is a CommonAttentionMetadata, but {impl_cls.__name__}.forward takes the "
                              f"{takes}: build it once per step with this layer's backend's builder")
         if expected is not None and not isinstance(metadata, expected):
-            raise ValueError(f"metadata is a {type(metadata).__name__}{built_by}, another backend's metadata: "
+            raise ValueError(f"metadata of type {type(metadata).__name__}{built_by} is another backend's metadata: "
                              f"{impl_cls.__name__}.forward takes the {takes}")
         if not isinstance(origin, MetadataOrigin):
             return  # not made by a builder's build(): no origin to compare (the type matched)
