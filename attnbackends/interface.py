@@ -34,6 +34,9 @@ __all__ = [
 
 STANDARD_KV_CACHE_LAYOUT = "[num_blocks, 2, block_size, num_kv_heads, head_size]"
 
+#: The attnbackends extra (pyproject.toml's optional-dependencies) that installs each optional package.
+INSTALL_EXTRAS = {"flashinfer": "flashinfer", "flash_attn": "flash-attn"}
+
 M = TypeVar("M")
 
 
@@ -144,9 +147,7 @@ class AttentionBackend(ABC):
             reasons.append("MLA specs need an MLA backend")
         if cls.is_mla and not spec.is_mla:
             reasons.append("serves MLA specs only (kv_lora_rank etc. unset)")
-        for pkg in cls.required_packages:
-            if not _platform.package_available(pkg):
-                reasons.append(f"{pkg} is not installed")
+        reasons += cls.missing_packages()
         reasons += cls._device_reasons(device)
         if spec.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {spec.dtype} not supported (supported: {', '.join(sorted(cls.supported_dtypes))})")
@@ -191,6 +192,20 @@ class AttentionBackend(ABC):
             if wanted and not supported:
                 reasons.append(f"{feature} not supported")
         return reasons
+
+    @classmethod
+    def missing_packages(cls) -> list[str]:
+        """What this backend needs installed and is not, one reason each ("flashinfer is not installed"); empty
+        when everything is. The one check behind the package reasons of :meth:`not_supported_reasons` and the status
+        `attnbackends list` shows. Default: the :attr:`required_packages` that cannot be imported; a backend whose
+        package comes in several forms (flash-attn's generations) overrides it."""
+        return [f"{pkg} is not installed" for pkg in cls.required_packages if not _platform.package_available(pkg)]
+
+    @classmethod
+    def install_hint(cls) -> str:
+        """The command that installs :attr:`required_packages` (the attnbackends extra that brings them), or ""."""
+        extras = sorted({INSTALL_EXTRAS[p] for p in cls.required_packages if p in INSTALL_EXTRAS})
+        return f"pip install 'attnbackends[{','.join(extras)}]'" if extras else ""
 
     @classmethod
     def _device_reasons(cls, device: DeviceInfo) -> list[str]:
