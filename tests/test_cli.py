@@ -270,3 +270,20 @@ def test_no_import_circle_through_the_cli():
                             f"{path.name} imports {target}")
                 else:
                     assert "cli" not in target.split("."), f"{path.relative_to(root)} imports the CLI ({target})"
+
+
+@pytest.mark.parametrize("entry", ["examples/engine/generate.py", "examples.hf_encoder_models",
+                                   "examples.hybrid_hf_models"])
+def test_examples_without_transformers_name_the_extra(entry):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = (f"sys.path.insert(0, {str(pathlib.Path(entry).parent)!r}); runpy.run_path({entry!r}, run_name='__main__')"
+           if entry.endswith(".py")
+           else f"runpy.run_module({entry!r}, run_name='__main__')")
+    script = f"import runpy, sys; sys.modules['transformers'] = None; {run}"  # None: not importable
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "pip install 'attnbackends[dev]'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
