@@ -457,12 +457,11 @@ def check_slots_match_block_table(
     seq = common.seq_lens_cpu.numpy()
     n, t = common.num_reqs, common.num_actual_tokens
     given = slots[:t]
-    if t == n and np.array_equal(qsl[: n + 1], _arange(n + 1)):  # a pure decode step: position seq_len - 1
-        pos = seq[:n] - 1
-        if pos.min(initial=0) < 0:
-            i = int(np.argmax(pos < 0))
-            raise ValueError(f"seq_lens[{i}] ({int(seq[i])}) < query_len (1) of request {i}")
+    # The common case first, in as few NumPy calls as possible (each costs about a microsecond): compute every
+    # token's slot, compare, and only on a difference work out what exactly is wrong.
+    if t == n and common.max_query_len == 1:  # a decode step: request i's one token sits at position seq_len - 1
         req = _arange(n)
+        pos = seq[:n] - 1
     else:
         qlens = qsl[1 : n + 1] - qsl[:n]
         if qlens.min(initial=0) < 0:
@@ -471,34 +470,59 @@ def check_slots_match_block_table(
         if qsl[0] != 0 or qsl[n] != t:
             raise ValueError(f"query_start_loc must rise from 0 to num_actual_tokens ({t}); got "
                              f"{int(qsl[0])} ... {int(qsl[n])}")
-        context = seq[:n] - qlens
-        if context.min(initial=0) < 0:
-            i = int(np.argmax(context < 0))
-            raise ValueError(f"seq_lens[{i}] ({int(seq[i])}) < query_len ({int(qlens[i])}) of request {i}")
         req = np.repeat(_arange(n), qlens)
-        pos = _arange(t) + (context - qsl[:n])[req]
+        pos = _arange(t) + (seq[:n] - qsl[1 : n + 1])[req]
     col = pos // block_size
-    if col.size and col.max() >= table.shape[1]:
-        k = int(np.argmax(col >= table.shape[1]))
-        i = int(req[k])
+    try:
+        pages = table[req, col]
+    except IndexError:  # a column past the table's width (or a length that makes no sense)
+        pages = None
+    expected = None if pages is None else (pages - col).astype(np.int64) * block_size + pos
+    if expected is None or not np.array_equal(given, expected):
+        _explain_slot_mismatch(common, block_size, table, given, req, pos)  # raises, unless only -1s differ
+        return
+    ordered = np.sort(given)
+    if (ordered[1:] == ordered[:-1]).any():
+        value = int(ordered[np.flatnonzero(ordered[1:] == ordered[:-1])[0]])
+        i, j = (int(x) for x in np.flatnonzero(given == value)[:2])
+        raise ValueError(f"slot_mapping[{i}] and slot_mapping[{j}] are both {value}: two tokens of the step would "
+                         "be written to one cache slot (duplicate slots)")
+
+
+def _explain_slot_mismatch(common: CommonAttentionMetadata, block_size: int, table: np.ndarray, given: np.ndarray,
+                           req: np.ndarray, pos: np.ndarray) -> None:
+    """The slow path of :func:`check_slots_match_block_table`: raise the error that names what is wrong, or return
+    where the only differences are slots of -1 (tokens not written) and no slot repeats."""
+    seq, qsl, n = common.seq_lens_cpu.numpy(), common.query_start_loc_cpu.numpy(), common.num_reqs
+    qlens = qsl[1 : n + 1] - qsl[:n]
+    if common.max_query_len == 1 and qlens.max(initial=0) > 1:
+        i = int(np.argmax(qlens > 1))
+        raise ValueError(f"max_query_len is 1 but request {i} has query_len {int(qlens[i])} (query_start_loc)")
+    short = np.flatnonzero(seq[:n] < qlens)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"seq_lens[{i}] ({int(seq[i])}) < query_len ({int(qlens[i])}) of request {i}")
+    col = pos // block_size
+    wide = np.flatnonzero(col >= table.shape[1])
+    if wide.size:
+        i = int(req[wide[0]])
         raise ValueError(f"block_table row {i} has {table.shape[1]} entries, seq_len {int(seq[i])} needs "
                          f"{-(-int(seq[i]) // block_size)} (block_size {block_size})")
     pages = table[req, col].astype(np.int64)
-    expected = pages * block_size + (pos - col * block_size)
-    wrong = given != expected
-    if wrong.any():
-        wrong &= given != -1
-        if wrong.any():
-            k = int(np.argmax(wrong))
-            i = int(req[k])
-            if pages[k] < 0:
-                raise ValueError(f"block_table[{i}, {int(col[k])}] = {int(pages[k])}: page ids must be >= 0")
-            raise ValueError(
-                f"slot_mapping[{k}] = {int(given[k])} disagrees with the block table: token {k} (request {i}, "
-                f"position {int(pos[k])}) belongs in page block_table[{i}, {int(col[k])}] = {int(table[i, col[k]])} "
-                f"at offset {int(pos[k] % block_size)}, slot {int(expected[k])} (block_size {block_size})")
-    ordered = np.sort(given)
-    twice = np.flatnonzero((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0))
+    expected = pages * block_size + pos % block_size
+    wrong = np.flatnonzero((given != expected) & (given != -1))
+    if wrong.size:
+        k = int(wrong[0])
+        i = int(req[k])
+        if pages[k] < 0:
+            raise ValueError(f"block_table[{i}, {int(col[k])}] = {int(pages[k])}: page ids must be >= 0")
+        raise ValueError(
+            f"slot_mapping[{k}] = {int(given[k])} disagrees with the block table: token {k} (request {i}, "
+            f"position {int(pos[k])}) belongs in page block_table[{i}, {int(col[k])}] = {int(pages[k])} "
+            f"at offset {int(pos[k] % block_size)}, slot {int(expected[k])} (block_size {block_size})")
+    written = given[given >= 0]
+    ordered = np.sort(written)
+    twice = np.flatnonzero(ordered[1:] == ordered[:-1])
     if twice.size:
         value = int(ordered[twice[0]])
         i, j = (int(x) for x in np.flatnonzero(given == value)[:2])

@@ -14,7 +14,11 @@ The "checked" rule every impl follows (through :func:`check_forward_inputs`, the
   mapping on the host (a device sync), which is why they are off by default.
 
 Every builder's ``build`` checks the batch against the builder's limits first (:func:`check_batch_limits`: host
-integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``.
+integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``; then
+against the layer's spec (:func:`check_batch_for_spec`: causality, page size, integer page ids, cached context of
+cache-less layers, and the slots against the block table where both are on the host), and marks the metadata with
+its origin, which every ``forward`` compares with its layer before anything else
+(:meth:`attnbackends.interface.AttentionImplBase.check_metadata`: one identity comparison per call).
 
 How an engine turns debug mode on: set ``AttentionConfig(debug=True)`` (or ``debug: true`` in its YAML/JSON file)
 and pass ``debug=config.debug`` to the metadata builder, as :class:`attnbackends.engine.Engine` does::
