@@ -5,7 +5,7 @@ Per-backend kinds (:data:`KINDS`) run on the CPU for reference, triton (interpre
 (interpreted), and on a GPU (marked ``gpu``) for reference, triton, flashinfer and the three MLA backends; kinds
 that do not apply to a backend's kind of layer (standard or MLA) are left out of its parametrisation. Kinds that
 may crash the process today (out-of-range page ids and slots outside debug mode) run in a child process wherever
-a kernel would dereference them. Spec, config and selection kinds (:data:`GLOBAL_KINDS`) run once. The session's
+a kernel would dereference them. Spec, config and selection kinds (:data:`GLOBAL_KINDS`) run once. pytest's
 terminal summary prints the catalogue's size (tests/conftest.py).
 
 Run one backend's column by itself: ``python -m pytest tests/test_bad_input_catalogue.py -k triton_mla``; a
