@@ -7,19 +7,20 @@ import enum
 import functools
 import math
 import numbers
+import typing
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Optional, TypeVar
 
 import torch
 
-from .metadata import CommonAttentionMetadata
+from .metadata import CommonAttentionMetadata, MetadataOrigin
 
 if TYPE_CHECKING:
     from .speculative.draft_steps import DraftSteps
 from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
-from .validation import check_batch_limits, check_device_available, check_forward_inputs
+from .validation import check_batch_for_spec, check_batch_limits, check_device_available, check_forward_inputs
 
 __all__ = [
     "AttentionBackend",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 STANDARD_KV_CACHE_LAYOUT = "[num_blocks, 2, block_size, num_kv_heads, head_size]"
+
+#: The attnbackends extra (pyproject.toml's optional-dependencies) that installs each optional package.
+INSTALL_EXTRAS = {"flashinfer": "flashinfer", "flash_attn": "flash-attn"}
 
 M = TypeVar("M")
 
@@ -139,7 +143,7 @@ class AttentionBackend(ABC):
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """Every reason this backend cannot serve ``spec`` on ``device``; empty when it can."""
-        reasons = [f"{pkg} is not installed" for pkg in cls.required_packages if not _platform.package_available(pkg)]
+        reasons = cls.missing_packages()
         reasons += cls._device_reasons(device)
         reasons += cls.spec_reasons(spec)
         fp8_cc = cls.min_compute_capability_fp8_e4m3
@@ -195,6 +199,20 @@ class AttentionBackend(ABC):
             if wanted and not supported:
                 reasons.append(f"{feature} not supported")
         return reasons
+
+    @classmethod
+    def missing_packages(cls) -> list[str]:
+        """What this backend needs installed and is not, one reason each ("flashinfer is not installed"); empty
+        when everything is. The one check behind the package reasons of :meth:`not_supported_reasons` and the status
+        `attnbackends list` shows. Default: the :attr:`required_packages` that cannot be imported; a backend whose
+        package comes in several forms (flash-attn's generations) overrides it."""
+        return [f"{pkg} is not installed" for pkg in cls.required_packages if not _platform.package_available(pkg)]
+
+    @classmethod
+    def install_hint(cls) -> str:
+        """The command that installs :attr:`required_packages` (the attnbackends extra that brings them), or ""."""
+        extras = sorted({INSTALL_EXTRAS[p] for p in cls.required_packages if p in INSTALL_EXTRAS})
+        return f"pip install 'attnbackends[{','.join(extras)}]'" if extras else ""
 
     @classmethod
     def _device_reasons(cls, device: DeviceInfo) -> list[str]:
@@ -270,14 +288,29 @@ def _scale_value(name: str, value: Any, spec: AttentionSpec) -> float:
     return value
 
 
-def _with_batch_limits(build: Callable) -> Callable:
+def _with_batch_checks(build: Callable) -> Callable:
+    """``build`` that first checks the batch (:func:`~attnbackends.validation.check_batch_limits`,
+    :func:`~attnbackends.validation.check_batch_for_spec`) and marks the metadata it returns with its origin."""
+
     @functools.wraps(build)
     def checked_build(self: "AttentionMetadataBuilder", common: CommonAttentionMetadata, *args: Any,
                       **kwargs: Any) -> Any:
+        if not isinstance(common, CommonAttentionMetadata):
+            raise ValueError(f"common must be a CommonAttentionMetadata (see build_common_metadata), got "
+                             f"{type(common).__name__}")
         check_batch_limits(self, common)
-        return build(self, common, *args, **kwargs)
+        check_batch_for_spec(self.spec, common)
+        metadata = build(self, common, *args, **kwargs)
+        origin = self.__dict__.get("_metadata_origin")
+        if origin is None or origin.builder is not type(self):
+            origin = self._metadata_origin = MetadataOrigin.of(type(self), self.spec)
+        try:
+            object.__setattr__(metadata, "origin", origin)
+        except (AttributeError, TypeError):  # an object without a __dict__: nothing recorded, forward checks its type
+            pass
+        return metadata
 
-    checked_build.checks_batch_limits = True
+    checked_build.checks_batch = True
     return checked_build
 
 
@@ -286,7 +319,12 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     Every subclass's ``build`` and ``build_for_cudagraph_capture`` first check the batch against the builder's
     limits (:func:`attnbackends.validation.check_batch_limits`, host integers only: an empty batch, more than
-    ``max_num_reqs`` requests or ``max_num_tokens`` tokens is a ValueError); subclasses get this without code.
+    ``max_num_reqs`` requests or ``max_num_tokens`` tokens is a ValueError) and against its spec
+    (:func:`attnbackends.validation.check_batch_for_spec`: the page size, causality, cached context of layers
+    without a cache, and the slots against the block table where both are on the host), and mark the metadata
+    they return with its :class:`~attnbackends.metadata.MetadataOrigin` (``metadata.origin``: this builder's
+    class and the spec fields that matter), which every impl's ``forward`` compares with its own layer;
+    subclasses get this without code.
 
     Parameters
     ----------
@@ -305,8 +343,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         super().__init_subclass__(**kwargs)
         for name in ("build", "build_for_cudagraph_capture"):
             method = cls.__dict__.get(name)
-            if callable(method) and not getattr(method, "checks_batch_limits", False):
-                setattr(cls, name, _with_batch_limits(method))
+            if callable(method) and not getattr(method, "checks_batch", False):
+                setattr(cls, name, _with_batch_checks(method))
 
     #: Requests with query_len <= this count as decodes; the engine puts them first in the batch.
     reorder_batch_threshold: ClassVar[int] = 1
@@ -409,6 +447,48 @@ class AttentionImplBase(ABC, Generic[M]):
     """
 
     can_return_lse: ClassVar[bool] = False
+    #: The origin (``metadata.origin``) of the last metadata this impl accepted: later metadata of the same origin
+    #: pass the per-call check with one identity comparison.
+    _accepted_origin: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        method = cls.__dict__.get("forward")
+        if callable(method) and not getattr(method, "__isabstractmethod__", False) \
+                and not getattr(method, "checks_metadata", False):
+            cls.forward = _with_metadata_check(method)
+
+    def check_metadata(self, metadata: Any) -> None:
+        """What every ``forward`` checks first (subclasses get it without code): ``metadata`` is what this layer's
+        backend's builder built for this layer's spec. A :class:`~attnbackends.CommonAttentionMetadata`, another
+        backend's metadata, or metadata built for a spec that differs in a field its plan depends on (block size,
+        heads, head sizes, dtype, attention type; see :class:`~attnbackends.metadata.MetadataOrigin`) is a
+        ValueError naming what was expected. Costs one identity comparison per call once an origin was accepted."""
+        impl_cls = type(self)
+        expected = _metadata_type(impl_cls)
+        origin = getattr(metadata, "origin", None)
+        built_by = f" built by {origin.builder.__name__}" if isinstance(origin, MetadataOrigin) else ""
+        builders = _builders_of(impl_cls)
+        takes = expected.__name__ if expected is not None else "metadata"
+        if builders:
+            takes += " from " + " or ".join(f"{b.__name__}.build(common)" for b in builders)
+        if isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata is a CommonAttentionMetadata, but {impl_cls.__name__}.forward takes the "
+                             f"{takes}: build it once per step with this layer's backend's builder")
+        if expected is not None and not isinstance(metadata, expected):
+            raise ValueError(f"metadata of type {type(metadata).__name__}{built_by} is another backend's metadata: "
+                             f"{impl_cls.__name__}.forward takes the {takes}")
+        if not isinstance(origin, MetadataOrigin):
+            return  # not made by a builder's build(): no origin to compare (the type matched)
+        if builders and not issubclass(origin.builder, builders):
+            raise ValueError(f"metadata was built by {origin.builder.__name__}, another backend's builder: "
+                             f"{impl_cls.__name__}.forward takes the {takes}")
+        diffs = origin.differences(self.spec)
+        if diffs:
+            raise ValueError(f"metadata was built for another layer's spec ({'; '.join(diffs)}): build this "
+                             "layer's metadata with a builder made for its spec (one builder per group of equal "
+                             "specs)")
+        self._accepted_origin = origin
 
     def __init__(
         self,
@@ -435,6 +515,56 @@ class AttentionImplBase(ABC, Generic[M]):
         self.scale = spec.softmax_scale
         self.debug = bool(debug)
         self._input_layout: Optional[tuple] = None  # recorded by the first forward's full validation
+
+
+def _with_metadata_check(forward: Callable) -> Callable:
+    """``forward`` that first checks its ``metadata`` argument (the fifth, in every impl's contract) with
+    :meth:`AttentionImplBase.check_metadata`, unless it carries the origin this impl accepted last."""
+
+    @functools.wraps(forward)
+    def checked_forward(self: "AttentionImplBase", *args: Any, **kwargs: Any) -> Any:
+        metadata = args[4] if len(args) > 4 else kwargs.get("metadata")
+        if getattr(metadata, "origin", None) is not self._accepted_origin or self._accepted_origin is None:
+            self.check_metadata(metadata)
+        return forward(self, *args, **kwargs)
+
+    checked_forward.checks_metadata = True
+    return checked_forward
+
+
+@functools.lru_cache(maxsize=None)
+def _metadata_type(impl_cls: type) -> Optional[type]:
+    """The metadata class an impl class declares (``AttentionImpl[ReferenceMetadata]``), None if it declares none."""
+    for klass in impl_cls.__mro__:
+        for base in klass.__dict__.get("__orig_bases__", ()):
+            origin = typing.get_origin(base)
+            if isinstance(origin, type) and issubclass(origin, AttentionImplBase):
+                args = typing.get_args(base)
+                if args and isinstance(args[0], type):
+                    return args[0]
+    return None
+
+
+def _builders_of(impl_cls: type) -> tuple[type, ...]:
+    """The builder classes of the backends whose impl is ``impl_cls`` (the backend classes defined so far); read
+    on the slow path only (a new metadata origin, a mismatch)."""
+    found: list[type] = []
+    stack = list(AttentionBackend.__subclasses__())
+    seen: set[type] = set()
+    while stack:
+        backend = stack.pop()
+        if backend in seen:
+            continue
+        seen.add(backend)
+        stack.extend(backend.__subclasses__())
+        try:
+            if backend.get_impl_cls() is impl_cls:
+                builder = backend.get_builder_cls()
+                if isinstance(builder, type) and builder not in found:
+                    found.append(builder)
+        except Exception:  # an abstract or half-configured backend class (e.g. a base without its parts)
+            continue
+    return tuple(found)
 
 
 class AttentionImpl(AttentionImplBase[M]):

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
+
+from .platform import check_device_available
 
 __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
+    "MetadataOrigin",
     "build_common_metadata",
     "build_cross_attention_metadata",
+    "check_slots_match_block_table",
     "decode_first_order",
     "encoder_slot_mapping",
     "split_decodes_and_prefills",
@@ -50,8 +56,17 @@ class CommonAttentionMetadata:
         Optional host copy of ``block_table`` (engines usually keep one). When given it must hold the same values;
         backends that plan on the host (FlashInfer) then read page ids from it instead of gathering on the device,
         and the page-id range check runs on it before any kernel (see :mod:`attnbackends.ops.page_guard`).
+    block_size : int or None
+        The page size (tokens) ``slot_mapping`` was computed for; :func:`build_common_metadata` records it, and a
+        builder refuses a batch whose block_size differs from its spec's. None: not recorded (the builder then checks
+        the slots against the block table where both are on the host).
     pages_checked_for : int or None
         Set by the page-id guard: the cache size (pages) this batch's block table was range-checked against.
+    host_checked : bool
+        Set by :func:`build_common_metadata` and :func:`build_cross_attention_metadata`, which derive the slots
+        from the block table and check page ids, lengths and duplicate slots on the host lists: the builders'
+        per-step consistency checks then have nothing left to do. ``dataclasses.replace`` clears it (a replaced
+        tensor is checked again).
     spec_tree_mask : torch.Tensor or None
         Tree verification (speculative decoding): [sum_i n_i * n_i] bool on the device, request i's [n_i, n_i]
         ancestor mask flattened row-major, requests one after another. A request's last n_i query tokens are its
@@ -82,7 +97,10 @@ class CommonAttentionMetadata:
     spec_tree_mask: Optional[torch.Tensor] = None
     spec_tree_mask_indptr: Optional[torch.Tensor] = None
     spec_tree_mask_indptr_cpu: Optional[torch.Tensor] = None
+    block_size: Optional[int] = None
     pages_checked_for: Optional[int] = field(default=None, init=False, repr=False, compare=False)
+    host_checked: bool = field(default=False, init=False, repr=False, compare=False)
+    _cached_context: Optional[bool] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -97,6 +115,54 @@ class CommonAttentionMetadata:
     @property
     def device(self) -> torch.device:
         return self.query_start_loc.device
+
+    def has_cached_context(self) -> bool:
+        """Whether some request has context (seq_len > query_len), i.e. needs keys from a KV cache; read from the
+        host copies once per batch."""
+        if self._cached_context is None:
+            self._cached_context = not torch.equal(self.seq_lens_cpu, self.query_lens_cpu)
+        return self._cached_context
+
+    @property
+    def common(self) -> Any:
+        """Not an attribute of the common metadata: ``forward`` takes the metadata a backend's builder returns."""
+        raise ValueError(
+            "metadata is a CommonAttentionMetadata, but forward takes the backend metadata its builder returns: "
+            "pass builder.build(common) (builder = backend.get_builder_cls()(spec, device)) instead")
+
+
+@dataclass(frozen=True)
+class MetadataOrigin:
+    """Where a backend's built metadata came from and which layers it can serve: the builder class and the spec
+    fields its plan depends on. Every builder's ``build`` sets it as ``metadata.origin``; every impl's ``forward``
+    compares it with its own spec (:meth:`attnbackends.interface.AttentionImplBase.check_metadata`)."""
+
+    builder: type
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    value_head_size: int
+    qk_nope_head_dim: Optional[int]
+    dtype: str
+    attn_type: Any  # AttentionType
+
+    @classmethod
+    def of(cls, builder: type, spec: Any) -> "MetadataOrigin":
+        """The origin of metadata that a ``builder`` instance of ``spec`` (an AttentionSpec) builds."""
+        return cls(builder, spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_size,
+                   spec.value_head_size, spec.qk_nope_head_dim, spec.dtype, spec.attn_type)
+
+    def differences(self, spec: Any) -> list[str]:
+        """The fields where ``spec`` (the layer's) differs from the spec the metadata was built for, in words."""
+        diffs = []
+        for name in ("block_size", "num_heads", "num_kv_heads", "head_size", "value_head_size", "qk_nope_head_dim",
+                     "dtype", "attn_type"):
+            built, layer = getattr(self, name), getattr(spec, name)
+            if built != layer:
+                show = (lambda v: v.value) if name == "attn_type" else (lambda v: v)
+                diffs.append(f"{name} {show(built)!r} (metadata) != {show(layer)!r} (this layer)")
+        return diffs
 
 
 def build_common_metadata(
@@ -122,6 +188,12 @@ def build_common_metadata(
     num_padded_tokens : total token count including padding at the end (slot -1), default: no padding.
     max_blocks_per_req : width of the block table (default: the longest table); extra entries are 0.
     """
+    block_size = _as_int("block_size", block_size)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    device = check_device_available(device)
+    query_lens = _int_list("query_lens", query_lens)
+    context_lens = _int_list("context_lens", context_lens)
     num_reqs = len(query_lens)
     has_cache = block_tables is not None
     if not has_cache:
@@ -133,47 +205,99 @@ def build_common_metadata(
             f"query_lens, context_lens and block_tables must have one entry per request; got "
             f"{num_reqs}, {len(context_lens)}, {len(block_tables)}"
         )
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    tables = [_page_ids(i, table) for i, table in enumerate(block_tables)]
     seq_lens = []
-    slots: list[int] = []
-    for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+    slots: list[np.ndarray] = []
+    writer: dict[int, tuple[int, int]] = {}  # page -> (request, column) whose new tokens it receives
+    for i, (q, c, table) in enumerate(zip(query_lens, context_lens, tables)):
         if q < 1 or c < 0:
             raise ValueError(f"request {i}: query_len must be >= 1 and context_len >= 0, got {q} and {c}")
         need = -(-(q + c) // block_size) if has_cache else 0
         if len(table) < need:
             raise ValueError(f"request {i}: block_tables[{i}] has {len(table)} pages, {q + c} tokens need {need}")
         seq_lens.append(q + c)
-        for pos in range(c, c + q):
-            slots.append(table[pos // block_size] * block_size + pos % block_size if has_cache else -1)
-    return _assemble(query_lens, seq_lens, block_tables, slots, causal, num_padded_tokens, max_blocks_per_req, device)
+        if not has_cache:
+            slots.append(np.full(q, -1, dtype=np.int64))
+            continue
+        for col in range(c // block_size, need):
+            # A page that receives new tokens belongs to one request and one column (shared prefix pages are full
+            # and read-only); otherwise two tokens of the step are written to one cache slot.
+            page = int(table[col])
+            other = writer.setdefault(page, (i, col))
+            if other != (i, col):
+                raise ValueError(f"block_tables[{i}][{col}] = {page} receives new tokens, and so does "
+                                 f"block_tables[{other[0]}][{other[1]}]: two tokens of the step would share a cache "
+                                 "slot (duplicate slots)")
+        pos = np.arange(c, c + q, dtype=np.int64)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    common = _assemble(query_lens, seq_lens, tables, np.concatenate(slots) if slots else np.zeros(0, np.int64),
+                       causal, num_padded_tokens, max_blocks_per_req, device)
+    common.block_size = block_size if has_cache else None  # no pages, no page size
+    common.host_checked = True
+    return common
+
+
+def _as_int(name: str, value: Any) -> int:
+    """``value`` as an int; ValueError naming ``name`` for a float, a bool or anything else that is not an integer
+    (a float length or page id would otherwise be truncated silently)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype is not torch.bool
+            and not (value.is_floating_point() or value.is_complex())):
+        return int(value)
+    raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _int_list(name: str, values: Sequence[Any]) -> list[int]:
+    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def _page_ids(i: int, table: Sequence[Any]) -> np.ndarray:
+    """Request ``i``'s block table as int64 page ids (each an int >= 0); ValueError naming the entry otherwise."""
+    if isinstance(table, torch.Tensor):
+        table = table.cpu()
+    arr = np.asarray(table)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        for j, value in enumerate(table):  # the first entry that is not an int names the problem
+            _as_int(f"block_tables[{i}][{j}]", value)
+        raise ValueError(f"block_tables[{i}] must be a list of int page ids, got {table!r}")
+    negative = np.flatnonzero(arr < 0)
+    if negative.size:
+        j = int(negative[0])
+        raise ValueError(f"block_tables[{i}][{j}] = {int(arr[j])}: page ids must be >= 0")
+    return arr.astype(np.int64, copy=False)
 
 
 def _assemble(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    slots: list[int],
+    block_tables: Sequence[np.ndarray],
+    slots: np.ndarray,
     causal: bool,
     num_padded_tokens: Optional[int],
     max_blocks_per_req: Optional[int],
     device: "torch.device | str",
 ) -> CommonAttentionMetadata:
-    """The metadata tensors of checked per-request lists (slots: one per new token, padding appended here)."""
+    """The metadata tensors of checked per-request lists (slots [num_tokens] int64: one per new token; padding
+    appended here)."""
     num_reqs = len(query_lens)
     num_actual_tokens = len(slots)
     if num_padded_tokens is not None:
+        num_padded_tokens = _as_int("num_padded_tokens", num_padded_tokens)
         if num_padded_tokens < num_actual_tokens:
             raise ValueError(f"num_padded_tokens ({num_padded_tokens}) < the batch's {num_actual_tokens} tokens")
-        slots = slots + [-1] * (num_padded_tokens - num_actual_tokens)
+        slots = np.concatenate([slots, np.full(num_padded_tokens - num_actual_tokens, -1, dtype=np.int64)])
     width = max((len(t) for t in block_tables), default=0)
     if max_blocks_per_req is not None:
+        max_blocks_per_req = _as_int("max_blocks_per_req", max_blocks_per_req)
         if max_blocks_per_req < width:
             raise ValueError(f"max_blocks_per_req ({max_blocks_per_req}) < the longest block table ({width})")
         width = max_blocks_per_req
     table = torch.zeros((num_reqs, width), dtype=torch.int32)
     for i, t in enumerate(block_tables):
-        table[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
+        table[i, : len(t)] = torch.from_numpy(np.asarray(t, dtype=np.int64)).to(torch.int32)
     qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.as_tensor(list(query_lens), dtype=torch.int32), 0)
     seq_lens_cpu = torch.as_tensor(seq_lens, dtype=torch.int32)
@@ -184,7 +308,7 @@ def _assemble(
         seq_lens=seq_lens_cpu.to(device),
         seq_lens_cpu=seq_lens_cpu,
         block_table=table.to(device),
-        slot_mapping=torch.as_tensor(slots, dtype=torch.int64).to(device),
+        slot_mapping=torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(device),
         num_reqs=num_reqs,
         num_actual_tokens=num_actual_tokens,
         max_query_len=max(query_lens, default=0),
@@ -194,18 +318,24 @@ def _assemble(
     )
 
 
-def _check_encoder_tables(encoder_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int) -> None:
+def _check_encoder_tables(encoder_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                          block_size: int) -> tuple[list[int], list[np.ndarray], int]:
+    """The checked (encoder_lens, block tables, block_size)."""
+    encoder_lens = _int_list("encoder_lens", encoder_lens)
+    block_size = _as_int("block_size", block_size)
     if len(block_tables) != len(encoder_lens):
         raise ValueError(f"encoder_lens and block_tables must have one entry per request; got {len(encoder_lens)} "
                          f"and {len(block_tables)}")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    block_tables = [_page_ids(i, table) for i, table in enumerate(block_tables)]
     for i, (s, table) in enumerate(zip(encoder_lens, block_tables)):
         if s < 1:
             raise ValueError(f"request {i}: encoder_lens[{i}] must be >= 1, got {s}")
         need = -(-s // block_size)
         if len(table) < need:
             raise ValueError(f"request {i}: block_tables[{i}] has {len(table)} pages, {s} encoder tokens need {need}")
+    return encoder_lens, block_tables, block_size
 
 
 def build_cross_attention_metadata(
@@ -240,16 +370,20 @@ def build_cross_attention_metadata(
     block_tables : per request, the pages of its encoder keys; needs ceil(encoder_len / block_size) pages.
     block_size, num_padded_tokens, max_blocks_per_req : as for :func:`build_common_metadata`.
     """
+    query_lens = _int_list("query_lens", query_lens)
     if len(query_lens) != len(encoder_lens):
         raise ValueError(f"query_lens and encoder_lens must have one entry per request; got {len(query_lens)} and "
                          f"{len(encoder_lens)}")
-    _check_encoder_tables(encoder_lens, block_tables, block_size)
+    encoder_lens, tables, block_size = _check_encoder_tables(encoder_lens, block_tables, block_size)
+    device = check_device_available(device)
     for i, q in enumerate(query_lens):
         if q < 1:
             raise ValueError(f"request {i}: query_len must be >= 1, got {q}")
-    slots = [-1] * sum(query_lens)
-    return _assemble(query_lens, list(encoder_lens), block_tables, slots, False, num_padded_tokens,
-                     max_blocks_per_req, device)
+    slots = np.full(sum(query_lens), -1, dtype=np.int64)
+    common = _assemble(query_lens, encoder_lens, tables, slots, False, num_padded_tokens, max_blocks_per_req, device)
+    common.block_size = block_size
+    common.host_checked = True
+    return common
 
 
 def encoder_slot_mapping(
@@ -262,10 +396,11 @@ def encoder_slot_mapping(
     token j of request i goes to slot ``block_tables[i][j // block_size] * block_size + j % block_size``. Pass it to
     a cross-attention impl's ``update_kv_cache(key, value, kv_cache, slots)`` with key and value
     [sum(encoder_lens), num_kv_heads, head_size] once per request, before the request's first decoder step."""
-    _check_encoder_tables(encoder_lens, block_tables, block_size)
-    slots = [table[j // block_size] * block_size + j % block_size
-             for s, table in zip(encoder_lens, block_tables) for j in range(s)]
-    return torch.as_tensor(slots, dtype=torch.int64).to(device)
+    encoder_lens, tables, block_size = _check_encoder_tables(encoder_lens, block_tables, block_size)
+    device = check_device_available(device)
+    slots = [table[np.arange(s) // block_size] * block_size + np.arange(s) % block_size
+             for s, table in zip(encoder_lens, tables)]
+    return torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, np.int64)).to(device)
 
 
 def decode_first_order(query_lens: Sequence[int], decode_threshold: int = 1) -> list[int]:
@@ -305,6 +440,105 @@ def split_decodes_and_prefills(common: CommonAttentionMetadata, decode_threshold
         num_decode_tokens=num_decode_tokens,
         num_prefill_tokens=common.num_actual_tokens - num_decode_tokens,
     )
+
+
+def check_slots_match_block_table(
+    common: CommonAttentionMetadata, block_size: int, table: np.ndarray, slots: np.ndarray
+) -> None:
+    """The step's slots against its block table and lengths, on host arrays (no device sync, no torch op).
+
+    table : [>= num_reqs, W] int page ids; slots : [>= num_actual_tokens] int64 (``slot_mapping``). Checks that
+    every request's seq_len >= its query_len (causal batches), that the pages its lengths need exist in its row,
+    that token t of request i (at position C_i + t) has slot ``table[i, pos // block_size] * block_size + pos %
+    block_size`` or -1 (not written), and that no two tokens share a slot. Raises ValueError naming the tensor, the
+    index and the values.
+    """
+    qsl = common.query_start_loc_cpu.numpy()
+    seq = common.seq_lens_cpu.numpy()
+    n, t = common.num_reqs, common.num_actual_tokens
+    given = slots[:t]
+    # The common case first, in as few NumPy calls as possible (each costs about a microsecond): compute every
+    # token's slot, compare, and only on a difference work out what exactly is wrong.
+    if t == n and common.max_query_len == 1:  # a decode step: request i's one token sits at position seq_len - 1
+        req = _arange(n)
+        pos = seq[:n] - 1
+    else:
+        qlens = qsl[1 : n + 1] - qsl[:n]
+        if qlens.min(initial=0) < 0:
+            i = int(np.argmax(qlens < 0))
+            raise ValueError(f"query_start_loc is not monotonic at index {i + 1}: {int(qsl[i])} -> {int(qsl[i + 1])}")
+        if qsl[0] != 0 or qsl[n] != t:
+            raise ValueError(f"query_start_loc must rise from 0 to num_actual_tokens ({t}); got "
+                             f"{int(qsl[0])} ... {int(qsl[n])}")
+        req = np.repeat(_arange(n), qlens)
+        pos = _arange(t) + (seq[:n] - qsl[1 : n + 1])[req]
+    col = pos // block_size
+    try:
+        pages = table[req, col]
+    except IndexError:  # a column past the table's width (or a length that makes no sense)
+        pages = None
+    expected = None if pages is None else (pages - col).astype(np.int64) * block_size + pos
+    if expected is None or not np.array_equal(given, expected):
+        _explain_slot_mismatch(common, block_size, table, given, req, pos)  # raises, unless only -1s differ
+        return
+    ordered = np.sort(given)
+    if (ordered[1:] == ordered[:-1]).any():
+        value = int(ordered[np.flatnonzero(ordered[1:] == ordered[:-1])[0]])
+        i, j = (int(x) for x in np.flatnonzero(given == value)[:2])
+        raise ValueError(f"slot_mapping[{i}] and slot_mapping[{j}] are both {value}: two tokens of the step would "
+                         "be written to one cache slot (duplicate slots)")
+
+
+def _explain_slot_mismatch(common: CommonAttentionMetadata, block_size: int, table: np.ndarray, given: np.ndarray,
+                           req: np.ndarray, pos: np.ndarray) -> None:
+    """The slow path of :func:`check_slots_match_block_table`: raise the error that names what is wrong, or return
+    where the only differences are slots of -1 (tokens not written) and no slot repeats."""
+    seq, qsl, n = common.seq_lens_cpu.numpy(), common.query_start_loc_cpu.numpy(), common.num_reqs
+    qlens = qsl[1 : n + 1] - qsl[:n]
+    if common.max_query_len == 1 and qlens.max(initial=0) > 1:
+        i = int(np.argmax(qlens > 1))
+        raise ValueError(f"max_query_len is 1 but request {i} has query_len {int(qlens[i])} (query_start_loc)")
+    short = np.flatnonzero(seq[:n] < qlens)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"seq_lens[{i}] ({int(seq[i])}) < query_len ({int(qlens[i])}) of request {i}")
+    col = pos // block_size
+    wide = np.flatnonzero(col >= table.shape[1])
+    if wide.size:
+        i = int(req[wide[0]])
+        raise ValueError(f"block_table row {i} has {table.shape[1]} entries, seq_len {int(seq[i])} needs "
+                         f"{-(-int(seq[i]) // block_size)} (block_size {block_size})")
+    pages = table[req, col].astype(np.int64)
+    expected = pages * block_size + pos % block_size
+    wrong = np.flatnonzero((given != expected) & (given != -1))
+    if wrong.size:
+        k = int(wrong[0])
+        i = int(req[k])
+        if pages[k] < 0:
+            raise ValueError(f"block_table[{i}, {int(col[k])}] = {int(pages[k])}: page ids must be >= 0")
+        raise ValueError(
+            f"slot_mapping[{k}] = {int(given[k])} disagrees with the block table: token {k} (request {i}, "
+            f"position {int(pos[k])}) belongs in page block_table[{i}, {int(col[k])}] = {int(pages[k])} "
+            f"at offset {int(pos[k] % block_size)}, slot {int(expected[k])} (block_size {block_size})")
+    written = given[given >= 0]
+    ordered = np.sort(written)
+    twice = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if twice.size:
+        value = int(ordered[twice[0]])
+        i, j = (int(x) for x in np.flatnonzero(given == value)[:2])
+        raise ValueError(f"slot_mapping[{i}] and slot_mapping[{j}] are both {value}: two tokens of the step would "
+                         "be written to one cache slot (duplicate slots)")
+
+
+_ARANGE = np.arange(0)
+
+
+def _arange(n: int) -> np.ndarray:
+    """np.arange(n) (int64) from a cached array: the per-step checks avoid allocating it each time."""
+    global _ARANGE
+    if n > _ARANGE.shape[0]:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
+    return _ARANGE[:n]
 
 
 def validate_common_metadata(common: CommonAttentionMetadata, num_blocks: Optional[int] = None, block_size: Optional[int] = None) -> None:
@@ -355,3 +589,6 @@ def validate_common_metadata(common: CommonAttentionMetadata, num_blocks: Option
             used = torch.arange(needed)[None, :] < pages[:, None]
             if host.shape != dev.shape or not torch.equal(host[used], dev[used]):
                 raise ValueError("block_table_cpu does not hold the page ids of block_table (a stale host copy?)")
+        if common.causal:
+            check_slots_match_block_table(common, block_size, common.block_table.cpu().numpy(),
+                                          common.slot_mapping.cpu().numpy())

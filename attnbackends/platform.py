@@ -10,7 +10,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["DeviceInfo", "is_triton_interpreted", "package_available"]
+__all__ = ["DeviceInfo", "check_device_available", "is_triton_interpreted", "package_available"]
 
 
 def package_available(name: str) -> bool:
@@ -26,6 +26,26 @@ def package_available(name: str) -> bool:
     if spec is None:
         return False
     return not (spec.origin in (None, "namespace") and spec.submodule_search_locations is not None)
+
+
+def check_device_available(device: "torch.device | str", name: str = "device") -> torch.device:
+    """``device`` as a torch.device; ValueError naming ``name`` when it cannot hold tensors on this machine (CUDA
+    asked for where torch has no CUDA or sees no GPU, a GPU index past the last one, the meta device)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}={device!r} is not a device; allowed: 'cpu', 'cuda' or 'cuda:N'") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"{name}={str(dev)!r} was requested but {why}; use {name}='cpu' on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(dev)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "meta":
+        raise ValueError(f"{name}='meta' holds no data; allowed: 'cpu', 'cuda' or 'cuda:N'")
+    elif dev.type != "cpu":
+        raise ValueError(f"{name}={str(dev)!r} is not supported; allowed: 'cpu', 'cuda' or 'cuda:N'")
+    return dev
 
 
 class DeviceInfo(BaseModel):
@@ -63,16 +83,15 @@ class DeviceInfo(BaseModel):
 
     @classmethod
     def current(cls, device: "torch.device | str | None" = None) -> "DeviceInfo":
-        """The device ``device`` (default: CUDA device 0 where CUDA is available, else the CPU)."""
+        """The device ``device`` (default: CUDA device 0 where CUDA is available, else the CPU); ValueError naming
+        ``device`` when this machine has no such device (see :func:`check_device_available`)."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        device = torch.device(device)
+        device = check_device_available(device)
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             return _cuda_info(index)
-        if device.type == "cpu":
-            return cls.cpu()
-        raise ValueError(f"device type {device.type!r} is not supported; allowed: cpu, cuda")
+        return cls.cpu()
 
     @property
     def is_cuda(self) -> bool:

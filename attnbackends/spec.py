@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from enum import Enum
 from pathlib import Path
@@ -147,6 +148,13 @@ class AttentionSpec(BaseModel):
             raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}] tokens per page, got {value}")
         return value
 
+    @field_validator("scale", "logits_soft_cap")
+    @classmethod
+    def _check_finite(cls, value: Optional[float], info: Any) -> Optional[float]:
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{info.field_name} must be a positive finite number, got {value}")
+        return value
+
     @field_validator("attn_type", mode="before")
     @classmethod
     def _normalise_attn_type(cls, value: Any) -> Any:
@@ -203,7 +211,14 @@ class AttentionSpec(BaseModel):
         v_head_dim: int = 128,
         **kwargs: Any,
     ) -> "AttentionSpec":
-        """An MLA layer spec (defaults: DeepSeek-V3) with the model's scale 1/sqrt(P + R) unless given."""
+        """An MLA layer spec (defaults: DeepSeek-V3) with the model's scale 1/sqrt(P + R) unless given.
+
+        The four sizes must be positive ints (checked here, before the head size and the scale are derived from
+        them; ValueError naming the size otherwise)."""
+        for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_nope_head_dim", qk_nope_head_dim),
+                            ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} of an MLA spec must be a positive int, got {value!r}")
         kwargs.setdefault("scale", 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim))
         return cls(
             num_heads=num_heads,

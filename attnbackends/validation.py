@@ -14,7 +14,11 @@ The "checked" rule every impl follows (through :func:`check_forward_inputs`, the
   mapping on the host (a device sync), which is why they are off by default.
 
 Every builder's ``build`` checks the batch against the builder's limits first (:func:`check_batch_limits`: host
-integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``.
+integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``; then
+against the layer's spec (:func:`check_batch_for_spec`: causality, page size, integer page ids, cached context of
+cache-less layers, and the slots against the block table where both are on the host), and marks the metadata with
+its origin, which every ``forward`` compares with its layer before anything else
+(:meth:`attnbackends.interface.AttentionImplBase.check_metadata`: one identity comparison per call).
 
 How an engine turns debug mode on: set ``AttentionConfig(debug=True)`` (or ``debug: true`` in its YAML/JSON file)
 and pass ``debug=config.debug`` to the metadata builder, as :class:`attnbackends.engine.Engine` does::
@@ -35,11 +39,13 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .metadata import CommonAttentionMetadata, validate_common_metadata
+from .metadata import CommonAttentionMetadata, check_slots_match_block_table, validate_common_metadata
 from .ops.page_guard import guard_block_table
+from .platform import check_device_available
 from .spec import AttentionSpec
 
 __all__ = [
+    "check_batch_for_spec",
     "check_batch_limits",
     "check_device_available",
     "check_forward_inputs",
@@ -66,26 +72,6 @@ def _fmt_shape(shape: Sequence[DimSpec], names: Optional[Sequence[str]] = None) 
         else:
             parts.append(f"{label}={d}" if label else str(d))
     return "[" + ", ".join(parts) + "]"
-
-
-def check_device_available(device: "torch.device | str", name: str = "device") -> torch.device:
-    """``device`` as a torch.device; ValueError naming ``name`` when it cannot hold tensors on this machine (CUDA
-    asked for where torch has no CUDA or sees no GPU, a GPU index past the last one, the meta device)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{name}={device!r} is not a device; allowed: 'cpu', 'cuda' or 'cuda:N'") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ValueError(f"{name}={str(dev)!r} was requested but {why}; use {name}='cpu' on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"{name}={str(dev)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type == "meta":
-        raise ValueError(f"{name}='meta' holds no data; allowed: 'cpu', 'cuda' or 'cuda:N'")
-    elif dev.type != "cpu":
-        raise ValueError(f"{name}={str(dev)!r} is not supported; allowed: 'cpu', 'cuda' or 'cuda:N'")
-    return dev
 
 
 def check_tensor(
@@ -243,7 +229,6 @@ def validate_metadata_against_cache(
         validate_common_metadata(common)
         return
     num_blocks = kv_cache.shape[0]
-    validate_common_metadata(common, num_blocks=num_blocks, block_size=block_size)
     slots = common.slot_mapping[: common.num_actual_tokens].cpu()
     bad = torch.nonzero((slots < -1) | (slots >= num_blocks * block_size))
     if bad.numel():
@@ -252,6 +237,7 @@ def validate_metadata_against_cache(
             f"slot_mapping[{i}] = {int(slots[i])} is outside [-1, {num_blocks * block_size}) "
             f"(num_blocks {num_blocks} x block_size {block_size})"
         )
+    validate_common_metadata(common, num_blocks=num_blocks, block_size=block_size)
     sorted_slots, order = torch.sort(slots, stable=True)
     twice = torch.nonzero((sorted_slots[1:] == sorted_slots[:-1]) & (sorted_slots[1:] >= 0))
     if twice.numel():
@@ -282,6 +268,56 @@ def check_batch_limits(builder: Any, common: CommonAttentionMetadata) -> None:
     if common.slot_mapping.shape[0] < num_tokens:
         raise ValueError(f"slot_mapping has {common.slot_mapping.shape[0]} entries, fewer than num_actual_tokens "
                          f"({num_tokens}): every token needs a slot (-1 for padding)")
+
+
+_PAGE_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -> None:
+    """What every builder's ``build`` checks after its limits: the batch fits the layer's spec. From host data only
+    (attribute reads; a few NumPy operations where the engine gives the block table and the slot mapping on the
+    host), no device sync.
+
+    - ``common.causal`` matches the layer: causal for decoder self-attention, non-causal for the layer kinds that
+      see every key of their sequence (encoder, encoder-only, cross-attention);
+    - layers with a KV cache: the page size ``common.block_size`` (where recorded) is the spec's, the block table
+      holds integer page ids, and, for causal self-attention where the block table (``block_table_cpu`` or a CPU
+      ``block_table``) and ``slot_mapping`` are on the host and :func:`build_common_metadata` has not already
+      checked them (``common.host_checked``): seq_len >= query_len, every slot in its request's own page at the
+      position its lengths imply (or -1), no slot given twice
+      (:func:`~attnbackends.metadata.check_slots_match_block_table`). With device tensors only, the page guard
+      contains page ids on the device and debug mode runs these checks (they then read the device);
+    - layers without a KV cache: no request has cached context (seq_len == query_len).
+
+    Raises ValueError naming the field and what the layer expects.
+    """
+    kind = spec.attn_type
+    if bool(common.causal) != kind.is_causal:
+        want = "causal" if kind.is_causal else "non-causal (every query sees every key of its sequence)"
+        raise ValueError(f"common.causal is {common.causal}, but the layer's attn_type {kind.value!r} is {want}: "
+                         f"build the metadata with causal={kind.is_causal}")
+    common._cached_context = None  # a persistent batch may have been rewritten in place since the last build
+    if not kind.uses_kv_cache:
+        if common.has_cached_context():
+            i = int(torch.nonzero(common.seq_lens_cpu != common.query_lens_cpu)[0])
+            raise ValueError(f"seq_lens[{i}] ({int(common.seq_lens_cpu[i])}) != query_len "
+                             f"({int(common.query_lens_cpu[i])}) of request {i}: attn_type {kind.value!r} has no KV "
+                             "cache, so a request cannot have cached context")
+        return
+    if common.block_size is not None and common.block_size != spec.block_size:
+        raise ValueError(f"the batch's slots were computed for block_size {common.block_size}, the layer's spec has "
+                         f"block_size {spec.block_size}: build the common metadata with the spec's block_size")
+    table = common.block_table
+    if table.dtype not in _PAGE_ID_DTYPES:
+        raise ValueError(f"block_table must hold integer page ids (int32), got {table.dtype}")
+    if common.host_checked or not kind.is_causal:
+        return
+    host_table = common.block_table_cpu if common.block_table_cpu is not None else table
+    slots = common.slot_mapping
+    if host_table.device.type == "cpu" and slots.device.type == "cpu":
+        if host_table.dtype not in _PAGE_ID_DTYPES:
+            raise ValueError(f"block_table_cpu must hold integer page ids (int32), got {host_table.dtype}")
+        check_slots_match_block_table(common, spec.block_size, host_table.numpy(), slots.numpy())
 
 
 def _layout(t: Optional[torch.Tensor], *, whole_shape: bool = False) -> Optional[tuple]:
@@ -346,8 +382,16 @@ def check_forward_inputs(
     tensor. ``backend``: the backend class whose ``kv_cache_shape`` and layout the cache must have. ``mla``: the
     arguments are MLA's (q, kv_c_normed, k_pe, kv_cache, output).
     """
-    if common is not None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() >= 1:
-        guard_block_table(common, kv_cache.shape[0], impl.spec.block_size)
+    spec = impl.spec
+    if kv_cache is not None:
+        if not spec.attn_type.uses_kv_cache:
+            raise ValueError(f"kv_cache must be None for attn_type {spec.attn_type.value!r}: the layer has no KV "
+                             "cache (its keys and values are the step's own key and value)")
+        if common is not None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() >= 1:
+            guard_block_table(common, kv_cache.shape[0], spec.block_size)
+    elif common is not None and spec.attn_type.uses_kv_cache and common.has_cached_context():
+        raise ValueError(f"kv_cache is None, but the batch has cached context (seq_len > query_len) that a "
+                         f"{spec.attn_type.value!r} layer reads from its KV cache: pass the layer's kv_cache")
     num_actual_tokens = common.num_actual_tokens if common is not None else metadata.num_actual_tokens
     layout = impl._input_layout
     debug = impl.debug or getattr(metadata, "debug", False)
@@ -357,7 +401,6 @@ def check_forward_inputs(
                 return
         except (AttributeError, IndexError, TypeError):  # not tensors, or a 0-d one: the full check names it
             pass
-    spec = impl.spec
     if mla:
         validate_mla_forward_inputs(spec, query, key, value, kv_cache, output, num_actual_tokens)
     else:

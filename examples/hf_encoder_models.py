@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from attnbackends import AttentionSpec, AttentionType
-from examples.engine.hf_models.hf_common import successor_permutation
+from examples.engine.hf_models.hf_common import require_transformers, successor_permutation
 
 __all__ = [
     "HFBertEncoder",
@@ -381,6 +381,7 @@ def transformers_whisper_forward_greedy(hf_model: nn.Module, feature: torch.Tens
 
 
 def _main() -> None:
+    require_transformers()
     from attnbackends import LayerGroupsConfig
     from attnbackends.engine import EncoderDecoderEngine, EncoderEngine, EngineConfig
 

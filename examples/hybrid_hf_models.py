@@ -209,6 +209,9 @@ def transformers_greedy(hf_model: nn.Module, prompts: list[list[int]], max_new_t
 
 def _main() -> None:
     from attnbackends.engine import EngineConfig, GroupedPagedEngine
+    from examples.engine.hf_models.hf_common import require_transformers
+
+    require_transformers()
 
     prompts = [list(range(1, 30)), [5, 6, 7]]
     for build, wrap in ((tiny_gemma3, HFGemma3Model), (tiny_gpt_oss, HFGptOssModel)):

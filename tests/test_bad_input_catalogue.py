@@ -5,7 +5,7 @@ Per-backend kinds (:data:`KINDS`) run on the CPU for reference, triton (interpre
 (interpreted), and on a GPU (marked ``gpu``) for reference, triton, flashinfer and the three MLA backends; kinds
 that do not apply to a backend's kind of layer (standard or MLA) are left out of its parametrisation. Kinds that
 may crash the process today (out-of-range page ids and slots outside debug mode) run in a child process wherever
-a kernel would dereference them. Spec, config and selection kinds (:data:`GLOBAL_KINDS`) run once. The session's
+a kernel would dereference them. Spec, config and selection kinds (:data:`GLOBAL_KINDS`) run once. pytest's
 terminal summary prints the catalogue's size (tests/conftest.py).
 
 Run one backend's column by itself: ``python -m pytest tests/test_bad_input_catalogue.py -k triton_mla``; a
@@ -51,7 +51,8 @@ class Target:
                         dtype="bfloat16", block_size=64) if on_gpu else dict(
                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, dtype="float16",
                 block_size=16)
-            return AttentionSpec.mla(16 if on_gpu else 4, **{**base, **overrides})
+            num_heads = overrides.pop("num_heads", 16 if on_gpu else 4)
+            return AttentionSpec.mla(num_heads, **{**base, **overrides})
         base = dict(num_heads=4, num_kv_heads=2, head_size=64 if on_gpu else 32, dtype="float16", block_size=16)
         return AttentionSpec(**{**base, **overrides})
 
@@ -63,6 +64,10 @@ GPU_TARGETS = [Target("reference", "cuda", False), Target("triton", "cuda", Fals
                Target("triton_mla", "cuda", True), Target("flashinfer_mla", "cuda", True)]
 
 SHAPES = (S(1, 20), S(5, 3))  # a decode over two pages of context, then a chunked prefill: 6 tokens
+ENCODER_SHAPES = (S(3), S(5))  # an encoder layer's batch: no cached context
+#: Whose metadata each backend is handed in the "another backend's metadata" kinds.
+OTHER_BACKEND = {"reference": "triton", "triton": "reference", "flashinfer": "triton", "reference_mla": "triton_mla",
+                 "triton_mla": "reference_mla", "flashinfer_mla": "triton_mla"}
 ROLES = ("query", "key", "value", "kv_cache", "output")
 MLA_NAMES = {"query": "q", "key": "kv_c_normed", "value": "k_pe", "kv_cache": "kv_cache", "output": "output"}
 
@@ -71,7 +76,7 @@ class Ctx:
     """One backend's layer and batch: a fresh impl and builder, the batch's tensors by role."""
 
     def __init__(self, target: Target, *, debug: bool = False, spec: Optional[AttentionSpec] = None,
-                 **builder_kwargs) -> None:
+                 shapes=SHAPES, **builder_kwargs) -> None:
         self.target = target
         self.backend = get_backend_class(target.backend)
         self.spec = spec or target.spec()
@@ -82,16 +87,17 @@ class Ctx:
         if target.mla:
             from attnbackends.testing.mla import make_random_mla_batch
 
-            batch = make_random_mla_batch(self.spec, SHAPES, seed=3, device=self.device)
+            batch = make_random_mla_batch(self.spec, shapes, seed=3, device=self.device)
             self.tensors = dict(query=batch.q, key=batch.kv_c, value=batch.k_pe, kv_cache=batch.kv_cache,
                                 output=batch.new_output())
             impl_kwargs = dict(kv_b_proj=batch.kv_b_proj, k_scale=batch.k_scale)
         else:
-            batch = make_random_batch(self.spec, SHAPES, seed=3, device=self.device)
+            batch = make_random_batch(self.spec, shapes, seed=3, device=self.device)
             self.tensors = dict(query=batch.query, key=batch.key, value=batch.value, kv_cache=batch.kv_cache,
                                 output=batch.new_output())
             impl_kwargs = dict(k_scale=batch.k_scale, v_scale=batch.v_scale)
-        self.tensors["kv_cache"] = self.tensors["kv_cache"].clone()
+        if self.tensors["kv_cache"] is not None:
+            self.tensors["kv_cache"] = self.tensors["kv_cache"].clone()
         self.batch = batch
         self.common = batch.common
         self.impl_kwargs = impl_kwargs
@@ -127,6 +133,27 @@ class Ctx:
             torch.cuda.synchronize(self.device)
         raise_pending_faults(self.device)
 
+    def with_consistent_table_entry(self, row: int, col: int, value: int):
+        """``with_table_entry`` with the slot mapping recomputed from the new table (the batch stays consistent
+        except for what the new entry itself breaks)."""
+        table = self.common.block_table_cpu.clone()
+        table[row, col] = value
+        qsl, seq = self.common.query_start_loc_cpu.tolist(), self.common.seq_lens_cpu.tolist()
+        slots = self.common.slot_mapping.cpu().clone()
+        bs = self.spec.block_size
+        for i in range(self.common.num_reqs):
+            context = seq[i] - (qsl[i + 1] - qsl[i])
+            for k in range(qsl[i], qsl[i + 1]):
+                pos = context + k - qsl[i]
+                slots[k] = int(table[i, pos // bs]) * bs + pos % bs
+        return dataclasses.replace(self.common, block_table=table.to(self.device), block_table_cpu=table,
+                                   slot_mapping=slots.to(self.device))
+
+    def other_backends_metadata(self):
+        """This batch built by the builder of :data:`OTHER_BACKEND`'s backend for the same spec."""
+        other = get_backend_class(OTHER_BACKEND[self.target.backend])
+        return other.get_builder_cls()(self.spec, self.device).build(self.common)
+
     def with_slot(self, index: int, value: int):
         slots = self.common.slot_mapping.clone()
         slots[index] = value
@@ -155,6 +182,7 @@ class Kind:
     builder_kwargs: tuple = ()
     crash_prone: bool = False  # may crash the process today: run in a child process where a kernel reads it
     xfail: Optional[str] = None
+    host_data: bool = False  # caught from the batch's host copies: CPU batches only (on a GPU: its debug_ kind)
 
     def argument(self, target: Target) -> str:
         if self.arg in ROLES and target.mla:
@@ -253,6 +281,43 @@ def fp8_spec_with_16bit_cache(ctx: Ctx) -> object:
     return fp8.forward(kv_cache=fp8.tensors["kv_cache"].to(spec.torch_dtype))
 
 
+def encoder_layer(target: Target) -> Ctx:
+    """An encoder layer (bidirectional, no KV cache) of the target's backend, over :data:`ENCODER_SHAPES`."""
+    return Ctx(target, spec=target.spec(attn_type="encoder"), shapes=ENCODER_SHAPES)
+
+
+def encoder_given_kv_cache(ctx: Ctx) -> object:
+    enc = encoder_layer(ctx.target)
+    cache = enc.backend.allocate_kv_cache(4, enc.spec, enc.device).zero_()
+    return enc.forward(kv_cache=cache)
+
+
+def encoder_batch_with_cached_context(ctx: Ctx) -> object:
+    enc = encoder_layer(ctx.target)
+    common = build_common_metadata([1, 5], [20, 3], [[0, 1], [2]], enc.spec.block_size, enc.device, causal=False)
+    return enc.builder.build(common)
+
+
+def metadata_built_for_other_heads(ctx: Ctx) -> object:
+    other = ctx.target.spec(num_heads=2 * ctx.spec.num_heads)
+    return ctx.forward(ctx.backend.get_builder_cls()(other, ctx.device).build(ctx.common))
+
+
+def common_with_block_size(ctx: Ctx, block_size: int):
+    """The catalogue's batch as build_common_metadata makes it for pages of ``block_size`` tokens."""
+    query_lens = [s.query_len for s in SHAPES]
+    context_lens = [s.context_len for s in SHAPES]
+    pages = [-(-s.seq_len // block_size) for s in SHAPES]
+    tables = [list(range(sum(pages[:i]), sum(pages[: i + 1]))) for i in range(len(SHAPES))]
+    return build_common_metadata(query_lens, context_lens, tables, block_size, ctx.device)
+
+
+def later_other_backends_metadata(ctx: Ctx) -> object:
+    meta = ctx.build()
+    ctx.forward(meta)
+    return ctx.forward(ctx.other_backends_metadata())
+
+
 def later_more_tokens_than_rows(ctx: Ctx) -> object:
     meta = ctx.build()
     ctx.forward(meta)
@@ -348,6 +413,30 @@ KINDS = [
     Kind("debug_seq_len_shorter_than_query", builder_rejects(lambda c: dataclasses.replace(
         c.common, seq_lens_cpu=torch.tensor([21, 2], dtype=torch.int32),
         seq_lens=torch.tensor([21, 2], dtype=torch.int32, device=c.device))), "seq_lens", debug=True),
+    # The metadata object forward is given: what the layer's own builder built for the layer's spec.
+    Kind("common_metadata_to_forward", lambda c: c.forward(c.common), "metadata"),
+    Kind("other_backends_metadata", lambda c: c.forward(c.other_backends_metadata()), "metadata"),
+    Kind("later_other_backends_metadata", later_other_backends_metadata, "metadata"),
+    Kind("metadata_built_for_other_heads", metadata_built_for_other_heads, "num_heads"),
+    # The batch against the layer's spec, in every build (host attributes, and host copies where given).
+    Kind("metadata_block_size_differs", builder_rejects(lambda c: common_with_block_size(c, c.spec.block_size // 2)),
+         "block_size"),
+    Kind("non_causal_metadata_for_causal_layer", builder_rejects(lambda c: dataclasses.replace(c.common, causal=False)),
+         "causal"),
+    Kind("block_table_not_integer", builder_rejects(lambda c: dataclasses.replace(
+        c.common, block_table=c.common.block_table.float(), block_table_cpu=None)), "block_table"),
+    Kind("kv_cache_none_with_cached_context", lambda c: c.forward(kv_cache=None), "kv_cache"),
+    Kind("encoder_layer_given_kv_cache", encoder_given_kv_cache, "kv_cache", layers="standard"),
+    Kind("encoder_batch_with_cached_context", encoder_batch_with_cached_context, "seq_lens", layers="standard"),
+    Kind("slot_mapping_disagrees_with_block_table", builder_rejects(
+        lambda c: c.with_slot(0, int(c.common.slot_mapping[0]) ^ 1)), "slot_mapping", host_data=True),
+    Kind("duplicate_slots", builder_rejects(lambda c: c.with_consistent_table_entry(1, 0, int(
+        c.common.block_table_cpu[0, c.last_page_col(0)]))), "slot_mapping", host_data=True),
+    Kind("seq_len_shorter_than_query", builder_rejects(lambda c: dataclasses.replace(
+        c.common, seq_lens_cpu=torch.tensor([21, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([21, 2], dtype=torch.int32, device=c.device))), "seq_lens", host_data=True),
+    Kind("debug_slot_mapping_disagrees_with_block_table", builder_rejects(
+        lambda c: c.with_slot(0, int(c.common.slot_mapping[0]) ^ 1)), "slot_mapping", debug=True),
     # ... and page ids and slots on every step (the page guard), run in a child process in case one crashes.
     Kind("page_id_past_cache", lambda c: c.forward(c.build(c.with_table_entry(0, 0, c.tensors["kv_cache"].shape[0]))),
          "block_table", crash_prone=True),
@@ -361,6 +450,8 @@ assert len(KINDS_BY_NAME) == len(KINDS), "kind names must be unique"
 
 
 def _applies(kind: Kind, target: Target) -> bool:
+    if kind.host_data and target.device != "cpu":
+        return False
     return kind.layers == "all" or kind.layers == ("mla" if target.mla else "standard")
 
 
@@ -451,6 +542,11 @@ def _allocate_zero_blocks() -> object:
     return ReferenceBackend.allocate_kv_cache(0, AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32))
 
 
+def _absent_cuda() -> str:
+    """A CUDA device this machine does not have: "cuda" without CUDA, else one past the last GPU."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
 #: Kinds that do not depend on a backend: (name, call, exception type, the argument the message must name).
 GLOBAL_KINDS = [
     ("spec_block_size_too_large", _spec_error(block_size=100000), ValueError, "block_size"),
@@ -467,6 +563,22 @@ GLOBAL_KINDS = [
      "kv_cache_dtype"),
     ("unknown_backend_from_environment", _unknown_backend_from_env, ValueError, "ATTNBACKENDS_BACKEND"),
     ("allocate_kv_cache_zero_blocks", _allocate_zero_blocks, ValueError, "num_blocks"),
+    ("spec_scale_not_finite", _spec_error(scale=float("inf")), ValueError, "scale"),
+    ("spec_soft_cap_not_finite", _spec_error(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap"),
+    ("spec_mla_negative_dim", lambda: AttentionSpec.mla(4, qk_rope_head_dim=-64), ValueError, "qk_rope_head_dim"),
+    ("spec_mla_float_dim", lambda: AttentionSpec.mla(4, kv_lora_rank=32.5), ValueError, "kv_lora_rank"),
+    ("metadata_float_query_len", lambda: build_common_metadata([1.0], [0], [[0]], 16), ValueError, "query_lens"),
+    ("metadata_float_context_len", lambda: build_common_metadata([1], [2.5], [[0]], 16), ValueError,
+     "context_lens"),
+    ("metadata_float_block_size", lambda: build_common_metadata([1], [0], [[0]], 16.0), ValueError, "block_size"),
+    ("metadata_non_integer_page_id", lambda: build_common_metadata([1], [0], [[0.7]], 16), ValueError,
+     "block_tables"),
+    ("metadata_negative_page_id", lambda: build_common_metadata([1], [0], [[-1]], 16), ValueError, "block_tables"),
+    ("metadata_page_written_by_two_requests", lambda: build_common_metadata([1, 1], [3, 5], [[7], [7]], 16),
+     ValueError, "block_tables"),
+    ("metadata_on_absent_device", lambda: build_common_metadata([1], [0], [[0]], 16, _absent_cuda()), ValueError,
+     "device"),
+    ("device_info_of_absent_device", lambda: DeviceInfo.current(_absent_cuda()), ValueError, "device"),
 ]
 
 

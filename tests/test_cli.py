@@ -3,7 +3,7 @@ import re
 import pytest
 import torch
 
-from attnbackends.cli import _parser, main
+from attnbackends.cli import build_parser, main
 
 
 def test_list(capsys):
@@ -110,7 +110,7 @@ def test_demo_cuda_absent_is_one_line(capsys):
 
 
 def test_every_option_has_help():
-    for action in _parser()._actions:
+    for action in build_parser()._actions:
         for sub in getattr(action, "choices", None) or {}:
             if not isinstance(action.choices, dict):
                 break
@@ -165,3 +165,125 @@ def test_explain_layer_groups_file_errors(capsys, tmp_path, text, message):
 def test_explain_layers_refuses_single_layer_options(capsys):
     text = one_line_error(capsys, ["explain", "--layers", ENCDEC_LAYERS, "--head-size", "64", "--sinks"])
     assert "--layers takes every layer's spec from the file; drop --head-size, --sinks" in text
+
+
+def test_list_status_is_the_install_check_explain_uses(capsys, monkeypatch):
+    from attnbackends.flash_attn.library import installed_flash_attn
+    from attnbackends.selection.registry import get_backend_class
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["list"]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") >= 3
+            and line.split("│")[1].strip()}
+    flash_attn = get_backend_class("flash_attn")
+    if installed_flash_attn() is None:
+        assert flash_attn.missing_packages() and "installed" not in rows["flash_attn"].replace("not installed", "")
+        assert "pip install 'attnbackends[flash-attn]'" in rows["flash_attn"]  # not eaten as rich markup
+    else:
+        assert "installed" in rows["flash_attn"] and not flash_attn.missing_packages()
+    for name in ("flashinfer", "flashinfer_mla"):
+        cls = get_backend_class(name)
+        want = "pip install 'attnbackends[flashinfer]'" if cls.missing_packages() else "installed"
+        assert want in rows[name]
+    assert "installed" in rows["reference"]
+
+
+def test_explain_keeps_install_hints_in_brackets(capsys, monkeypatch):
+    from attnbackends.flash_attn.library import installed_flash_attn
+
+    if installed_flash_attn() is not None:
+        pytest.skip("flash-attn is installed here")
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["explain", "--gpu", "h100"]) == 0
+    assert "pip install 'attnbackends[flash-attn]'" in capsys.readouterr().out
+
+
+def test_explain_layers_missing_file_is_one_line(capsys, tmp_path):
+    text = one_line_error(capsys, ["explain", "--layers", str(tmp_path / "missing.yaml"), "--cpu"])
+    assert "missing.yaml: no such file" in text
+
+
+def test_explain_layers_unparsable_file_is_one_line(capsys, tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text("layers: [\n")
+    assert "error:" in one_line_error(capsys, ["explain", "--layers", str(path), "--cpu"]).replace("\n", " ")
+
+
+@pytest.mark.parametrize("argv, flag", [(["--bogus"], "--bogus"), (["-x", "list"], "-x"),
+                                        (["explain", "--bogus"], "--bogus")])
+def test_unknown_flags_are_named(capsys, argv, flag):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert f"unrecognized arguments: {flag}" in err and "\n" not in err
+
+
+def test_demo_triton_on_cpu_names_the_fix(capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host runs triton natively")
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+    monkeypatch.setattr("attnbackends.platform.is_triton_interpreted", lambda: False)  # read once and cached
+    monkeypatch.setattr("attnbackends.cli.demo.is_triton_interpreted", lambda: False)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["demo", "--backend", "triton", "--prompts", "1", "--new-tokens", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "to run it here: TRITON_INTERPRET=1 attnbackends demo --backend triton --device cpu --dtype bfloat16" in out
+
+
+def test_demo_help_shows_one_default_per_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    text = text[text.index("options:"):]
+    device_help = text[text.index("--device DEVICE") : text.index("--dtype {")]
+    assert device_help.count("default") == 1, device_help
+    assert "(default: None)" not in text
+
+
+def test_python_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "attnbackends.cli", "explain", "--cpu", "--backend", "reference"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "chosen: reference" in proc.stdout
+
+
+def test_no_import_circle_through_the_cli():
+    """The CLI imports the library, never the other way round; each command imports only the shared helpers."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "attnbackends"
+    for path in root.rglob("*.py"):
+        inside = path.parent.name == "cli"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = ("." * node.level) + (node.module or "")
+                if inside:
+                    assert not target.startswith("..cli"), f"{path.name} imports {target}"
+                    if target.startswith(".") and not target.startswith(".."):
+                        assert path.name in ("__init__.py", "__main__.py") or target == ".args", (
+                            f"{path.name} imports {target}")
+                else:
+                    assert "cli" not in target.split("."), f"{path.relative_to(root)} imports the CLI ({target})"
+
+
+@pytest.mark.parametrize("entry", ["examples/engine/generate.py", "examples.hf_encoder_models",
+                                   "examples.hybrid_hf_models"])
+def test_examples_without_transformers_name_the_extra(entry):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = (f"sys.path.insert(0, {str(pathlib.Path(entry).parent)!r}); runpy.run_path({entry!r}, run_name='__main__')"
+           if entry.endswith(".py")
+           else f"runpy.run_module({entry!r}, run_name='__main__')")
+    script = f"import runpy, sys; sys.modules['transformers'] = None; {run}"  # None: not importable
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "pip install 'attnbackends[dev]'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -90,6 +90,36 @@ def test_decorator_registration_and_priority(monkeypatch):
         register_backend("bad")(object)
 
 
+def test_select_before_joins_every_list_that_holds_a_named_backend(monkeypatch):
+    """select_before names backends, not device classes: "triton" is on the CUDA list only, so a CPU host never
+    auto-selects a backend registered before it; naming reference too puts it first on the CPU list as well."""
+    from attnbackends.selection.registry import priority_list
+
+    monkeypatch.delenv("ATTNBACKENDS_BACKEND", raising=False)
+
+    @register_backend("mine_cuda_only", select_before="triton")
+    class CudaOnly(ReferenceBackend):
+        name = "mine_cuda_only"
+
+    @register_backend("mine_everywhere", select_before=("triton", "reference"))
+    class Everywhere(ReferenceBackend):
+        name = "mine_everywhere"
+
+    try:
+        cuda = priority_list(DeviceInfo.cuda(9, 0), SPEC)
+        assert cuda.index("mine_cuda_only") + 1 == cuda.index("mine_everywhere") == cuda.index("triton") - 1
+        assert priority_list(CPU, SPEC) == ["mine_everywhere", "reference"]
+        assert select(SPEC, CPU) is Everywhere
+        mla = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+        assert "mine_everywhere" not in priority_list(CPU, mla)  # reference_mla is another name
+        with pytest.raises(ValueError, match="names the backend being registered"):
+            register_backend("plugin_ref", select_before=("reference", "plugin_ref"))(PluginBackend)
+    finally:
+        unregister_backend("mine_cuda_only")
+        unregister_backend("mine_everywhere")
+    assert priority_list(CPU, SPEC) == ["reference"]
+
+
 class PluginBackend(ReferenceBackend):
     name = "plugin_ref"
 

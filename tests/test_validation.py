@@ -13,6 +13,7 @@ from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing import make_random_batch
 from attnbackends.triton.backend import TritonAttentionBackend
+from attnbackends.validation import validate_metadata_against_cache
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16)
 BACKENDS = [pytest.param(ReferenceBackend, id="reference"), pytest.param(TritonAttentionBackend, id="triton")]
@@ -84,12 +85,12 @@ def _with_table(common, i, j, value):
 def test_debug_rejects_block_table_entry_out_of_range(backend):
     batch, builder, impl = setup(backend, debug=True)
     num_blocks = batch.kv_cache.shape[0]
-    meta = builder.build(_with_table(batch.common, 0, 1, num_blocks))  # the builder cannot know num_blocks
-    with pytest.raises(ValueError, match=rf"block_table\[0, 1\] = {num_blocks} is outside \[0, {num_blocks}\)"):
+    # A context page (no new token lands in it, so the slots still agree): the builder cannot know num_blocks.
+    meta = builder.build(_with_table(batch.common, 0, 0, num_blocks))
+    with pytest.raises(ValueError, match=rf"block_table\[0, 0\] = {num_blocks} is outside \[0, {num_blocks}\)"):
         run(impl, batch, meta)
-    meta = builder.build(_with_table(batch.common, 1, 0, -3))
-    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -3"):
-        run(impl, batch, meta)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -3"):  # a page the new tokens go to: at build
+        run(impl, batch, builder.build(_with_table(batch.common, 1, 0, -3)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -118,9 +119,11 @@ def test_debug_rejects_slot_outside_the_cache(backend):
     batch, builder, impl = setup(backend, debug=True)
     slots = batch.common.slot_mapping.clone()
     slots[3] = batch.kv_cache.shape[0] * 16
-    meta = builder.build(dataclasses.replace(batch.common, slot_mapping=slots))
+    bad = dataclasses.replace(batch.common, slot_mapping=slots)
+    with pytest.raises(ValueError, match=r"slot_mapping\[3\] = \d+ disagrees with the block table"):
+        builder.build(bad)  # the slots are on the host here: every build checks them against the block table
     with pytest.raises(ValueError, match=r"slot_mapping\[3\] = \d+ is outside \[-1, \d+\)"):
-        run(impl, batch, meta)
+        validate_metadata_against_cache(bad, batch.kv_cache, 16)  # what a debug forward checks against the cache
 
 
 def test_mla_first_forward_rejects_bad_tensors_and_debug_checks_block_table():

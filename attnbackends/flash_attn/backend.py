@@ -236,11 +236,13 @@ class FlashAttnBackend(AttentionBackend):
         return reasons
 
     @classmethod
+    def missing_packages(cls) -> list[str]:
+        return [] if library.installed_flash_attn() is not None else [NOT_INSTALLED]
+
+    @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        reasons = super().not_supported_reasons(spec, device)
+        reasons = super().not_supported_reasons(spec, device)  # NOT_INSTALLED comes from missing_packages
         install = library.installed_flash_attn()
-        if install is None:
-            reasons.append(NOT_INSTALLED)
         generation = install.generation if install is not None else 4
         caps = GENERATION_CAPABILITIES[generation]
         if device.is_cuda:

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata as importlib_metadata
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from ..interface import AttentionBackend
 from ..platform import DeviceInfo
@@ -35,8 +35,10 @@ __all__ = [
     "backend_names",
     "explain",
     "get_backend_class",
+    "phased_backend",
     "priority_list",
     "register_backend",
+    "resolve_backend",
     "select",
     "unregister_backend",
 ]
@@ -126,15 +128,18 @@ class Explanation:
 
 
 def register_backend(
-    name: Optional[str] = None, *, select_before: Optional[str] = None, replace: bool = False
+    name: Optional[str] = None, *, select_before: "str | Sequence[str] | None" = None, replace: bool = False
 ) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
     """Class decorator that registers a backend under ``name`` and sets the class's ``name`` to it.
 
     name : the registered name (lower-cased); default: the ``name`` the class itself defines. A class that defines
         no ``name`` of its own (it would keep its parent's) needs one here; a class whose own ``name`` differs from
         the one given is refused.
-    select_before : join the auto-selection lists right before this backend (in every list that holds it);
-        by default a registered backend is chosen only explicitly or through ``AttentionConfig.priority``.
+    select_before : a backend name, or several: join every auto-selection list that holds one of them, right
+        before the first of them in that list. The lists are per device class and kind of layer (CUDA:
+        flashinfer, flash_attn, triton, reference; CPU: reference; MLA: their own), so ``"triton"`` joins the CUDA
+        list only, and ``("triton", "reference")`` the CUDA list before triton and the CPU list before reference.
+        By default a registered backend is chosen only explicitly or through ``AttentionConfig.priority``.
     replace : allow replacing an existing registration of the same name.
 
     All or nothing: every argument is checked before anything changes, so a refused registration leaves the
@@ -158,19 +163,18 @@ def register_backend(
         if own_name and own_name.lower() != key:
             raise ValueError(f"{cls.__name__}.name is {own_name!r} but register_backend was given {name!r}: "
                              "use one name (or drop one of them)")
-        lists = []
-        if select_before == key:
-            raise ValueError(f"select_before={select_before!r} is the backend being registered")
-        if select_before is not None:
-            lists = [order for order in _PRIORITIES.values() if select_before in order]
-            if not lists:
-                raise ValueError(f"select_before={select_before!r} is in no priority list; known: {backend_names()}")
+        before = (select_before,) if isinstance(select_before, str) else tuple(select_before or ())
+        if key in before:
+            raise ValueError(f"select_before={select_before!r} names the backend being registered")
+        lists = [order for order in _PRIORITIES.values() if any(n in order for n in before)]
+        if before and not lists:
+            raise ValueError(f"select_before={select_before!r} is in no priority list; known: {backend_names()}")
         cls.name = key
         _REGISTRY[key] = cls
         for order in lists:
             if key in order:
                 order.remove(key)
-            order.insert(order.index(select_before), key)
+            order.insert(min(order.index(n) for n in before if n in order), key)
         return cls
 
     return decorate
@@ -212,7 +216,7 @@ def _import(target: str) -> type[AttentionBackend]:
     return cls
 
 
-def _resolve(name: str) -> tuple[Optional[type[AttentionBackend]], list[str]]:
+def resolve_backend(name: str) -> tuple[Optional[type[AttentionBackend]], list[str]]:
     """The class registered as ``name``, or None with the reason it cannot be loaded."""
     target = _REGISTRY[name]
     if not isinstance(target, str):
@@ -239,7 +243,7 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
         return phased_backend(*parse_phased_name(key))
     if key not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; registered: {', '.join(backend_names())}")
-    cls, reasons = _resolve(key)
+    cls, reasons = resolve_backend(key)
     if cls is None:
         raise ValueError(f"backend {name!r} {reasons[0]}")
     return cls
@@ -264,7 +268,7 @@ def priority_list(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
 
 
 def _reasons(name: str, spec: AttentionSpec, device: DeviceInfo) -> tuple[Optional[type[AttentionBackend]], list[str]]:
-    cls, reasons = _resolve(name)
+    cls, reasons = resolve_backend(name)
     if cls is None:
         return None, reasons
     return cls, cls.not_supported_reasons(spec, device)

@@ -8,7 +8,7 @@ random weights. The engine reads its weights and runs the forward itself (block 
 chunked prefill, one metadata build per step, each layer through the selected backend's impl); then transformers'
 own ``generate`` (greedy) runs on the same prompts and the two are compared token for token.
 
-Needs ``pip install transformers``. Exit status 1 when a token differs.
+Needs transformers: ``pip install 'attnbackends[dev]'``. Exit status 1 when a token differs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 from attnbackends import AttentionConfig, BackendNotSupportedError  # noqa: E402
 from attnbackends.engine import EngineConfig  # noqa: E402
 from hf_models import build_hf_model, compare_with_transformers  # noqa: E402  (next to this script)
+from hf_models.hf_common import require_transformers  # noqa: E402
 
 _TRITON = ("triton", "triton_mla")
 GPU_SIZES = {
@@ -43,6 +44,7 @@ NEAR_TIE_ULPS = 2
 
 
 def main(argv: "list[str] | None" = None) -> int:
+    require_transformers()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("llama", "deepseek"), default="llama")
     parser.add_argument("--backend", default="auto", help='"auto" or a backend name (see `attnbackends list`)')

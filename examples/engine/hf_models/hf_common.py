@@ -7,6 +7,8 @@ that float32 runs reproduce transformers' numbers and low-precision runs round t
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "TRANSFORMERS_MISSING",
     "add_successor_bigram",
     "apply_rope",
     "linear",
@@ -24,7 +27,22 @@ __all__ = [
     "swiglu_mlp",
     "tiny_deepseek_v3_config",
     "tiny_llama_config",
+    "require_transformers",
 ]
+
+TRANSFORMERS_MISSING = ("this example compares with Hugging Face transformers, which is not installed: "
+                        "pip install 'attnbackends[dev]' (the dev extra brings transformers>=4.56)")
+
+
+def require_transformers() -> None:
+    """Exit with :data:`TRANSFORMERS_MISSING` (status 1) where transformers cannot be imported: the examples' entry
+    points call it first, instead of ending in a bare ModuleNotFoundError."""
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        sys.exit(TRANSFORMERS_MISSING)
 
 
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""`attnbackends tune`: time every backend and phase composition that fits a layer on this machine and store the
+profile that ``AttentionConfig(selection="measured")`` reads (see :mod:`attnbackends.selection.tune_timing`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from .args import add_config_arguments, add_spec_arguments, config_from_args, plain, spec_from_args
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: "argparse._SubParsersAction") -> None:
+    tune = sub.add_parser("tune", help="time every fitting backend and phase composition here; store the profile")
+    add_spec_arguments(tune)
+    add_config_arguments(tune)
+    tune.add_argument("--grid", default="small", choices=["small", "tiny"], help="tiny: a CPU smoke run")
+    tune.add_argument("--candidates", default=None, help="comma-separated backend names (default: all that fit)")
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from ..platform import DeviceInfo
+    from ..selection.registry import get_backend_class, priority_list
+    from ..selection.tune_timing import run_tune
+    from ..selection.tuning import choose, default_profile_dir
+
+    spec, config = spec_from_args(args), config_from_args(args)
+    device = DeviceInfo.current()
+    candidates = [c.strip() for c in args.candidates.split(",")] if args.candidates else None
+    console.print(f"tuning on {plain(device.describe())} (first calls compile kernels: expect minutes on a fresh "
+                  "machine)")
+    start = time.perf_counter()
+    profile = run_tune(spec, device, grid=args.grid, candidates=candidates)
+    console.print(f"timed in {time.perf_counter() - start:.1f} s")
+    if device.is_cuda:
+        path = profile.save(default_profile_dir(config))
+        console.print(f"profile stored: {plain(path)}")
+    else:
+        console.print("[yellow]not stored: profiles are for CUDA devices (selection=measured ignores the CPU)[/]")
+    reasons = {name: get_backend_class(name).not_supported_reasons(spec, device) for name in profile.times_us}
+    choice = choose(profile, reasons, priority_list(device, spec), source="this run")
+    table = Table(title="measured")
+    for col in ("candidate", "decode µs", "prefill µs", "mixed µs", "score", "status"):
+        table.add_column(col)
+    for row in choice.rows:
+        table.add_row(plain(row.name), *(f"{row.phase_us[p]:.1f}" if row.phase_us.get(p) is not None else "-"
+                                         for p in ("decode", "prefill", "mixed")),
+                      f"{row.score:.3f}" if row.score is not None else "-", plain(row.status))
+    console.print(table)
+    console.print(plain(choice.why))
+    console.print("use it: AttentionConfig(selection='measured'); see it: attnbackends explain --selection measured")
+    return 0 if choice.winner else 1
