@@ -326,7 +326,7 @@ def run_host_parts(rows: list, log) -> None:
         "up_bmm_contiguous_out": lambda: torch.bmm(latent, impl.W_UV),
         "empty_torch_op": lambda: q[:, :, :P],
     }
-    row = {"case": "mla_host_parts", "backend": "triton_mla", "B": batch, "L": seq_len, "H": H,
+    row = {"case": "mla_host_parts", "backend": "triton_mla", "peer": None, "B": batch, "L": seq_len, "H": H,
            "splits": plan.num_splits, "kernel": plan.kernel}
     for name, fn in parts.items():
         row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
