@@ -19,7 +19,7 @@ from ..ops.kv_cache_write import finish_cache_write, reshape_and_cache
 from .launch import launch_attention
 from .prefill_hopper import launch_hopper_prefill
 from .prefill_launch import launch_prefill_new_kv
-from .step_plan import Launch, LaunchKind, StreamRole, TritonStepPlan
+from .step_plan import LaunchKind, StreamRole, TritonStepPlan
 
 __all__ = ["CacheViews", "LayerArgs", "TritonStepRunner"]
 
@@ -78,46 +78,65 @@ class TritonStepRunner:
         returns ``output``. No checks: the impl checked the tensors."""
         program = step.program_for(query, key, value, output, kv_cache, common.slot_mapping)
         for entry in program.launches:
-            if entry.stream is StreamRole.MAIN:
-                self.launch(entry, step, query, key, value, kv_cache, output, common, layer, views)
+            if entry.stream is _MAIN:
+                _CASES[entry.kind](entry.plan, step, query, key, value, kv_cache, output, common, layer, views)
                 continue
             side = self.stream(query.device, entry.stream)
-            if entry.kind is LaunchKind.FORK:
+            if entry.kind is _FORK:
                 side.wait_stream(torch.cuda.current_stream(query.device))
-            elif entry.kind is LaunchKind.JOIN:
+            elif entry.kind is _JOIN:
                 torch.cuda.current_stream(query.device).wait_stream(side)
             else:
                 with torch.cuda.stream(side):
-                    self.launch(entry, step, query, key, value, kv_cache, output, common, layer, views)
+                    _CASES[entry.kind](entry.plan, step, query, key, value, kv_cache, output, common, layer, views)
         return output
 
-    @staticmethod
-    def launch(entry: Launch, step: TritonStepPlan, query: torch.Tensor, key: Optional[torch.Tensor],
-               value: Optional[torch.Tensor], kv_cache: Optional[torch.Tensor], output: torch.Tensor,
-               common: CommonAttentionMetadata, layer: LayerArgs, views: Optional[CacheViews]) -> None:
-        """One kernel-launching entry on the current stream: one case per :class:`~.step_plan.LaunchKind`."""
-        kind, plan = entry.kind, entry.plan
-        if kind is LaunchKind.CACHE_WRITE:
-            reshape_and_cache(key, value, kv_cache, common.slot_mapping, layer.k_scale, layer.v_scale, validate=False)
-        elif kind is LaunchKind.ATTENTION:
-            launch_attention(plan, query, views.key_cache, views.value_cache, output, common.query_start_loc,
-                             common.seq_lens, common.block_table, layer.scale, layer.soft_cap, layer.alibi,
-                             layer.sinks, layer.k_scale, layer.v_scale, cache_key=views.launch_key,
-                             tree_mask=step.tree_mask, tree_indptr=common.spec_tree_mask_indptr)
-        elif kind is LaunchKind.TRITON_PREFILL:
-            launch_prefill_new_kv(plan, query, key, value, output, views.key_cache, views.value_cache,
-                                  common.block_table, common.seq_lens, common.query_start_loc, layer.scale,
-                                  layer.soft_cap, layer.sinks)
-        elif kind is LaunchKind.GLUON_PREFILL:
-            if plan.writes_cache:
-                launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, layer.scale, kv_cache,
-                                      common.slot_mapping, step.write_todo)
-            else:
-                launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, layer.scale)
-        elif kind is LaunchKind.FINISH_CACHE_WRITE:
-            finish_cache_write(key, value, kv_cache, common.slot_mapping, step.write_todo, plan.num_tokens)
-        elif kind is LaunchKind.ATTENTION_NO_CACHE:
-            launch_attention(plan, query, key, value, output, common.query_start_loc, None, None, layer.scale,
-                             layer.soft_cap, layer.alibi, layer.sinks)
-        else:
-            raise ValueError(f"the runner has no case for {kind} (a step plan entry on the forward's stream)")
+
+# One case per kernel-launching LaunchKind: (entry's plan, step, query, key, value, kv_cache, output, common, layer,
+# views) -> None, launching on the current stream. Enum members are read once here: reading them on the hot path
+# costs host time on every layer's forward.
+_MAIN, _FORK, _JOIN = StreamRole.MAIN, LaunchKind.FORK, LaunchKind.JOIN
+
+
+def _write_cache(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    reshape_and_cache(key, value, kv_cache, common.slot_mapping, layer.k_scale, layer.v_scale, validate=False)
+
+
+def _attention(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    scale, soft_cap, alibi, sinks, k_scale, v_scale = layer
+    key_cache, value_cache, launch_key = views
+    launch_attention(plan, query, key_cache, value_cache, output, common.query_start_loc, common.seq_lens,
+                     common.block_table, scale, soft_cap, alibi, sinks, k_scale, v_scale, cache_key=launch_key,
+                     tree_mask=step.tree_mask, tree_indptr=common.spec_tree_mask_indptr)
+
+
+def _attention_no_cache(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    launch_attention(plan, query, key, value, output, common.query_start_loc, None, None, layer.scale,
+                     layer.soft_cap, layer.alibi, layer.sinks)
+
+
+def _triton_prefill(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    launch_prefill_new_kv(plan, query, key, value, output, views.key_cache, views.value_cache, common.block_table,
+                          common.seq_lens, common.query_start_loc, layer.scale, layer.soft_cap, layer.sinks)
+
+
+def _gluon_prefill(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    if plan.writes_cache:
+        launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, layer.scale, kv_cache,
+                              common.slot_mapping, step.write_todo)
+    else:
+        launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, layer.scale)
+
+
+def _finish_cache_write(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    finish_cache_write(key, value, kv_cache, common.slot_mapping, step.write_todo, plan.num_tokens)
+
+
+_CASES = {
+    LaunchKind.CACHE_WRITE: _write_cache,
+    LaunchKind.ATTENTION: _attention,
+    LaunchKind.ATTENTION_NO_CACHE: _attention_no_cache,
+    LaunchKind.TRITON_PREFILL: _triton_prefill,
+    LaunchKind.GLUON_PREFILL: _gluon_prefill,
+    LaunchKind.FINISH_CACHE_WRITE: _finish_cache_write,
+}

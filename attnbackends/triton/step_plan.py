@@ -51,8 +51,9 @@ __all__ = [
 ]
 
 
-class LaunchKind(enum.Enum):
-    """What one entry of a step program does (``Launch.plan`` holds, per kind, what it runs)."""
+class LaunchKind(str, enum.Enum):
+    """What one entry of a step program does (``Launch.plan`` holds, per kind, what it runs). A ``str`` enum: the
+    runner looks its cases up by kind on every launch, and ``str`` hashes in C where ``Enum`` hashes in Python."""
 
     #: The step's keys and values into the paged cache (:func:`attnbackends.ops.kv_cache_write.reshape_and_cache`).
     CACHE_WRITE = "cache_write"
@@ -78,7 +79,7 @@ class LaunchKind(enum.Enum):
 PREFILL_KINDS = frozenset({LaunchKind.TRITON_PREFILL, LaunchKind.GLUON_PREFILL})
 
 
-class StreamRole(enum.Enum):
+class StreamRole(str, enum.Enum):
     """Which stream an entry runs on (the runner owns the two side streams, one pair per device)."""
 
     #: The forward's current stream.
@@ -90,7 +91,7 @@ class StreamRole(enum.Enum):
     PRIORITY = "priority"
 
 
-class WritePolicy(enum.Enum):
+class WritePolicy(str, enum.Enum):
     """How a program puts the step's keys and values into the cache."""
 
     #: No write: there is no cache, or the forward brings no keys (the cache already holds them).
