@@ -129,28 +129,29 @@ def prefill_split_reason(spec: AttentionSpec, compute_capability: "tuple[int, in
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
-    """Makes every launch decision of a batch (:class:`~attnbackends.triton.launch.LaunchPlan`) and owns the
-    split-KV workspace (``max_num_reqs`` decode rows).
+    """Makes every launch decision of a batch (one :class:`~attnbackends.triton.step_plan.TritonStepPlan` over
+    :class:`~attnbackends.triton.launch.LaunchPlan` s and prefill plans) and owns the split-KV workspace
+    (``max_num_reqs`` decode rows).
 
     Speculative decoding: decodes of up to ``reorder_batch_threshold`` tokens (1 + the spec's
     ``num_speculative_tokens``) run on the decode path, one program per (request, KV head) holding all the
     request's query tokens x query heads (the keys are read once); deeper ones than
-    :data:`MAX_DECODE_TILE_ROWS` rows allow run on the generic path. A tree mask is honoured on both paths: only
-    the tiles over each request's draft segment are masked.
+    :data:`.heuristics.MAX_DECODE_TILE_ROWS` rows allow run on the generic path. A tree mask is honoured on both
+    paths: only the tiles over each request's draft segment are masked.
 
     Parameters (beyond the base class)
     ----------
     deterministic : batch-invariant mode. Every batch runs with ``num_kv_splits=1`` (no split-KV, so no
-        batch-dependent reduction order) and one tile config fixed by the spec (:func:`deterministic_kernel_config`)
-        instead of one picked from the batch's max query/sequence length. A request's output then depends only on
-        its own query, keys and values: bitwise the same whatever else shares its batch (given the same
-        position in the decode/prefill split: decodes first). Costs decode speed on small batches (no split-KV),
-        and the fixed tiles are not the fastest for every shape.
+        batch-dependent reduction order) and one tile config fixed by the spec
+        (:func:`.heuristics.deterministic_kernel_config`) instead of one picked from the batch's max query/sequence
+        length. A request's output then depends only on its own query, keys and values: bitwise the same whatever
+        else shares its batch (given the same position in the decode/prefill split: decodes first). Costs decode
+        speed on small batches (no split-KV), and the fixed tiles are not the fastest for every shape.
     prefill_kernel : run the prefills and chunked prefills of a batch on the prefill kernel
         (:mod:`attnbackends.triton.prefill_kernel`: the new tokens' keys and values read from the forward's
         ``key``/``value``, the context from the pages) when the forward brings them. None (default): on for CUDA
         devices where the kernel applies (sm_90, head 64/128), for the batches where it pays
-        (:func:`.prefill_launch.prefill_kernel_pays`: new-token work at least the cached-context work), off on
+        (:func:`.heuristics.prefill_kernel_pays`: new-token work at least the cached-context work), off on
         the CPU so the interpreter keeps covering the unified path that other GPUs and head sizes run;
         True: every batch with prefills, wherever the kernel applies; False: off (also for the Gluon kernel below).
         ``prefill_kernel_reason`` says why it is not used (None: used).

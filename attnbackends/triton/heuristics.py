@@ -187,7 +187,7 @@ def default_prefill_config(interpreted: bool = False, head_size: int = 128,
                            sliding_window: Optional[int] = None) -> PrefillConfig:
     """The launch config (tiny tiles under the interpreter). Head 128: 64x64 tiles on one warpgroup, the tile
     sweep's choice on every prefill shape although it spills a little (two CTAs per SM hide the spill). A window
-    masks every tile it visits, which at head size 128 spills more with 64-key tiles: 32-key tiles there
+    masks every tile it covers, which at head size 128 spills more with 64-key tiles: 32-key tiles there
     (benchmarks/prefill_compile_report.py shows the spills)."""
     if interpreted:
         return PrefillConfig(16, 16, 4, 1)

@@ -23,7 +23,8 @@ how the step's keys and values reach the cache.
 
 Adding a prefill kernel kind: one :class:`LaunchKind` member (the builder plans ``Launch(kind, its_plan)`` and
 passes it as ``prefill`` to :func:`make_step_plan`, which places it in the split programs with the decodes, the
-streams and the write), and one case in :meth:`attnbackends.triton.runner.TritonStepRunner.launch`.
+streams and the write), and one case in :mod:`attnbackends.triton.runner` (a function that launches it and its
+entry in the runner's ``_CASES``).
 """
 
 from __future__ import annotations

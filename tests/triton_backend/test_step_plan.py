@@ -337,3 +337,9 @@ def test_runner_without_keys_or_cache(monkeypatch):
     assert rec.names() == [("launch_attention", "main")]
     args = rec.events[0][2]
     assert args[2] is not None and args[6] is None and args[7] is None  # keys from key/value, no pages
+
+
+def test_every_launching_kind_has_a_runner_case():
+    """Adding a prefill kernel kind is one LaunchKind member and one runner case: this names a missing case."""
+    launching = set(LaunchKind) - {K.FORK, K.JOIN}
+    assert set(runner._CASES) == launching, f"kinds without a runner case: {launching - set(runner._CASES)}"
