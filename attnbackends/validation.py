@@ -414,3 +414,194 @@ def check_forward_inputs(
         validate_metadata_against_cache(common, kv_cache, spec.block_size)
     impl._input_layout = (_layout(query), _layout(key), _layout(value), _layout(kv_cache, whole_shape=True),
                           _layout(output))
+
+
+# ======================================================================================================================
+# Arguments of the Triton unified-attention launchers (attnbackends.triton.launch: unified_attention,
+# varlen_attention) and of the Triton impl's first call. Shapes, dtypes, strides and devices only (no host-device
+# sync); each error names the argument. Torch-only, like the rest of this module: nothing here imports Triton.
+# ======================================================================================================================
+
+__all__ += [
+    "UNIFIED_ATTENTION_DTYPES",
+    "UNIFIED_MAX_HEAD_SIZE",
+    "UNIFIED_MIN_HEAD_SIZE",
+    "check_return_lse",
+    "check_unified_attention_args",
+    "check_varlen_attention_args",
+]
+
+#: Query dtypes the unified kernel takes on a GPU (float32 as well on the CPU, under the interpreter).
+UNIFIED_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+#: Head sizes the unified kernel takes (inclusive).
+UNIFIED_MIN_HEAD_SIZE = 32
+UNIFIED_MAX_HEAD_SIZE = 512
+#: fp8 cache dtypes the unified kernel dequantises (as ``attnbackends.ops.quant.FP8_DTYPES``, which imports Triton).
+_UNIFIED_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_launch_scale(name: str, scale: Union[float, torch.Tensor], device: torch.device) -> None:
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"{name} must be a python float or a 1-element float32 tensor, got "
+                             f"{tuple(scale.shape)} {scale.dtype}")
+        if scale.device != device:
+            raise ValueError(f"{name} is on {scale.device}, expected {device}")
+    elif isinstance(scale, (float, int)) and not isinstance(scale, bool):
+        if not 0 < scale < float("inf"):  # also rejects NaN
+            raise ValueError(f"{name} must be a positive finite number, got {scale}")
+    else:
+        raise ValueError(f"{name} must be a python float or a 1-element float32 tensor, got {type(scale).__name__}")
+
+
+def _check_attention_query_args(query: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
+                                num_kv_heads: int, head_size: int, causal: bool, sliding_window, logits_soft_cap,
+                                alibi_slopes, sinks, softmax_scale) -> None:
+    """What both launchers take alike: query, output, query_start_loc, the scale and the optional features."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
+    allowed = UNIFIED_ATTENTION_DTYPES + ((torch.float32,) if (query.device.type == "cpu") else ())
+    if query.dtype not in allowed:
+        raise ValueError(f"query dtype must be one of {allowed}, got {query.dtype}")
+    if query.stride(-1) != 1:
+        raise ValueError("query must be contiguous in its last dimension (stride(-1) == 1)")
+    num_heads = query.shape[1]
+    if query.shape[2] != head_size:
+        raise ValueError(f"query head_size {query.shape[2]} does not match the key head_size {head_size}")
+    if not UNIFIED_MIN_HEAD_SIZE <= head_size <= UNIFIED_MAX_HEAD_SIZE:
+        raise ValueError(f"head_size must be in [{UNIFIED_MIN_HEAD_SIZE}, {UNIFIED_MAX_HEAD_SIZE}], got {head_size}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if output.shape != query.shape:
+        raise ValueError(f"output shape {tuple(output.shape)} must equal query shape {tuple(query.shape)}")
+    if output.dtype not in UNIFIED_ATTENTION_DTYPES + (torch.float32,):
+        raise ValueError(f"output dtype must be float16, bfloat16 or float32, got {output.dtype}")
+    if output.stride(-1) != 1:
+        raise ValueError("output must be contiguous in its last dimension (stride(-1) == 1)")
+    if query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32 or query_start_loc.numel() < 2:
+        raise ValueError("query_start_loc must be a 1-D int32 tensor [num_seqs + 1], got "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    for name, t in (("output", output), ("query_start_loc", query_start_loc)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device} (query's device)")
+    if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive python float, got {softmax_scale!r}")
+    if sliding_window is not None:
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+        if not causal:
+            raise NotImplementedError("sliding_window is only supported with causal=True")
+    if logits_soft_cap is not None:
+        if not isinstance(logits_soft_cap, (float, int)) or not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be None or a positive float, got {logits_soft_cap!r}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != (num_heads,) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor of shape [num_heads] = [{num_heads}]")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+        if t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+
+
+def check_unified_attention_args(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
+                                 max_query_len, max_seq_len, softmax_scale, *, causal=True, sliding_window=None,
+                                 logits_soft_cap=None, alibi_slopes=None, sinks=None, k_scale=1.0, v_scale=1.0,
+                                 workspace=None, num_decodes=None, num_kv_splits=None) -> None:
+    """Validate the arguments of :func:`attnbackends.triton.launch.unified_attention` (shapes there); raises
+    ValueError / NotImplementedError naming the offending argument. Reads only shapes, dtypes, strides and devices
+    (no host-device sync)."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got "
+                             f"{getattr(t, 'shape', None)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride(-1) == 1)")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    _check_attention_query_args(query, output, query_start_loc, num_kv_heads, head_size, causal, sliding_window,
+                                logits_soft_cap, alibi_slopes, sinks, softmax_scale)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in _UNIFIED_FP8_DTYPES and t.dtype != query.dtype:
+            raise ValueError(f"{name} dtype must be query's dtype ({query.dtype}) or one of {_UNIFIED_FP8_DTYPES}, "
+                             f"got {t.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
+                         f"{tuple(value_cache.shape)} {value_cache.dtype} must match")
+    if block_size < 16 or block_size % 16:
+        raise ValueError(f"block_size (key_cache.shape[1]) must be a positive multiple of 16, got {block_size}")
+    num_seqs = query_start_loc.numel() - 1
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.numel() != num_seqs:
+        raise ValueError(f"seq_lens must be a 1-D int32 tensor [num_seqs] = [{num_seqs}], got "
+                         f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table must be a 2-D int32 tensor [>= num_seqs, max_blocks], got "
+                         f"{tuple(block_table.shape)} {block_table.dtype}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous in its last dimension")
+    for name, t in (("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+    for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative python int (host value), got {v!r}")
+    if max_seq_len > block_table.shape[1] * block_size:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds block_table capacity "
+                         f"{block_table.shape[1]} x {block_size}")
+    _check_launch_scale("k_scale", k_scale, query.device)
+    _check_launch_scale("v_scale", v_scale, query.device)
+    if isinstance(k_scale, torch.Tensor) != isinstance(v_scale, torch.Tensor):
+        raise ValueError("k_scale and v_scale must both be floats or both be tensors")
+    if num_decodes is not None:
+        if not isinstance(num_decodes, int) or not 0 <= num_decodes <= num_seqs:
+            raise ValueError(f"num_decodes must be None or an int in [0, num_seqs={num_seqs}], got {num_decodes!r}")
+        if num_decodes > query.shape[0]:
+            raise ValueError(f"num_decodes ({num_decodes}) exceeds num_tokens ({query.shape[0]})")
+    if num_kv_splits is not None:
+        if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= 64:
+            raise ValueError(f"num_kv_splits must be None or an int in [1, 64], got {num_kv_splits!r}")
+    if workspace is not None:
+        # A SplitKVWorkspace (attnbackends.triton.launch) by what it holds: this module does not import Triton.
+        partial_out = getattr(workspace, "partial_out", None)
+        if not isinstance(partial_out, torch.Tensor) or not isinstance(getattr(workspace, "partial_lse", None),
+                                                                          torch.Tensor):
+            raise ValueError(f"workspace must be a SplitKVWorkspace, got {type(workspace).__name__}")
+        if partial_out.device != query.device:
+            raise ValueError(f"workspace is on {partial_out.device}, expected {query.device}")
+
+
+def check_varlen_attention_args(query, key, value, output, query_start_loc, max_seq_len, softmax_scale, *,
+                                causal=False, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                                sinks=None) -> None:
+    """Validate the arguments of :func:`attnbackends.triton.launch.varlen_attention` (shapes there); raises
+    ValueError / NotImplementedError naming the offending argument."""
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or t.shape[0] != query.shape[0] or t.shape[2] != query.shape[2]:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_size] matching query "
+                             f"{tuple(query.shape)}, got {tuple(t.shape)}")
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} must equal query dtype {query.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    _check_attention_query_args(query, output, query_start_loc, key.shape[1], key.shape[2], causal, sliding_window,
+                                logits_soft_cap, alibi_slopes, sinks, softmax_scale)
+    if not isinstance(max_seq_len, int) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a non-negative python int, got {max_seq_len!r}")
+
+
+def check_return_lse(return_lse: torch.Tensor, query: torch.Tensor) -> None:
+    """``return_lse`` of :func:`attnbackends.triton.launch.unified_attention`: [num_heads, >= num_tokens] float32
+    with unit stride in the token dimension, on query's device."""
+    if (return_lse.dim() != 2 or return_lse.dtype != torch.float32 or return_lse.shape[0] != query.shape[1]
+            or return_lse.shape[1] < query.shape[0] or return_lse.stride(1) != 1):
+        raise ValueError(f"return_lse must be a [num_heads={query.shape[1]}, >= num_tokens={query.shape[0]}] "
+                         f"float32 tensor with unit token stride, got {tuple(return_lse.shape)} "
+                         f"{return_lse.dtype} strides {tuple(return_lse.stride())}")
+    if return_lse.device != query.device:
+        raise ValueError(f"return_lse is on {return_lse.device}, expected {query.device}")

@@ -13,13 +13,8 @@ import sys
 import torch
 
 from attnbackends.triton.prefill_kernel import prefill_new_kv_kernel
-from attnbackends.triton.prefill_launch import (
-    PREFILL_CONSTEXPRS,
-    PrefillConfig,
-    default_prefill_config,
-    plan_prefill_new_kv,
-    prefill_kernel_args,
-)
+from attnbackends.triton.heuristics import PrefillConfig, default_prefill_config
+from attnbackends.triton.prefill_launch import PREFILL_CONSTEXPRS, plan_prefill_new_kv, prefill_kernel_args
 from benchmarks.offline_compile import SHARED_LIMIT, compile_call
 
 

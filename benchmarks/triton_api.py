@@ -439,7 +439,9 @@ def prefill_sweep(row, diff) -> int:
     then on the mixed row's context-heavy step next to one unified launch (``mixed_sweep`` rows)."""
     import dataclasses
 
-    from attnbackends.triton.prefill_launch import PrefillConfig, plan_prefill_new_kv
+    from attnbackends.triton.heuristics import PrefillConfig
+    from attnbackends.triton.prefill_launch import plan_prefill_new_kv
+    from attnbackends.triton.step_plan import Launch, LaunchKind, make_step_plan
 
     for B, L in [(1, 8192), (4, 4096), (16, 1024)]:
         b = Batch([(L, 0)] * B)
@@ -451,7 +453,8 @@ def prefill_sweep(row, diff) -> int:
         for bm, bn, w, st, pack in PREFILL_SWEEP:
             plan = plan_prefill_new_kv(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=PAGE, num_seqs=B,
                                        first_seq=0, max_query_len=L, config=PrefillConfig(bm, bn, w, st, pack))
-            b.metadata = dataclasses.replace(b.metadata, prefill_split=(None, plan))
+            step = make_step_plan(b.metadata.plan, prefill=Launch(LaunchKind.TRITON_PREFILL, plan))
+            b.metadata = dataclasses.replace(b.metadata, step=step)
             fn = b.triton(write=True)
             try:
                 b.out.fill_(float("nan"))
@@ -484,7 +487,9 @@ def prefill_sweep(row, diff) -> int:
     for (bm, bn, w, st, pack), meta in itertools.product(PREFILL_SWEEP, (forced, overlapped)):
         plan = plan_prefill_new_kv(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=PAGE, num_seqs=64,
                                    first_seq=60, max_query_len=512, config=PrefillConfig(bm, bn, w, st, pack))
-        b.metadata = dataclasses.replace(meta, prefill_split=(meta.prefill_split[0], plan))
+        step = make_step_plan(meta.plan, decode=meta.step.decode_plan, prefill=Launch(LaunchKind.TRITON_PREFILL, plan),
+                              overlap=meta.step.overlapped)
+        b.metadata = dataclasses.replace(meta, step=step)
         fn = b.triton(write=True)
         try:
             b.out.fill_(float("nan"))

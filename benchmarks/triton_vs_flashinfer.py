@@ -19,12 +19,8 @@ from dataclasses import asdict
 import torch
 import triton
 
-from attnbackends.triton.launch import (
-    KernelConfig,
-    SplitKVWorkspace,
-    choose_num_kv_splits,
-    unified_attention,
-)
+from attnbackends.triton.heuristics import KernelConfig, choose_num_kv_splits
+from attnbackends.triton.launch import SplitKVWorkspace, unified_attention
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DECODE_SHAPES = [(1, 1024), (1, 16384), (16, 4096), (64, 1024), (64, 4096), (128, 8192), (256, 2048)]

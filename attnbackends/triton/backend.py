@@ -3,6 +3,11 @@ prefills where it pays, the decodes on the unified kernel and the prefills on a 
 step's new keys and values from the forward's ``key``/``value``: the Gluon Hopper kernel
 (:mod:`.prefill_hopper`) when no prefill has cached context, else the Triton one (:mod:`.prefill_kernel`).
 
+The builder decides, the impl executes: :meth:`TritonMetadataBuilder.build` makes every launch decision of a batch
+once and carries it in the metadata as one step plan (:mod:`.step_plan`: which kernels, on which streams, how the
+cache is written); :meth:`TritonImpl.forward` checks its inputs and hands the plan to the builder's runner
+(:mod:`.runner`), which issues the launches (:mod:`.launch`, :mod:`.prefill_launch`, :mod:`.prefill_hopper`).
+
 Split-KV decode buffers live in the builder (allocated once), so a pure-decode step can be captured in a CUDA graph
 and replayed with new sequence lengths.
 """
@@ -18,44 +23,37 @@ import torch
 
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
-from ..ops.kv_cache_write import check_reshape_and_cache_args, finish_cache_write, reshape_and_cache
+from ..ops.kv_cache_write import check_reshape_and_cache_args, reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec, AttentionType
-from ..validation import check_forward_inputs
-from .launch import (
-    MAX_HEAD_SIZE,
-    MAX_KV_SPLITS,
-    MIN_HEAD_SIZE,
-    KernelConfig,
-    LaunchPlan,
-    SplitKVWorkspace,
+from ..validation import (
+    UNIFIED_MAX_HEAD_SIZE,
+    UNIFIED_MIN_HEAD_SIZE,
+    check_forward_inputs,
     check_unified_attention_args,
-    choose_num_kv_splits,
-    launch_attention,
-    pick_kernel_config,
-    plan_attention,
-    unified_attention,
 )
+from .heuristics import (
+    MAX_DECODE_TILE_ROWS,
+    MAX_KV_SPLITS,
+    KernelConfig,
+    choose_num_kv_splits,
+    deterministic_kernel_config,
+    prefill_kernel_pays,
+)
+from .launch import LaunchPlan, SplitKVWorkspace, plan_attention, unified_attention
 from .prefill_hopper import (
     HopperPrefillConfig,
-    HopperPrefillPlan,
     cache_write_reason,
     fresh_prefills,
     hopper_prefill_items,
     hopper_prefill_reason,
-    launch_hopper_prefill,
     plan_hopper_prefill,
 )
-from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, forward_paged, paged_prefill_reason, plan_paged_split
-from .prefill_launch import (
-    PrefillPlan,
-    launch_prefill_new_kv,
-    plan_prefill_new_kv,
-    prefill_kernel_pays,
-    prefill_new_kv_unsupported_reason,
-    tma_compatible,
-)
+from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, paged_prefill_reason, plan_paged_split
+from .prefill_launch import plan_prefill_new_kv, prefill_new_kv_unsupported_reason
+from .runner import CacheViews, LayerArgs, TritonStepRunner
+from .step_plan import Launch, LaunchKind, TritonStepPlan, WritePolicy, make_step_plan
 from .write_beside import cache_write_bytes, cache_write_sms
 
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
@@ -63,29 +61,15 @@ __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", 
 
 @dataclass
 class TritonMetadata:
-    """One batch for the Triton kernels: the common tensors plus the launch plan :meth:`TritonMetadataBuilder.build`
-    made for it (split-KV factor, tile config, grid, constexprs, workspace views)."""
+    """One batch for the Triton kernels: the common tensors, the unified kernel's launch plan for the whole batch,
+    and the step plan :meth:`TritonMetadataBuilder.build` made for it (every launch, its stream, the cache write),
+    with the builder's runner that executes it."""
 
     common: CommonAttentionMetadata
-    plan: LaunchPlan
+    plan: LaunchPlan  # the whole batch on the unified kernel (split-KV factor, tile config, grid, workspace views)
+    step: TritonStepPlan
+    runner: TritonStepRunner
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
-    tree_mask: Optional[torch.Tensor] = None  # [sum n_i^2] uint8 view of common.spec_tree_mask
-    #: For a forward that brings the step's keys and values: the decodes' plan (None: no decodes) and the
-    #: prefill kernel's plan for the other requests (the Gluon kernel's when none of them has cached context),
-    #: run instead of ``plan``. None: ``plan`` always runs.
-    prefill_split: Optional[tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan"]] = None
-    #: Run the split's decode launch and prefill kernel on two CUDA streams (the builder's ``overlap_decodes``).
-    overlap_streams: bool = False
-    #: SMs the Gluon prefill (planned on the others) leaves to the step's cache write, which then runs beside it:
-    #: the prefill on a high-priority stream, the write on the forward's (:mod:`.write_beside`). 0: the write first.
-    cache_write_sms: int = 0
-    #: [max_num_tokens] int8: the tokens the Gluon prefill's own cache write left to the write kernel (the
-    #: builder's buffer; set where the planned prefill ``writes_cache``).
-    write_todo: Optional[torch.Tensor] = None
-    #: (the decodes' plan or None, the paged Gluon prefill's plan) where the builder planned the batch's prefills
-    #: on :mod:`.prefill_hopper_paged` (run unless ``prefill_split`` holds the fresh-prompt kernel and the forward
-    #: brings keys).
-    paged_prefill: Optional[tuple] = None
 
     @property
     def num_decodes(self) -> int:
@@ -105,21 +89,33 @@ class TritonMetadata:
     def config(self) -> KernelConfig:
         return self.plan.config
 
+    # Summaries of the step plan, read by tests and benchmarks.
+    @property
+    def prefill_split(self) -> "Optional[tuple[Optional[LaunchPlan], object]]":
+        """(the decodes' plan or None, the prefill kernel's plan) of a split batch; None: the batch runs unsplit."""
+        prefill = self.step.prefill
+        return None if prefill is None else (self.step.decode_plan, prefill.plan)
 
-#: Most rows (decode query tokens x query heads per KV head) one decode program holds.
-MAX_DECODE_TILE_ROWS = 128
+    @property
+    def paged_prefill(self) -> "Optional[tuple[Optional[LaunchPlan], object]]":
+        """(the decodes' plan or None, the paged Gluon prefill's plan) where the builder planned the batch's prefills
+        on the paged kernel; None: not planned."""
+        return self.step.paged
 
-#: The query length the deterministic mode's fixed tile config is picked for (any batch then uses that config).
-DETERMINISTIC_QUERY_LEN = 64
+    @property
+    def overlap_streams(self) -> bool:
+        """The split runs its decodes and its prefill kernel on two streams."""
+        return self.step.overlapped
 
+    @property
+    def cache_write_sms(self) -> int:
+        """SMs the Gluon prefill leaves to the cache write beside it (0: none runs beside)."""
+        return self.step.cache_write_sms
 
-def deterministic_kernel_config(spec: AttentionSpec) -> KernelConfig:
-    """The tile config of deterministic mode: a function of the spec only (head size, heads per KV head, cache
-    dtype), never of the batch."""
-    return pick_kernel_config(
-        spec.head_size, spec.num_queries_per_kv, DETERMINISTIC_QUERY_LEN, has_decode_path=True,
-        has_generic_path=True, kv_fp8=spec.is_fp8_kv_cache, keys_per_split=None, max_seq_len=None,
-    )
+    @property
+    def write_todo(self) -> Optional[torch.Tensor]:
+        """The to-do flags of the Gluon prefill's own cache write (None: it does not write)."""
+        return self.step.write_todo
 
 
 def prefill_split_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *, interpreted: bool,
@@ -140,28 +136,29 @@ def prefill_split_reason(spec: AttentionSpec, compute_capability: "tuple[int, in
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
-    """Makes every launch decision of a batch (:class:`~attnbackends.triton.launch.LaunchPlan`) and owns the
-    split-KV workspace (``max_num_reqs`` decode rows).
+    """Makes every launch decision of a batch (one :class:`~attnbackends.triton.step_plan.TritonStepPlan` over
+    :class:`~attnbackends.triton.launch.LaunchPlan` s and prefill plans) and owns the split-KV workspace
+    (``max_num_reqs`` decode rows).
 
     Speculative decoding: decodes of up to ``reorder_batch_threshold`` tokens (1 + the spec's
     ``num_speculative_tokens``) run on the decode path, one program per (request, KV head) holding all the
     request's query tokens x query heads (the keys are read once); deeper ones than
-    :data:`MAX_DECODE_TILE_ROWS` rows allow run on the generic path. A tree mask is honoured on both paths: only
-    the tiles over each request's draft segment are masked.
+    :data:`.heuristics.MAX_DECODE_TILE_ROWS` rows allow run on the generic path. A tree mask is honoured on both
+    paths: only the tiles over each request's draft segment are masked.
 
     Parameters (beyond the base class)
     ----------
     deterministic : batch-invariant mode. Every batch runs with ``num_kv_splits=1`` (no split-KV, so no
-        batch-dependent reduction order) and one tile config fixed by the spec (:func:`deterministic_kernel_config`)
-        instead of one picked from the batch's max query/sequence length. A request's output then depends only on
-        its own query, keys and values: bitwise the same whatever else shares its batch (given the same
-        position in the decode/prefill split: decodes first). Costs decode speed on small batches (no split-KV),
-        and the fixed tiles are not the fastest for every shape.
+        batch-dependent reduction order) and one tile config fixed by the spec
+        (:func:`.heuristics.deterministic_kernel_config`) instead of one picked from the batch's max query/sequence
+        length. A request's output then depends only on its own query, keys and values: bitwise the same whatever
+        else shares its batch (given the same position in the decode/prefill split: decodes first). Costs decode
+        speed on small batches (no split-KV), and the fixed tiles are not the fastest for every shape.
     prefill_kernel : run the prefills and chunked prefills of a batch on the prefill kernel
         (:mod:`attnbackends.triton.prefill_kernel`: the new tokens' keys and values read from the forward's
         ``key``/``value``, the context from the pages) when the forward brings them. None (default): on for CUDA
         devices where the kernel applies (sm_90, head 64/128), for the batches where it pays
-        (:func:`.prefill_launch.prefill_kernel_pays`: new-token work at least the cached-context work), off on
+        (:func:`.heuristics.prefill_kernel_pays`: new-token work at least the cached-context work), off on
         the CPU so the interpreter keeps covering the unified path that other GPUs and head sizes run;
         True: every batch with prefills, wherever the kernel applies; False: off (also for the Gluon kernel below).
         ``prefill_kernel_reason`` says why it is not used (None: used).
@@ -185,8 +182,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         ``paged_prefill_reason`` says why it is not used ("": used).
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
-        the GPU instead of following each other. Off by default until timed on the GPU
-        (``benchmarks/triton_api.py --prefill-sweep``, ``mixed_sweep`` rows).
+        the GPU instead of following each other. Off by default (``benchmarks/triton_api.py --prefill-sweep``
+        times both: its ``mixed_sweep`` rows).
+
+    Every batch's launches, their streams and the cache write are one :class:`~.step_plan.TritonStepPlan` in the
+    metadata; ``runner`` (:class:`~.runner.TritonStepRunner`, one per builder) runs it and owns its side streams.
     """
 
     query_len_support = QueryLenSupport.VARLEN
@@ -226,6 +226,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.hopper_cache_write_reason: str = "turned off (hopper_cache_write=False)" if not hopper_cache_write \
             else cache_write_reason(HopperPrefillConfig(), spec.block_size)
         self._write_todo: Optional[torch.Tensor] = None  # [max_num_tokens] int8 to-do flags of the kernel's write
+        #: Runs the step plans of this builder's metadata for every layer; owns their side streams.
+        self.runner = TritonStepRunner()
         self.workspace: Optional[SplitKVWorkspace] = None
         if self.device.type == "cuda" and not self.deterministic:
             self.workspace = SplitKVWorkspace.allocate(
@@ -249,7 +251,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 num_tokens=common.num_actual_tokens, block_size=16, num_seqs=common.num_reqs,
                 max_query_len=max(common.max_seq_len, 2), max_seq_len=common.max_seq_len, causal=causal,
                 paged=False, num_decodes=0, num_kv_splits=1, **self._plan_args)
-            return TritonMetadata(common, plan, self.debug)
+            return TritonMetadata(common, plan, make_step_plan(plan), self.runner, self.debug)
         split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
         decode_q = self.reorder_batch_threshold
         num_decodes = split.num_decodes
@@ -267,22 +269,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
             decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
-        prefill_split, write_sms = None, 0
+        paged = None  # (decodes' plan, the paged Gluon prefill's plan): the prefills with keys from the pages
+        if not self.paged_prefill_reason and causal and split.num_prefills and tree is None:
+            paged = plan_paged_split(self, common, num_decodes, split.num_decode_tokens, causal)
         if (self.prefill_kernel_reason is None and causal and split.num_prefills and tree is None
                 and (self.prefill_kernel_forced
                      or prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
-            decode_plan, prefill_plan, write_sms = self._plan_prefill_split(common, num_decodes,
-                                                                             split.num_decode_tokens, causal)
-            prefill_split = (decode_plan, prefill_plan)
-        todo = None
-        if prefill_split is not None and getattr(prefill_split[1], "writes_cache", False):
-            todo = self._todo_flags()
-        paged = None
-        if not self.paged_prefill_reason and causal and split.num_prefills and tree is None:
-            paged = plan_paged_split(self, common, num_decodes, split.num_decode_tokens, causal)
-        return TritonMetadata(common, plan, self.debug, tree.view(torch.uint8) if tree is not None else None,
-                              prefill_split, self.overlap_decodes and prefill_split is not None, write_sms, todo,
-                              paged)
+            step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged)
+        else:
+            step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged)
+        return TritonMetadata(common, plan, step, self.runner, self.debug)
 
     def _todo_flags(self) -> torch.Tensor:
         """The to-do flags of the Gluon kernel's own cache write ([max_num_tokens] int8, zero between forwards:
@@ -291,33 +287,52 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             self._write_todo = torch.zeros(self.max_num_tokens, dtype=torch.int8, device=self.device)
         return self._write_todo
 
-    def _plan_prefill_split(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
-                            causal: bool) -> tuple[Optional[LaunchPlan], "PrefillPlan | HopperPrefillPlan", int]:
-        """The decodes on the unified kernel's decode tiles, the rest on the Gluon prefill kernel when none of them
-        has cached context and it serves the layer, else on the Triton prefill kernel; and the SMs the Gluon
-        kernel leaves to the cache write (:meth:`_cache_write_sms`; 0 with decodes or the Triton kernel)."""
-        decode_plan = None
+    def _plan_split(self, common: CommonAttentionMetadata, attention: LaunchPlan, num_decodes: int,
+                    num_decode_tokens: int, causal: bool, paged: Optional[tuple] = None) -> TritonStepPlan:
+        """The step plan of a batch that runs split: the decodes on the unified kernel's decode tiles, the rest on
+        the prefill kernel that serves them (the Gluon kernel when none of them has cached context and it serves the
+        layer; else the paged Gluon kernel where ``paged`` is planned; else the Triton one); ``attention`` (the whole
+        batch unsplit) where the forward's tensors do not take the split."""
+        decode = None
         if num_decodes:
-            decode_plan = plan_attention(
+            decode = plan_attention(
                 num_tokens=num_decode_tokens, block_size=self.spec.block_size, num_seqs=num_decodes,
                 max_query_len=self.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
                 num_decodes=num_decodes, num_kv_splits=1, decode_query_len=self.reorder_batch_threshold,
                 **self._plan_args)
         if not self.hopper_prefill_reason and fresh_prefills(common.query_lens_cpu, common.seq_lens_cpu, num_decodes):
-            hopper = dict(num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
-                          head_size=self.spec.head_size, num_seqs=common.num_reqs, first_seq=num_decodes,
-                          max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens)
-            writes_cache = decode_plan is None and not self.hopper_cache_write_reason
-            write_sms = self._cache_write_sms(common) if decode_plan is None and not writes_cache else 0
-            plan = plan_hopper_prefill(**hopper, num_sms=self.num_sms - write_sms, writes_cache=writes_cache,
-                                       block_size=self.spec.block_size)
-            return decode_plan, plan, write_sms
-        prefill_plan = plan_prefill_new_kv(
+            return self._plan_gluon_split(common, attention, decode, num_decodes, paged)
+        if paged is not None:
+            return make_step_plan(attention, paged=paged)
+        prefill = Launch(LaunchKind.TRITON_PREFILL, plan_prefill_new_kv(
             num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
             max_query_len=common.max_query_len, sliding_window=self.spec.sliding_window,
-            use_softcap=bool(self.spec.logits_soft_cap), use_sinks=self.spec.has_sinks)
-        return decode_plan, prefill_plan, 0
+            use_softcap=bool(self.spec.logits_soft_cap), use_sinks=self.spec.has_sinks))
+        return make_step_plan(attention, decode=decode, prefill=prefill, overlap=self.overlap_decodes)
+
+    def _plan_gluon_split(self, common: CommonAttentionMetadata, attention: LaunchPlan, decode: Optional[LaunchPlan],
+                          num_decodes: int, paged: Optional[tuple] = None) -> TritonStepPlan:
+        """The split with the fresh prefills on the Gluon kernel, and the cache write it gets: without decodes, the
+        kernel's own (where it can write this layer's cache) or, else, beside it on the SMs the kernel leaves
+        (:meth:`_cache_write_sms`; 0: first); with decodes, first."""
+        spec = self.spec
+        writes_cache = decode is None and not self.hopper_cache_write_reason
+        write_sms = self._cache_write_sms(common) if decode is None and not writes_cache else 0
+        plan = plan_hopper_prefill(
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+            num_seqs=common.num_reqs, first_seq=num_decodes, max_query_len=common.max_query_len,
+            num_tokens=common.num_actual_tokens, num_sms=self.num_sms - write_sms, writes_cache=writes_cache,
+            block_size=spec.block_size)
+        prefill = Launch(LaunchKind.GLUON_PREFILL, plan)
+        if writes_cache:  # a cache the kernel cannot address falls back to the write first, then the same grid
+            unwritten = Launch(LaunchKind.GLUON_PREFILL, dataclasses.replace(plan, writes_cache=False))
+            return make_step_plan(attention, prefill=prefill, write=WritePolicy.KERNEL, unwritten_prefill=unwritten,
+                                  write_todo=self._todo_flags(), paged=paged)
+        if write_sms:
+            return make_step_plan(attention, prefill=prefill, write=WritePolicy.BESIDE, cache_write_sms=write_sms,
+                                  paged=paged)
+        return make_step_plan(attention, decode=decode, prefill=prefill, overlap=self.overlap_decodes, paged=paged)
 
     def _cache_write_sms(self, common: CommonAttentionMetadata) -> int:
         """SMs a batch of fresh prefills (no decodes) leaves to its cache write: the builder's ``cache_write_sms``,
@@ -333,24 +348,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return cache_write_sms(flops=flops, write_bytes=write_bytes, items=items, num_sms=self.num_sms)
 
 
-_STREAMS: dict[tuple[torch.device, int], "torch.cuda.Stream"] = {}
-
-
-def _stream(device: torch.device, priority: int = 0) -> "torch.cuda.Stream":
-    """A second stream of ``device`` at ``priority`` (made once per pair): the default priority for overlapped
-    decode / prefill launches, the highest (-1024, clamped by CUDA) for a prefill whose programs must be placed
-    before the cache write's when both wait for SMs."""
-    stream = _STREAMS.get((device, priority))
-    if stream is None:
-        stream = _STREAMS[(device, priority)] = torch.cuda.Stream(device, priority=priority)
-    return stream
-
-
 class TritonImpl(AttentionImpl[TritonMetadata]):
-    """Writes K/V with the shared write op, then runs the batch's launch plan: one unified-attention launch (plus a
-    reduction for split-KV), or, when the metadata carries a prefill split and the forward brings the step's keys
-    and values in a layout the prefill kernels' descriptors take (checked on every call: four stride comparisons;
-    otherwise the unified plan runs), the decodes' launch and the planned prefill kernel."""
+    """Runs the batch's step plan (:mod:`.step_plan`, made by the builder) through the builder's runner: the cache
+    write and one unified-attention launch (plus a reduction for split-KV), or the split the builder planned (the
+    decodes' launch and a prefill kernel, the cache write first, beside or in the kernel) where the forward brings
+    the step's keys and values in a layout the prefill kernels' descriptors take."""
 
     can_return_lse = True
 
@@ -360,26 +362,29 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             torch.tensor(spec.alibi_slopes, dtype=torch.float32) if spec.alibi_slopes is not None else None
         )
         self._soft_cap = float(spec.logits_soft_cap or 0.0)
-        self._on_device: dict[torch.device, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
-        self._cache_views: Optional[tuple] = None  # (weakref to kv_cache, key view, value view, launch key part)
+        self._layer_args: dict[torch.device, LayerArgs] = {}
+        self._cache_views: Optional[tuple[weakref.ref, CacheViews]] = None  # (the cache, its views)
         self._validated = False
 
-    def _features(self, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """ALiBi slopes and sinks on ``device``, copied once (never on the hot path after the first step)."""
-        if device not in self._on_device:
+    def _args_on(self, device: torch.device) -> LayerArgs:
+        """This layer's launch constants on ``device``: ALiBi slopes and sinks copied there once (never on the hot
+        path after the first step), the scales as set at the first forward on the device."""
+        args = self._layer_args.get(device)
+        if args is None:
             alibi = self._alibi_host.to(device) if self._alibi_host is not None else None
             sinks = self.sinks.to(device).contiguous() if self.sinks is not None else None
-            self._on_device[device] = (alibi, sinks)
-        return self._on_device[device]
+            args = self._layer_args[device] = LayerArgs(self.scale, self._soft_cap, alibi, sinks, self.k_scale,
+                                                        self.v_scale)
+        return args
 
-    def _views_of(self, kv_cache: torch.Tensor) -> tuple:
-        """(key cache, value cache, their part of the compiled-kernel key), made once per cache tensor."""
-        views = self._cache_views
-        if views is None or views[0]() is not kv_cache:
-            k, v = kv_cache[:, 0], kv_cache[:, 1]
-            key = (k.dtype, k.stride(), v.stride(), k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
-            views = self._cache_views = (weakref.ref(kv_cache), k, v, key)
-        return views
+    def _views_of(self, kv_cache: Optional[torch.Tensor]) -> Optional[CacheViews]:
+        """The key and value views of ``kv_cache`` and their launch key, made once per cache tensor."""
+        if kv_cache is None:
+            return None
+        held = self._cache_views
+        if held is None or held[0]() is not kv_cache:
+            held = self._cache_views = (weakref.ref(kv_cache), CacheViews.of(kv_cache))
+        return held[1]
 
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -400,89 +405,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                              backend=TritonAttentionBackend)
         if not self._validated:
             self._check_first_call(query, key, value, kv_cache, metadata, output)
-        alibi, sinks = self._features(query.device)
-        if kv_cache is None:
-            launch_attention(metadata.plan, query, key, value, output, common.query_start_loc, None, None,
-                             self.scale, self._soft_cap, alibi, sinks)
-            return output
-        split = metadata.prefill_split
-        if split is not None and (key is None or not tma_compatible(query, key, value, output)):
-            split = None
-        if (metadata.paged_prefill is not None and not (split is not None and isinstance(split[1], HopperPrefillPlan))
-                and forward_paged(self, query, key, value, kv_cache, metadata, output)):
-            return output
-        if split is not None and isinstance(split[1], HopperPrefillPlan) and split[1].writes_cache:
-            if self._prefill_writes_cache(split[1], query, key, value, output, kv_cache, common,
-                                          metadata.write_todo):
-                return output
-            split = (split[0], dataclasses.replace(split[1], writes_cache=False))
-        if split is not None and metadata.cache_write_sms:
-            self._prefill_beside_cache_write(split[1], query, key, value, output, kv_cache, common)
-            return output
-        if key is not None:
-            self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
-        _, key_cache, value_cache, cache_key = self._views_of(kv_cache)
-        if split is not None:
-            decode_plan, prefill_plan = split
-            overlap = decode_plan is not None and metadata.overlap_streams
-            if overlap:  # the prefills on a side stream, after the cache write; the decodes here; then join
-                main = torch.cuda.current_stream(query.device)
-                side = _stream(query.device)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common,
-                                          sinks)
-            if decode_plan is not None:
-                launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc,
-                                 common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
-                                 self.k_scale, self.v_scale, cache_key=cache_key)
-            if overlap:
-                main.wait_stream(side)
-            else:
-                self._launch_prefills(prefill_plan, query, key, value, output, key_cache, value_cache, common, sinks)
-            return output
-        launch_attention(metadata.plan, query, key_cache, value_cache, output, common.query_start_loc,
-                         common.seq_lens, common.block_table, self.scale, self._soft_cap, alibi, sinks,
-                         self.k_scale, self.v_scale, cache_key=cache_key, tree_mask=metadata.tree_mask,
-                         tree_indptr=common.spec_tree_mask_indptr)
-        return output
-
-    def _prefill_writes_cache(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
-                              common: CommonAttentionMetadata, todo: torch.Tensor) -> bool:
-        """The Gluon prefill writing the planned tokens into the cache itself, then the write kernel for the tokens
-        it left (and any past the planned ones); False (nothing launched) where this cache or slot mapping does not
-        allow it: a cache that is not contiguous, more slots than int32 holds, fewer slots than planned tokens."""
-        slots = common.slot_mapping
-        if (not kv_cache.is_contiguous() or kv_cache.shape[0] * kv_cache.shape[2] >= 2 ** 31
-                or slots.shape[0] < plan.num_tokens):
-            return False
-        launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale, kv_cache, slots,
-                              todo)
-        finish_cache_write(key, value, kv_cache, slots, todo, plan.num_tokens)
-        return True
-
-    def _prefill_beside_cache_write(self, plan: HopperPrefillPlan, query, key, value, output, kv_cache,
-                                    common: CommonAttentionMetadata) -> None:
-        """The Gluon prefill (planned on all but ``cache_write_sms`` SMs) on the high-priority stream, launched
-        first so that it holds its SMs, then the cache write on the forward's stream, where it runs on the SMs left
-        free; the forward's stream then waits for the prefill. The prefill reads ``key``/``value``, never the cache,
-        so the two are independent; both only read tensors made before the fork."""
-        main = torch.cuda.current_stream(query.device)
-        fast = _stream(query.device, priority=-1024)
-        fast.wait_stream(main)
-        with torch.cuda.stream(fast):
-            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
-        self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
-        main.wait_stream(fast)
-
-    def _launch_prefills(self, plan: "PrefillPlan | HopperPrefillPlan", query, key, value, output, key_cache,
-                         value_cache, common: CommonAttentionMetadata, sinks: Optional[torch.Tensor]) -> None:
-        """The prefill kernel the builder planned for the split's prefills."""
-        if isinstance(plan, HopperPrefillPlan):
-            launch_hopper_prefill(plan, query, key, value, output, common.query_start_loc, self.scale)
-        else:
-            launch_prefill_new_kv(plan, query, key, value, output, key_cache, value_cache, common.block_table,
-                                  common.seq_lens, common.query_start_loc, self.scale, self._soft_cap, sinks)
+        return metadata.runner.run(metadata.step, query, key, value, kv_cache, output, common,
+                                   self._args_on(query.device), self._views_of(kv_cache))
 
     def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
                          output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,7 +423,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
     def _check_first_call(self, query, key, value, kv_cache, metadata: TritonMetadata, output) -> None:
         """The functional launcher's argument checks, once: the tensors against each other and the plan."""
         spec, common = self.spec, metadata.common
-        alibi, sinks = self._features(query.device)
+        args = self._args_on(query.device)
         if kv_cache is None:
             if key is None or value is None:
                 raise ValueError("key and value are required when there is no kv_cache (encoder attention)")
@@ -508,7 +432,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 query, kv_cache[:, 0], kv_cache[:, 1], output, common.query_start_loc, common.seq_lens,
                 common.block_table, common.max_query_len, common.max_seq_len, self.scale,
                 causal=spec.causal and common.causal, sliding_window=spec.sliding_window,
-                logits_soft_cap=spec.logits_soft_cap, alibi_slopes=alibi, sinks=sinks, k_scale=self.k_scale,
+                logits_soft_cap=spec.logits_soft_cap, alibi_slopes=args.alibi, sinks=args.sinks, k_scale=self.k_scale,
                 v_scale=self.v_scale, workspace=metadata.workspace)
             if key is not None:
                 check_reshape_and_cache_args(key, value, kv_cache, common.slot_mapping, self.k_scale, self.v_scale)
@@ -527,8 +451,8 @@ class TritonAttentionBackend(AttentionBackend):
     description = "Triton unified paged attention: mixed batches in one launch, split-KV decode, fp8 KV"
     supported_dtypes = frozenset({"float16", "bfloat16"})
     supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
-    min_head_size = MIN_HEAD_SIZE
-    max_head_size = MAX_HEAD_SIZE
+    min_head_size = UNIFIED_MIN_HEAD_SIZE
+    max_head_size = UNIFIED_MAX_HEAD_SIZE
     block_size_multiple = 16
     kv_cache_16bit_must_match_dtype = True
     min_compute_capability = (8, 0)

@@ -1,4 +1,4 @@
-"""Launchers for the Triton unified paged-attention kernels.
+"""Launching the Triton unified paged-attention kernels: the launch plan, its launch, and the functional API.
 
 ``unified_attention`` runs a whole mixed batch (decodes, prefills, chunked prefills) in one kernel launch, plus
 one reduction launch when split-KV is used. It performs no host-device synchronisation, and allocates nothing
@@ -6,16 +6,17 @@ when a :class:`SplitKVWorkspace` is passed, so a decode step can be captured in 
 only on tensor shapes and on host ints fixed at capture (``num_decodes``, ``num_kv_splits``), never on the
 values of ``seq_lens``.
 
-Argument checks live in :func:`check_unified_attention_args`; call it once (``validate=True``, the default, calls
-it on every launch) and pass ``validate=False`` on the hot path.
+The choices a plan is made of (tiles, split-KV count) come from :mod:`.heuristics`; the argument checks are
+:func:`attnbackends.validation.check_unified_attention_args` and its neighbours there: ``validate=True`` (the
+default) runs them on every launch, pass ``validate=False`` on the hot path once checked. A builder makes
+:class:`LaunchPlan` once per batch (:func:`plan_attention`) and :func:`launch_attention` runs it through the
+compiled kernel's launcher (:class:`attnbackends.compat.DirectLauncher`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional, Union
 
 import torch
@@ -24,18 +25,16 @@ from ..compat import DirectLauncher
 from ..ops.launch_math import next_power_of_2
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted
+from ..validation import check_return_lse, check_unified_attention_args, check_varlen_attention_args
+from .heuristics import MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, device_sm_count, pick_kernel_config
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "KernelConfig",
     "LaunchPlan",
     "SplitKVWorkspace",
-    "check_unified_attention_args",
-    "choose_num_kv_splits",
     "launch_attention",
-    "pick_kernel_config",
     "plan_attention",
     "unified_attention",
     "varlen_attention",
@@ -43,26 +42,9 @@ __all__ = [
 
 Scale = Union[float, torch.Tensor]
 
-QUERY_DTYPES = (torch.float16, torch.bfloat16)
-MIN_HEAD_SIZE = 32
-MAX_HEAD_SIZE = 512
-MAX_KV_SPLITS = 32
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
-
 
 # --------------------------------------------------------------------------------------------------------------
-# Split-KV workspace and heuristic
+# Split-KV workspace
 # --------------------------------------------------------------------------------------------------------------
 @dataclass
 class SplitKVWorkspace:
@@ -106,235 +88,8 @@ class SplitKVWorkspace:
         return num_tokens <= t and num_heads == h and head_size == d and num_segments <= s
 
 
-def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int,
-                         max_seq_len: Optional[int] = None, *, max_query_len: int = 1,
-                         max_splits: int = MAX_KV_SPLITS, min_keys_per_split: int = 128,
-                         programs_per_sm: int = 3) -> int:
-    """Number of KV segments per (sequence, KV head) for split-KV decode; 1 means no split.
-
-    Pure Python, so it can be evaluated once at CUDA-graph capture and unit-tested on a CPU. A program owns one
-    KV head of one sequence (its ``num_heads // num_kv_heads`` query heads are packed into one tile), so a
-    decode batch launches ``num_seqs * num_kv_heads`` programs; when that is under ``programs_per_sm`` programs
-    per SM the key range is cut so the memory system gets enough loads in flight. The result is a power of two
-    (few compiled variants), at most ``max_splits``, and leaves at least ``min_keys_per_split`` keys of
-    ``max_seq_len`` (when given) to each segment. Batches with long queries (``max_query_len > 16``) already
-    have enough programs and never split.
-
-    H100 (132 SMs, 32/8 heads, head 128): B=1 x 1024 -> 8 (17.6 us; 16: 19.4, 32: 18.4), B=1 x 16384 -> 32
-    (46 us; 16: 52), B=16 x 4096 -> 4, B >= 64 -> 1 (2 was 5-10% slower).
-    """
-    if num_seqs < 1 or num_kv_heads < 1 or num_heads < 1 or num_sms < 1:
-        raise ValueError("num_seqs, num_kv_heads, num_heads and num_sms must be positive")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if max_query_len > 16:
-        return 1
-    programs = num_seqs * num_kv_heads
-    target = programs_per_sm * num_sms
-    if programs >= target:
-        return 1
-    splits = next_power_of_2(math.ceil(target / programs))
-    if max_seq_len is not None:
-        splits = min(splits, max(1, max_seq_len // max(1, min_keys_per_split)))
-    splits = min(splits, max(1, max_splits))
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two
-
-
 # --------------------------------------------------------------------------------------------------------------
-# Tile configuration
-# --------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile shapes and launch options.
-
-    ``decode_block_m``/``decode_tile_n`` are used by the decode path (one query token per program),
-    ``block_m``/``tile_n`` by the generic path (``block_m // queries_per_kv`` query tokens per program).
-    """
-
-    decode_block_m: int = 16
-    decode_tile_n: int = 64
-    block_m: int = 128
-    tile_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, *, has_decode_path: bool,
-                       has_generic_path: bool, kv_fp8: bool = False, keys_per_split: Optional[int] = None,
-                       max_seq_len: Optional[int] = None) -> KernelConfig:
-    """Default tiles, from sweeps on an H100 (benchmarks/NOTES.md).
-
-    Decode: ``max(16, queries_per_kv)`` rows; 128 keys (8 pages of 16) per step, or 64 when split-KV leaves
-    fewer than 512 keys per segment; 4 warps, 3 stages. Prefill: up to 128 rows; 128 keys per step with
-    8 warps for long sequences, 32 keys with 4 warps for short ones.
-    """
-    head_pad = next_power_of_2(head_size)
-    qpk_pad = next_power_of_2(queries_per_kv)
-    decode_block_m = max(16, qpk_pad)
-    big_head = head_pad > 128
-    if big_head:
-        decode_tile_n = 32
-    elif keys_per_split is not None and keys_per_split < 512 and not kv_fp8:
-        decode_tile_n = 64
-    else:
-        decode_tile_n = 128
-    rows = max_query_len * queries_per_kv
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
-    if big_head:
-        block_m = min(block_m, 64 if head_pad <= 256 else 32)
-    block_m = max(block_m, qpk_pad)
-    long_seqs = max_seq_len is None or max_seq_len >= 2048
-    if big_head:
-        tile_n = 32
-    elif block_m >= 128:
-        tile_n = 128 if long_seqs else 32
-    else:
-        tile_n = 64
-    if has_generic_path and has_decode_path and block_m >= 128 and not big_head:
-        # One launch for decodes + prefills: 4 warps and 32-key prefill steps suit both paths (the mixed-batch
-        # sweep in benchmarks/NOTES.md).
-        tile_n, num_warps, num_stages = 32, 4, 3
-    elif has_generic_path and block_m >= 128 and long_seqs:
-        num_warps, num_stages = 8, 3
-    elif head_pad > 256:
-        # A 512-wide accumulator: spread it over 8 warps once a tile has more than 16 rows.
-        num_warps, num_stages = (8 if block_m > 16 else 4), 2
-    else:
-        num_warps, num_stages = 4, (2 if big_head else 3)
-    return KernelConfig(decode_block_m, decode_tile_n, block_m, tile_n, num_warps, num_stages)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------------------------
-def _check_scale(name: str, scale: Scale, device: torch.device) -> None:
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or scale.dtype != torch.float32:
-            raise ValueError(f"{name} must be a python float or a 1-element float32 tensor, got "
-                             f"{tuple(scale.shape)} {scale.dtype}")
-        if scale.device != device:
-            raise ValueError(f"{name} is on {scale.device}, expected {device}")
-    elif isinstance(scale, (float, int)) and not isinstance(scale, bool):
-        if not scale > 0 or not math.isfinite(scale):
-            raise ValueError(f"{name} must be a positive finite number, got {scale}")
-    else:
-        raise ValueError(f"{name} must be a python float or a 1-element float32 tensor, got {type(scale).__name__}")
-
-
-def _check_common(query: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor, num_kv_heads: int,
-                  head_size: int, causal: bool, sliding_window, logits_soft_cap, alibi_slopes, sinks,
-                  softmax_scale) -> None:
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
-    allowed = QUERY_DTYPES + ((torch.float32,) if (query.device.type == "cpu") else ())
-    if query.dtype not in allowed:
-        raise ValueError(f"query dtype must be one of {allowed}, got {query.dtype}")
-    if query.stride(-1) != 1:
-        raise ValueError("query must be contiguous in its last dimension (stride(-1) == 1)")
-    num_heads = query.shape[1]
-    if query.shape[2] != head_size:
-        raise ValueError(f"query head_size {query.shape[2]} does not match the key head_size {head_size}")
-    if not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE:
-        raise ValueError(f"head_size must be in [{MIN_HEAD_SIZE}, {MAX_HEAD_SIZE}], got {head_size}")
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if output.shape != query.shape:
-        raise ValueError(f"output shape {tuple(output.shape)} must equal query shape {tuple(query.shape)}")
-    if output.dtype not in QUERY_DTYPES + (torch.float32,):
-        raise ValueError(f"output dtype must be float16, bfloat16 or float32, got {output.dtype}")
-    if output.stride(-1) != 1:
-        raise ValueError("output must be contiguous in its last dimension (stride(-1) == 1)")
-    if query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32 or query_start_loc.numel() < 2:
-        raise ValueError("query_start_loc must be a 1-D int32 tensor [num_seqs + 1], got "
-                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
-    for name, t in (("output", output), ("query_start_loc", query_start_loc)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, expected {query.device} (query's device)")
-    if not isinstance(softmax_scale, (float, int)) or isinstance(softmax_scale, bool) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive python float, got {softmax_scale!r}")
-    if sliding_window is not None:
-        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-        if not causal:
-            raise NotImplementedError("sliding_window is only supported with causal=True")
-    if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, (float, int)) or not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be None or a positive float, got {logits_soft_cap!r}")
-    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.shape != (num_heads,) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a float tensor of shape [num_heads] = [{num_heads}]")
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
-        if t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous")
-
-
-def check_unified_attention_args(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
-                                 max_query_len, max_seq_len, softmax_scale, *, causal=True, sliding_window=None,
-                                 logits_soft_cap=None, alibi_slopes=None, sinks=None, k_scale=1.0, v_scale=1.0,
-                                 workspace=None, num_decodes=None, num_kv_splits=None) -> None:
-    """Validate the arguments of :func:`unified_attention`; raises ValueError / NotImplementedError naming the
-    offending argument. Reads only shapes, dtypes, strides and devices (no host-device sync)."""
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got "
-                             f"{getattr(t, 'shape', None)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride(-1) == 1)")
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
-    _, block_size, num_kv_heads, head_size = key_cache.shape
-    _check_common(query, output, query_start_loc, num_kv_heads, head_size, causal, sliding_window,
-                  logits_soft_cap, alibi_slopes, sinks, softmax_scale)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype not in FP8_DTYPES and t.dtype != query.dtype:
-            raise ValueError(f"{name} dtype must be query's dtype ({query.dtype}) or one of {FP8_DTYPES}, "
-                             f"got {t.dtype}")
-    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
-                         f"{tuple(value_cache.shape)} {value_cache.dtype} must match")
-    if block_size < 16 or block_size % 16:
-        raise ValueError(f"block_size (key_cache.shape[1]) must be a positive multiple of 16, got {block_size}")
-    num_seqs = query_start_loc.numel() - 1
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.numel() != num_seqs:
-        raise ValueError(f"seq_lens must be a 1-D int32 tensor [num_seqs] = [{num_seqs}], got "
-                         f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
-    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] < num_seqs:
-        raise ValueError(f"block_table must be a 2-D int32 tensor [>= num_seqs, max_blocks], got "
-                         f"{tuple(block_table.shape)} {block_table.dtype}")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table must be contiguous in its last dimension")
-    for name, t in (("seq_lens", seq_lens), ("block_table", block_table)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, expected {query.device}")
-    for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name} must be a non-negative python int (host value), got {v!r}")
-    if max_seq_len > block_table.shape[1] * block_size:
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds block_table capacity "
-                         f"{block_table.shape[1]} x {block_size}")
-    _check_scale("k_scale", k_scale, query.device)
-    _check_scale("v_scale", v_scale, query.device)
-    if isinstance(k_scale, torch.Tensor) != isinstance(v_scale, torch.Tensor):
-        raise ValueError("k_scale and v_scale must both be floats or both be tensors")
-    if num_decodes is not None:
-        if not isinstance(num_decodes, int) or not 0 <= num_decodes <= num_seqs:
-            raise ValueError(f"num_decodes must be None or an int in [0, num_seqs={num_seqs}], got {num_decodes!r}")
-        if num_decodes > query.shape[0]:
-            raise ValueError(f"num_decodes ({num_decodes}) exceeds num_tokens ({query.shape[0]})")
-    if num_kv_splits is not None:
-        if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= 64:
-            raise ValueError(f"num_kv_splits must be None or an int in [1, 64], got {num_kv_splits!r}")
-    if workspace is not None and not isinstance(workspace, SplitKVWorkspace):
-        raise ValueError(f"workspace must be a SplitKVWorkspace, got {type(workspace).__name__}")
-    if workspace is not None and workspace.partial_out.device != query.device:
-        raise ValueError(f"workspace is on {workspace.partial_out.device}, expected {query.device}")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Launchers
+# Launch plan and launch
 # --------------------------------------------------------------------------------------------------------------
 #: The constexpr parameters of ``_unified_attention_kernel`` and ``_reduce_segments_kernel``, in signature order.
 UNIFIED_CONSTEXPRS = (
@@ -395,8 +150,8 @@ def plan_attention(
     """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
 
     ``num_tokens``: query tokens of the batch (padding excluded). ``num_decodes``: default all sequences when
-    ``max_query_len <= 1``, else none. ``num_kv_splits``: default :func:`choose_num_kv_splits` with ``num_sms``
-    (pass 1 on the CPU). A split needs ``workspace`` to fit the batch; without one, one is allocated on
+    ``max_query_len <= 1``, else none. ``num_kv_splits``: default :func:`.heuristics.choose_num_kv_splits` with
+    ``num_sms`` (pass 1 on the CPU). A split needs ``workspace`` to fit the batch; without one, one is allocated on
     ``device`` (not CUDA-graph capturable), and a workspace too small means no split. ``decode_query_len``: the
     longest decode (speculative verify: 1 + draft tokens); a decode program then holds all of a request's query
     tokens x its query heads in one tile. ``use_tree``: the launch takes a packed tree mask.
@@ -526,7 +281,7 @@ def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *
         logits_soft_cap=logits_soft_cap, use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
         scales_are_ptrs=isinstance(k_scale, torch.Tensor), paged=paged, return_lse=return_lse is not None,
         num_decodes=num_decodes, num_kv_splits=num_kv_splits,
-        num_sms=_device_sm_count(device) if device.type == "cuda" else 1, workspace=workspace, config=config,
+        num_sms=device_sm_count(device), workspace=workspace, config=config,
         device=device,
     )
     return launch_attention(
@@ -604,10 +359,12 @@ def unified_attention(
         The first ``num_decodes`` sequences have query length 1 and run on the decode tiles, the rest on the
         prefill tiles, in the same launch. Default: all sequences when ``max_query_len <= 1``, else none.
     num_kv_splits : int, optional
-        Force the number of KV segments (1: no split). Default: :func:`choose_num_kv_splits` on CUDA, 1 on CPU.
+        Force the number of KV segments (1: no split). Default: :func:`.heuristics.choose_num_kv_splits` on CUDA,
+        1 on CPU.
         Fix it when capturing a CUDA graph.
     validate : bool
-        Run :func:`check_unified_attention_args` first (pass False on the hot path once checked).
+        Run :func:`attnbackends.validation.check_unified_attention_args` first (pass False on the hot path once
+        checked).
     config : KernelConfig, optional
         Override the tile configuration (tuning).
     return_lse : torch.Tensor, optional
@@ -623,13 +380,7 @@ def unified_attention(
     """
     if validate:
         if return_lse is not None:
-            if (return_lse.dim() != 2 or return_lse.dtype != torch.float32 or return_lse.shape[0] != query.shape[1]
-                    or return_lse.shape[1] < query.shape[0] or return_lse.stride(1) != 1):
-                raise ValueError(f"return_lse must be a [num_heads={query.shape[1]}, >= num_tokens={query.shape[0]}] "
-                                 f"float32 tensor with unit token stride, got {tuple(return_lse.shape)} "
-                                 f"{return_lse.dtype} strides {tuple(return_lse.stride())}")
-            if return_lse.device != query.device:
-                raise ValueError(f"return_lse is on {return_lse.device}, expected {query.device}")
+            check_return_lse(return_lse, query)
         check_unified_attention_args(
             query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, max_query_len,
             max_seq_len, softmax_scale, causal=causal, sliding_window=sliding_window,
@@ -637,7 +388,8 @@ def unified_attention(
             v_scale=v_scale, workspace=workspace, num_decodes=num_decodes, num_kv_splits=num_kv_splits)
     return _launch(
         query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, paged=True,
-        block_size=key_cache.shape[1], max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
+        block_size=key_cache.shape[1], max_query_len=max_query_len, max_seq_len=max_seq_len,
+        softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, workspace=workspace, num_decodes=num_decodes,
         num_kv_splits=num_kv_splits, config=config, return_lse=return_lse)
@@ -683,23 +435,11 @@ def varlen_attention(
         As in :func:`unified_attention`.
     """
     if validate:
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or t.shape[0] != query.shape[0] or t.shape[2] != query.shape[2]:
-                raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_size] matching query "
-                                 f"{tuple(query.shape)}, got {tuple(t.shape)}")
-            if t.dtype != query.dtype:
-                raise ValueError(f"{name} dtype {t.dtype} must equal query dtype {query.dtype}")
-            if t.stride(-1) != 1:
-                raise ValueError(f"{name} must be contiguous in its last dimension")
-            if t.device != query.device:
-                raise ValueError(f"{name} is on {t.device}, expected {query.device}")
-        if key.shape != value.shape:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
-        _check_common(query, output, query_start_loc, key.shape[1], key.shape[2], causal, sliding_window,
-                      logits_soft_cap, alibi_slopes, sinks, softmax_scale)
-        if not isinstance(max_seq_len, int) or max_seq_len < 0:
-            raise ValueError(f"max_seq_len must be a non-negative python int, got {max_seq_len!r}")
+        check_varlen_attention_args(query, key, value, output, query_start_loc, max_seq_len, softmax_scale,
+                                    causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                    alibi_slopes=alibi_slopes, sinks=sinks)
     return _launch(
-        query, key, value, output, query_start_loc, None, None, paged=False, block_size=16, max_query_len=max(max_seq_len, 2), max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
+        query, key, value, output, query_start_loc, None, None, paged=False, block_size=16,
+        max_query_len=max(max_seq_len, 2), max_seq_len=max_seq_len, softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=1.0, v_scale=1.0, workspace=None, num_decodes=0, num_kv_splits=1, config=config)

@@ -1,10 +1,11 @@
-"""Plan and launch of the Hopper prefill kernel (:mod:`attnbackends.triton.prefill_kernel`).
+"""Plan and launch of the Triton prefill kernel (:mod:`attnbackends.triton.prefill_kernel`).
 
 The builder asks :func:`prefill_new_kv_unsupported_reason` once per layer spec and device; where the kernel
 applies, a batch with prefills gets a :class:`PrefillPlan` for its prefill sequences next to a decode-only
-unified plan, and the impl runs that pair whenever the forward brings the step's new keys and values in a layout
-the kernels' descriptors take (:func:`tma_compatible`; otherwise, or without them, the batch's single unified plan
-runs instead). A batch whose prefills have no cached context gets the Gluon kernel's plan in place of the
+unified plan (when :func:`.heuristics.prefill_kernel_pays`), both in the batch's step plan (:mod:`.step_plan`). The
+step plan runs that pair whenever the forward brings the step's new keys and values in a layout the kernels'
+descriptors take (:func:`tma_compatible`; otherwise, or without them, the batch's single unified launch runs
+instead). A batch whose prefills have no cached context gets the Gluon kernel's plan in place of the
 :class:`PrefillPlan` where that kernel serves the layer (:mod:`.prefill_hopper`).
 """
 
@@ -13,49 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ..compat import DirectLauncher, ensure_triton_scratch_allocator
 from ..ops.launch_math import cdiv
 from ..platform import is_triton_interpreted
+from .heuristics import PrefillConfig, default_prefill_config
 from .prefill_kernel import prefill_new_kv_kernel
 
-__all__ = ["PREFILL_CONSTEXPRS", "PrefillConfig", "PrefillPlan", "default_prefill_config", "launch_prefill_new_kv",
-           "plan_prefill_new_kv", "prefill_kernel_args", "prefill_kernel_pays", "prefill_new_kv_unsupported_reason",
-           "tma_compatible"]
+__all__ = ["PREFILL_CONSTEXPRS", "PrefillPlan", "launch_prefill_new_kv", "plan_prefill_new_kv", "prefill_kernel_args",
+           "prefill_new_kv_unsupported_reason", "tma_compatible"]
 
 PREFILL_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "SLIDING_WINDOW",
                       "USE_SOFTCAP", "USE_SINKS", "GQA_PACK", "INTERPRET")
 HEAD_SIZES = (64, 128)
 _LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Tile shape and launch options of the prefill kernel. ``gqa_pack``: query heads of one KV head per program
-    (the tile's rows are ``block_m // gqa_pack`` tokens x ``gqa_pack`` heads); 1 (default): one head."""
-
-    block_m: int = 128
-    block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    gqa_pack: int = 1
-
-
-def default_prefill_config(interpreted: bool = False, head_size: int = 128,
-                           sliding_window: Optional[int] = None) -> PrefillConfig:
-    """The launch config (tiny tiles under the interpreter). Head 128: 64x64 tiles on one warpgroup, the fastest
-    in the H100 tile sweep on every prefill shape although it spills a little (two CTAs per SM hide it; sweep in
-    benchmarks/results, ``triton_api.py --prefill-sweep``). A window masks every tile it visits, which at head size
-    128 spills more with 64-key tiles: 32-key tiles there (benchmarks/prefill_compile_report.py)."""
-    if interpreted:
-        return PrefillConfig(16, 16, 4, 1)
-    if sliding_window and head_size > 64:
-        return PrefillConfig(block_n=32)
-    if head_size == 128:
-        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-    return PrefillConfig()
 
 
 @dataclass(frozen=True)
@@ -95,19 +68,6 @@ def prefill_new_kv_unsupported_reason(
     if head_size not in HEAD_SIZES:
         return f"does not take head_size {head_size} (takes {HEAD_SIZES})"
     return None
-
-
-def prefill_kernel_pays(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first_seq: int) -> bool:
-    """Whether the prefill kernel should run requests ``first_seq`` onwards rather than the unified kernel.
-
-    It reads the new tokens' keys and values by TMA, fast, but the cached context through page-table loads, slower
-    than the unified kernel (on the H100 a step of 60 decodes and 4 x 512 new tokens on 2048 cached ones took
-    longer split between the two kernels than in one unified launch). So it runs where the new tokens' causal
-    attention is at least as much work as their attention to the context: sum(q^2 / 2) >= sum(q * context), with
-    q the new tokens and context the cached ones of each request (int32 CPU tensors [num_reqs])."""
-    q = query_lens_cpu.numpy()[first_seq:].astype(np.int64)  # numpy: a few microseconds of host time per build
-    context = seq_lens_cpu.numpy()[first_seq:] - q
-    return int(q @ q) >= 2 * int(q @ context)
 
 
 def plan_prefill_new_kv(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, num_seqs: int,

@@ -4,23 +4,24 @@ Used where the kernel does not write the cache itself (:func:`.prefill_hopper.ca
 builder's ``hopper_cache_write=False``). A batch of fresh prefills reads its keys and values from the forward's
 ``key``/``value``, not from the cache, so the write into the cache need not come first. The prefill is
 compute-bound and keeps one program per SM (its registers fill the SM: nothing else fits beside a program); the
-write is bandwidth-bound. The builder may
-therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority stream, and the write on the forward's
-stream, where the hardware runs it on the ``k`` SMs left free and then on every SM the prefill gives back.
+write is bandwidth-bound. The builder may therefore plan the prefill on ``num_sms - k`` SMs, on a high-priority
+stream, and the write on the forward's stream, where the hardware runs it on the ``k`` SMs left free and then on
+every SM the prefill gives back (the step plan's ``WritePolicy.BESIDE``, :mod:`.step_plan`).
 
-What the H100 measured (``benchmarks/NOTES.md``): a few SMs move the write at well under their share of
-the GPU's bandwidth, and the write streaming through L2 beside a prefill of long sequences slows that prefill by
-more than the write saves. The overlap pays where the write is a large share of the step (many short prefills)
-and costs where it is small (long ones). :func:`cache_write_sms` encodes that: ``k`` SMs
-(:data:`WRITE_SM_FRACTION` of the GPU) when the write is at least :data:`MIN_WRITE_SHARE` of the write-then-prefill
-time and the prefill is long enough to hide the second stream's host cost, else 0 (the write first, one stream).
+Why a rule and not always: a few SMs move the write at well under their share of the GPU's bandwidth, and the
+write streaming through L2 beside a prefill of long sequences slows that prefill by more than the write saves. The
+overlap pays where the write is a large share of the step (many short prefills) and costs where it is small (long
+ones). :func:`cache_write_sms` encodes that: ``k`` SMs (:data:`WRITE_SM_FRACTION` of the GPU) when the write is at
+least :data:`MIN_WRITE_SHARE` of the write-then-prefill time and the prefill is long enough to hide the second
+stream's host cost, else 0 (the write first, one stream). The model's constants come from the write-beside
+measurements in ``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations
 
 __all__ = ["cache_write_bytes", "cache_write_sms", "write_share"]
 
-#: Dense causal prefill work one SM of the Gluon kernel does per microsecond (FLOP), at its slowest bench shape.
+#: Dense causal prefill work one SM of the Gluon kernel does per microsecond (FLOP), at its slowest shape.
 PREFILL_FLOPS_PER_SM_US = 3.5e6
 #: Bytes the write kernel moves per microsecond on the whole GPU (read + written).
 WRITE_BYTES_PER_US = 2.6e6

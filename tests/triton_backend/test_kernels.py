@@ -24,14 +24,9 @@ from attnbackends.testing import (  # noqa: E402
     oracle_attention,
     tolerance_for,
 )
-from attnbackends.triton.launch import (  # noqa: E402
-    KernelConfig,
-    SplitKVWorkspace,
-    check_unified_attention_args,
-    choose_num_kv_splits,
-    unified_attention,
-    varlen_attention,
-)
+from attnbackends.triton.heuristics import KernelConfig, choose_num_kv_splits  # noqa: E402
+from attnbackends.triton.launch import SplitKVWorkspace, unified_attention, varlen_attention  # noqa: E402
+from attnbackends.validation import check_unified_attention_args  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

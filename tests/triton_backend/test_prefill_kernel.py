@@ -13,7 +13,8 @@ from attnbackends import AttentionSpec  # noqa: E402
 from attnbackends.testing import SequenceShape as S  # noqa: E402
 from attnbackends.testing import assert_close_to_oracle, make_random_batch, oracle_attention, tolerance_for  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
-from attnbackends.triton.prefill_launch import prefill_kernel_pays, prefill_new_kv_unsupported_reason  # noqa: E402
+from attnbackends.triton.heuristics import prefill_kernel_pays  # noqa: E402
+from attnbackends.triton.prefill_launch import prefill_new_kv_unsupported_reason  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -44,6 +45,7 @@ def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int =
     import dataclasses
 
     from attnbackends.triton.prefill_launch import plan_prefill_new_kv
+    from attnbackends.triton.step_plan import Launch, LaunchKind, make_step_plan
 
     batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
     builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
@@ -57,7 +59,8 @@ def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int =
             max_query_len=batch.common.max_query_len, sliding_window=spec.sliding_window,
             use_softcap=bool(spec.logits_soft_cap), use_sinks=spec.has_sinks, config=config)
         assert planned.grid[0] == spec.num_heads // config.gqa_pack
-        meta = dataclasses.replace(meta, prefill_split=(decode_plan, planned))
+        step = make_step_plan(meta.plan, decode=decode_plan, prefill=Launch(LaunchKind.TRITON_PREFILL, planned))
+        meta = dataclasses.replace(meta, step=step)
     key, value = batch.key, batch.value
     if key_strided:  # keys and values as views of one fused [tokens, 2, kv_heads, head] projection
         fused = torch.stack([key, value], dim=1)
@@ -136,7 +139,7 @@ def test_features_match_oracle_interpreted(feature):
 def test_gqa_packed_tiles_match_oracle_interpreted(pack, feature):
     """gqa_pack heads of one KV head share a program's rows (token-major): same answers as the oracle, including
     the rows of a partial last token block, windows, soft-cap and per-head sinks."""
-    from attnbackends.triton.prefill_launch import PrefillConfig
+    from attnbackends.triton.heuristics import PrefillConfig
 
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype="float16", block_size=16,
                          **FEATURES.get(feature, {}))
@@ -144,7 +147,8 @@ def test_gqa_packed_tiles_match_oracle_interpreted(pack, feature):
 
 
 def test_gqa_pack_must_divide_the_heads_and_the_tile():
-    from attnbackends.triton.prefill_launch import PrefillConfig, plan_prefill_new_kv
+    from attnbackends.triton.heuristics import PrefillConfig
+    from attnbackends.triton.prefill_launch import plan_prefill_new_kv
 
     for pack, heads in ((4, 6), (3, 6), (32, 32)):
         with pytest.raises(ValueError, match="gqa_pack"):
@@ -240,7 +244,7 @@ def test_prefill_kernel_gpu_pages_and_fused_views(block_size):
 @pytest.mark.parametrize("config", [(64, 64, 4, 3, 4), (128, 64, 8, 3, 4), (128, 64, 8, 3, 2)], ids=str)
 @pytest.mark.parametrize("feature", ["plain", "window_sinks", "softcap"])
 def test_prefill_kernel_gpu_gqa_packed(head_size, config, feature):
-    from attnbackends.triton.prefill_launch import PrefillConfig
+    from attnbackends.triton.heuristics import PrefillConfig
 
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=head_size, dtype="bfloat16", block_size=16,
                          **{"plain": {}, "window_sinks": dict(sliding_window=128, has_sinks=True),
