@@ -117,14 +117,14 @@ def test_plan_grid_and_config():
         HopperPrefillConfig(block_n=32)
 
 
-def _common(shapes, device="cpu"):
-    """Metadata of a batch of (query_len, context_len) requests on consecutive pages."""
+def _common(shapes, device="cpu", block_size=SPEC.block_size):
+    """Metadata of a batch of (query_len, context_len) requests on consecutive pages of ``block_size`` tokens."""
     tables, at = [], 0
     for q, c in shapes:
-        n = -(-(q + c) // SPEC.block_size)
+        n = -(-(q + c) // block_size)
         tables.append(list(range(at, at + n)))
         at += n
-    return build_common_metadata([q for q, _ in shapes], [c for _, c in shapes], tables, SPEC.block_size, device)
+    return build_common_metadata([q for q, _ in shapes], [c for _, c in shapes], tables, block_size, device)
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_builder_lets_the_kernel_write_the_cache(fake_h100):
     assert not off.build(fresh).prefill_split[1].writes_cache
     odd_pages = _builder(SPEC.model_copy(update=dict(block_size=48)))
     assert "block_size 48" in odd_pages.hopper_cache_write_reason
-    assert not odd_pages.build(fresh).prefill_split[1].writes_cache
+    assert not odd_pages.build(_common([(300, 0), (2, 0), (129, 0)], block_size=48)).prefill_split[1].writes_cache
     assert prefill_hopper.cache_write_reason(HopperPrefillConfig(block_n=64), 16).startswith("key tiles of 64")
     with pytest.raises(ValueError, match="cannot write this cache"):
         plan_hopper_prefill(num_heads=32, num_kv_heads=8, head_size=128, num_seqs=1, first_seq=0, max_query_len=9,

@@ -343,3 +343,30 @@ def test_every_launching_kind_has_a_runner_case():
     """Adding a prefill kernel kind is one LaunchKind member and one runner case: this names a missing case."""
     launching = set(LaunchKind) - {K.FORK, K.JOIN}
     assert set(runner._CASES) == launching, f"kinds without a runner case: {launching - set(runner._CASES)}"
+
+
+@needs_gluon
+def test_the_paged_gluon_prefill_serves_chunks_on_context_and_steps_without_keys(fake_h100):
+    """Decodes and a chunk on cached context with the paged kernel on: the decodes on the unified kernel, the chunk on
+    the paged kernel, after the write where keys come and without it where they do not; a cache its TMA views cannot
+    take falls back to the unified programs; fresh prompts with keys keep the fresh-prompt kernel."""
+    builder = _builder(hopper_paged_prefill=True)
+    assert builder.paged_prefill_reason == ""
+    common = _common([(1, 40), (1, 70), (512, 1536)])
+    meta = builder.build(common)
+    step = meta.step
+    decode_plan, paged_plan = meta.paged_prefill
+    assert decode_plan.num_decodes == 2 and paged_plan.first_seq == 2
+    query, key, value, output, cache = _forward_tensors(common, num_blocks=128)
+    without_keys = step.program_for(query, None, None, output, cache, common.slot_mapping)
+    assert without_keys is step.paged_no_new_kv and without_keys.kinds() == (K.ATTENTION, K.GLUON_PAGED_PREFILL)
+    with_keys = step.program_for(query, key, value, output, cache, common.slot_mapping)
+    assert with_keys is step.paged_new_kv
+    assert with_keys.kinds() == (K.CACHE_WRITE, K.ATTENTION, K.GLUON_PAGED_PREFILL)
+    strided = torch.randn(128, 2, 16, 8, 256).to(SPEC.torch_dtype)[..., :128]
+    assert step.program_for(query, None, None, output, strided, common.slot_mapping) is step.no_new_kv
+    fresh = builder.build(_common([(300, 0), (129, 0)])).step
+    q2, k2, v2, o2, c2 = _forward_tensors(_common([(300, 0), (129, 0)]), num_blocks=128)
+    assert fresh.program_for(q2, k2, v2, o2, c2, _common([(300, 0), (129, 0)]).slot_mapping).kinds()[0] is K.GLUON_PREFILL
+    off = _builder(hopper_paged_prefill=False)
+    assert "hopper_paged_prefill" in off.paged_prefill_reason and off.build(common).paged_prefill is None
