@@ -3,7 +3,7 @@
 A request is run alone and inside bigger batches (other decodes and prefills around it, padding after it) with the
 same query, keys, values and pages; its output rows must agree within tolerance for every backend, and bitwise for
 the Triton backend in deterministic mode (``TritonMetadataBuilder(..., deterministic=True)``: no split-KV, one tile
-config fixed by the spec; README "Determinism").
+config fixed by the spec; README "Integrating an engine").
 """
 
 import dataclasses

@@ -44,13 +44,13 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     on_stack: set[str] = set()
     circles: list[list[str]] = []
 
-    def visit(v: str) -> None:
+    def connect(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
         for w in graph[v]:
             if w not in index:
-                visit(w)
+                connect(w)
                 low[v] = min(low[v], low[w])
             elif w in on_stack:
                 low[v] = min(low[v], index[w])
@@ -67,7 +67,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
     for v in sorted(graph):
         if v not in index:
-            visit(v)
+            connect(v)
     return circles
 
 

@@ -5,7 +5,7 @@ context from the pages.
 A program is GQA_PACK query heads of one KV head x one block of BLOCK_M // GQA_PACK query tokens of one sequence
 (its BLOCK_M rows: each token's heads in turn; GQA_PACK 1: one head, as FlashAttention tiles it; the query heads of
 a KV head packed together read each key and value tile once for all of them). Causal; with a sliding window
-(every visited tile masked), a logits soft-cap and attention sinks as options. Q, the new K/V and O move by
+(every tile it reads masked), a logits soft-cap and attention sinks as options. Q, the new K/V and O move by
 TMA tensor descriptors made per sequence (their row bound is the sequence's end, so boxes past it read zeros and
 store nothing); the cached context is read row by row through the block table. Tiles that every row sees
 entirely run without a mask; only the context's partial last tile and the causal diagonal are masked. Scores are
@@ -36,7 +36,7 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, n, pos, kv_end, qk_scale, soft_ca
                          SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
     """One online-softmax step over a [BLOCK_M, BLOCK_N] score tile: key ``n`` is visible from a row at position
     ``pos`` iff n <= pos, n < kv_end and (with a window) n > pos - SLIDING_WINDOW. Without a window every row sees a
-    key in the first tile it visits, so the running max is finite from then on; with one, a row may see nothing
+    key in the first tile it reads, so the running max is finite from then on; with one, a row may see nothing
     yet, and its max stays -inf without producing NaN."""
     if MASKED:
         visible = (n[None, :] <= pos[:, None]) & (n[None, :] < kv_end)

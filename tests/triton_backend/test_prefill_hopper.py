@@ -304,7 +304,7 @@ NAN = float("nan")
 
 
 def _finish(timeout_s: float = 60.0) -> None:
-    """Wait for the launched work; one still running after ``timeout_s`` is a barrier deadlock: end the session
+    """Wait for the launched work; one still running after ``timeout_s`` is a barrier deadlock: end the test run
     instead of hanging every later test."""
     ev = torch.cuda.Event()
     ev.record()
