@@ -215,6 +215,7 @@ def build_common_metadata(
         need = -(-(q + c) // block_size) if has_cache else 0
         if len(table) < need:
             raise ValueError(f"request {i}: block_tables[{i}] has {len(table)} pages, {q + c} tokens need {need}")
+        _check_used_pages(i, table, need)
         seq_lens.append(q + c)
         if not has_cache:
             slots.append(np.full(q, -1, dtype=np.int64))
@@ -253,7 +254,7 @@ def _int_list(name: str, values: Sequence[Any]) -> list[int]:
 
 
 def _page_ids(i: int, table: Sequence[Any]) -> np.ndarray:
-    """Request ``i``'s block table as int64 page ids (each an int >= 0); ValueError naming the entry otherwise."""
+    """Request ``i``'s block table as int64 page ids (each an int); ValueError naming the entry otherwise."""
     if isinstance(table, torch.Tensor):
         table = table.cpu()
     arr = np.asarray(table)
@@ -263,11 +264,16 @@ def _page_ids(i: int, table: Sequence[Any]) -> np.ndarray:
         for j, value in enumerate(table):  # the first entry that is not an int names the problem
             _as_int(f"block_tables[{i}][{j}]", value)
         raise ValueError(f"block_tables[{i}] must be a list of int page ids, got {table!r}")
-    negative = np.flatnonzero(arr < 0)
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_used_pages(i: int, table: np.ndarray, need: int) -> None:
+    """The ``need`` pages request ``i`` uses are >= 0 (columns past them may hold anything: engines pad rows with -1
+    or stale ids); ValueError naming the entry otherwise."""
+    negative = np.flatnonzero(table[:need] < 0)
     if negative.size:
         j = int(negative[0])
-        raise ValueError(f"block_tables[{i}][{j}] = {int(arr[j])}: page ids must be >= 0")
-    return arr.astype(np.int64, copy=False)
+        raise ValueError(f"block_tables[{i}][{j}] = {int(table[j])}: page ids must be >= 0")
 
 
 def _assemble(
@@ -335,6 +341,7 @@ def _check_encoder_tables(encoder_lens: Sequence[int], block_tables: Sequence[Se
         need = -(-s // block_size)
         if len(table) < need:
             raise ValueError(f"request {i}: block_tables[{i}] has {len(table)} pages, {s} encoder tokens need {need}")
+        _check_used_pages(i, table, need)
     return encoder_lens, block_tables, block_size
 
 

@@ -41,8 +41,10 @@ def _batch(tables, query_lens=(1, 5), context_lens=(20, 3), device=DEVICE):
 @pytest.mark.parametrize("bad_page", [99, NUM_BLOCKS, -1, -7])
 @pytest.mark.parametrize("host_copy", [True, False], ids=["host-table", "device-table-only"])
 def test_forward_rejects_a_page_outside_the_cache(backend, bad_page, host_copy):
-    tables = [[3, bad_page], [5]]
-    common, q, k, v, cache = _batch(tables)
+    common, q, k, v, cache = _batch([[3, 4], [5]])
+    # a page id rewritten in place after the metadata was built (build_common_metadata refuses a negative one)
+    common.block_table[0, 1] = bad_page
+    common.block_table_cpu[0, 1] = bad_page
     if not host_copy:
         common.block_table_cpu = None
     builder = backend.get_builder_cls()(SPEC, DEVICE)

@@ -88,7 +88,8 @@ def test_decode_page_table_contains_and_records(bad_page):
 
 
 def test_host_gathered_page_ids_are_contained_when_num_blocks_is_given():
-    common = build_common_metadata([1, 4], [20, 3], [[4, 99], [-1]], 16)
+    common = build_common_metadata([1, 4], [20, 3], [[4, 99], [5]], 16)
+    common.block_table[1, 0] = -1  # rewritten in place after the build (build_common_metadata refuses it)
     p = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16,
                              num_blocks=NUM_BLOCKS)
     assert p.kv_indices.tolist() == [4, 0, 0]
