@@ -134,12 +134,15 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--regs", nargs=2, type=int, help="consumer and loader registers (else the backend's)")
     ap.add_argument("--nbuf", type=int)
+    ap.add_argument("--no-epi-tma", action="store_true", help="O by masked stores, no staging in shared memory")
     ns = ap.parse_args()
     config = {}
     if ns.regs:
         config["regs"] = tuple(ns.regs)
     if ns.nbuf:
         config["nbuf"] = ns.nbuf
+    if ns.no_epi_tma:
+        config["epi_tma"] = False
     for name in ns.variants:
         rep = compile_variant(name, **config)
         rep["problems"] = problems(rep)

@@ -13,14 +13,15 @@ turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring
 
 - **K/V tiles from pages.** A key tile of BLOCK_N keys is BLOCK_N / BOX TMA boxes of ``BOX = min(PAGE, BLOCK_N)``
   rows of one KV head (``[BOX, HEAD]``, rows ``(2 * page + kv) * PAGE + offset`` of the cache viewed as
-  ``[num_blocks * 2 * PAGE, HKV * HEAD]``), all counted in the stage's one expect-tx. The loader reads each box's
-  page id from the block table (one scalar load per box, issued before it waits for the stage, so their latency
-  hides behind the wait).
-- **The sequence's end.** Key boxes that start past ``seq_len`` are not loaded (the stage keeps an older tile:
-  those keys lie above every valid row's diagonal and their scores are replaced by -inf, NaN included). Their
-  values enter P.V with weight 0, so they must be finite: the loader writes the value boxes that reach past
-  ``seq_len`` itself (generic loads of the valid rows, zeros for the rest, into the stage, fenced for the async
-  proxy before the stage's expect-tx arrival), so the slots past a sequence's end may hold anything.
+  ``[num_blocks * 2 * PAGE, HKV * HEAD]``), counted in one expect-tx of the whole tile. Every lane of the loader
+  warp holds every box's row (:func:`_tile_rows`), so issuing a box is a register move and a TMA; the rows are read
+  from the block table a tile ahead (tile j + 2's while the loader waits for tile j + 1's stage), and a value tile
+  uses its key tile's pages.
+- **The sequence's end.** Every box of a tile is loaded: boxes past ``seq_len`` read the sequence's last page
+  again (the block table is read only within the sequence). Those keys lie above every valid row's diagonal: their
+  scores are replaced by -inf, NaN included. Their values enter P.V with weight 0, so they must be finite: before
+  the P.V of an item's last tile (the only one that reaches past ``seq_len``) each consumer warpgroup zeroes the
+  stage's value rows past the end (:func:`_zero_value_tail`), so the slots past a sequence's end may hold anything.
 - **Options** (constexpr, off for the plain causal layer): a sliding window (``WINDOW`` keys: key n visible from
   position p iff p - WINDOW < n <= p; tiles left of the item's first row's window skipped, the left edge masked,
   the running max guarded while a row has seen no key), a logit soft-cap (``cap * tanh(s * scale / cap)`` before
