@@ -88,8 +88,28 @@ def compile_variant(name: str, **config) -> dict:
     rep["wgmma"] = dict(Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.[\w.]+)", ptx)))
     rep["setmaxnreg"] = re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
     rep.update(_sass_facts(sass))
+    rep.update(_sass_by_limit(sass))
+    if os.environ.get("PAGED_SASS_DIR"):
+        with open(os.path.join(os.environ["PAGED_SASS_DIR"], f"{name}.sass"), "w") as f:
+            f.write(sass)
     rep["config"] = dataclasses.asdict(plan.config)
     return rep
+
+
+def _sass_by_limit(sass: str) -> dict:
+    """Per setmaxnreg limit (each instruction under the last ``USETMAXREG`` above it): spill loads / stores
+    (``spills_by_limit``) and TMA loads issued (``tma_loads_by_limit``)."""
+    limit, spills, tma = "kernel", {}, {}
+    for line in sass.splitlines():
+        m = re.search(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", line)
+        if m:
+            limit = str(int(m.group(1), 16))
+            continue
+        if re.search(r"\b(?:LDL|STL)\b", line):
+            spills[limit] = spills.get(limit, 0) + 1
+        if "UTMALDG" in line:
+            tma[limit] = tma.get(limit, 0) + 1
+    return {"spills_by_limit": spills, "tma_loads_by_limit": tma}
 
 
 def problems(rep: dict) -> list[str]:
@@ -114,12 +134,15 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--regs", nargs=2, type=int, help="consumer and loader registers (else the backend's)")
     ap.add_argument("--nbuf", type=int)
+    ap.add_argument("--no-epi-tma", action="store_true", help="O by masked stores, no staging in shared memory")
     ns = ap.parse_args()
     config = {}
     if ns.regs:
         config["regs"] = tuple(ns.regs)
     if ns.nbuf:
         config["nbuf"] = ns.nbuf
+    if ns.no_epi_tma:
+        config["epi_tma"] = False
     for name in ns.variants:
         rep = compile_variant(name, **config)
         rep["problems"] = problems(rep)

@@ -223,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
     ap.add_argument("--paged-rows", action="store_true",
                     help="the paged Gluon prefill's rows only (prefill_chunk, prefill_cached, prefill, prefill_shape)")
+    ap.add_argument("--paged-shapes", nargs="*", default=None,
+                    help=f"with --paged-rows: the prefill_shape rows to run (of {', '.join(SHAPE_ROWS)}; default all)")
     ap.add_argument("--write-sweep", action="store_true",
                     help="time the cache write alone (tokens per program) and beside the prefill (SMs left to it)")
     ap.add_argument("--no-prefill-kernel", action="store_true",
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
     if args.prefill_sweep:
         return prefill_sweep(row, diff)
     if args.paged_rows:
-        return paged_rows(row, diff)
+        return paged_rows(row, diff, args.paged_shapes)
     if args.write_sweep:
         return write_sweep(row, diff)
 
@@ -524,9 +526,10 @@ def _visible_keys(shapes, window=0) -> int:
     return total
 
 
-def paged_rows(row, diff) -> int:
-    """The paged Gluon prefill (``hopper_paged_prefill=True``) through the public API, against the builder's
-    current default (``paged=False``: the unified / Triton prefill kernels, or the fresh-prompt Gluon kernel) and
+def paged_rows(row, diff, shape_names=None) -> int:
+    """The paged Gluon prefill (``hopper_paged_prefill=True``, the builder's default) through the public API,
+    against the builder without it ("default_*" fields: ``hopper_paged_prefill=False``, the unified / Triton prefill
+    kernels, or the fresh-prompt Gluon kernel) and
     FlashInfer's paged prefill on the same cache: ``prefill_chunk`` (a chunk on cached context, with its keys),
     ``prefill_cached`` (``forward(q, None, None)``, every key already in the cache), ``prefill`` (fresh prompts with
     keys: the default's fresh-prompt kernel and the paged one with the write first) and ``prefill_shape`` (the
@@ -605,6 +608,8 @@ def paged_rows(row, diff) -> int:
         emit_case("prefill", B, L, [(L, 0)] * B)
         emit_case("prefill_paged_fresh", B, L, [(L, 0)] * B, paged_kw=dict(hopper_prefill=False))
     for name, kw in SHAPE_ROWS.items():
+        if shape_names is not None and name not in shape_names:
+            continue
         emit_case("prefill_shape", 4, 8192, [(2048, 6144)] * 4, kw, shape=name, new=2048, cached=6144)
         emit_case("prefill_shape", 4, 4096, [(4096, 0)] * 4, kw, shape=name, new=4096, cached=0)
     return 0

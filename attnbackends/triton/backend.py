@@ -50,7 +50,13 @@ from .prefill_hopper import (
     hopper_prefill_reason,
     plan_hopper_prefill,
 )
-from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, paged_prefill_reason, plan_paged_split
+from .prefill_hopper_paged import (
+    PAGED_KERNEL_NOTE,
+    PAGED_PREFILL_DEFAULT,
+    paged_default_reason,
+    paged_prefill_reason,
+    plan_paged_split,
+)
 from .prefill_launch import plan_prefill_new_kv, prefill_new_kv_unsupported_reason
 from .runner import CacheViews, LayerArgs, TritonStepRunner
 from .step_plan import Launch, LaunchKind, TritonStepPlan, WritePolicy, make_step_plan
@@ -178,7 +184,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     hopper_paged_prefill : run the prefills of batches with prefills on the paged Gluon Hopper kernel
         (:mod:`attnbackends.triton.prefill_hopper_paged`: every key from the cache's pages, the step's keys written
         first; chunks on context and ``key=None`` steps included), except batches of fresh prompts whose forward
-        brings keys (the fresh-prompt kernel above). None: :data:`.prefill_hopper_paged.PAGED_PREFILL_DEFAULT`.
+        brings keys (the fresh-prompt kernel above). None: :data:`.prefill_hopper_paged.PAGED_PREFILL_DEFAULT`
+        (on), unless ``prefill_kernel=False``.
         ``paged_prefill_reason`` says why it is not used ("": used).
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
@@ -214,8 +221,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         #: Why batches with prefills do not run on the paged Gluon kernel (:mod:`.prefill_hopper_paged`; "": they do).
         self.paged_prefill_reason: str = paged_prefill_reason(
             spec, info.compute_capability, interpreted=interpreted, deterministic=self.deterministic)
-        if not (PAGED_PREFILL_DEFAULT if hopper_paged_prefill is None else hopper_paged_prefill):
-            self.paged_prefill_reason = "turned off (hopper_paged_prefill)"
+        if not (PAGED_PREFILL_DEFAULT and prefill_kernel is not False if hopper_paged_prefill is None
+                else hopper_paged_prefill):
+            self.paged_prefill_reason = "turned off (hopper_paged_prefill, or prefill_kernel=False)"
         self.prefill_kernel_forced = prefill_kernel is True
         self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
         if cache_write_sms is not None and not 0 <= int(cache_write_sms) < max(self.num_sms, 1):
@@ -444,6 +452,12 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         self._validated = True
 
 
+def _cache_write_note(spec: AttentionSpec) -> str:
+    writes = cache_write_reason(HopperPrefillConfig(), spec.block_size)
+    return ("the kernel writes the step's keys and values into the cache itself, a writer warp TMA-storing whole "
+            "pages" if not writes else f"the cache write runs before or beside it, not in it: {writes}")
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Our unified paged-attention kernels (Triton): mixed batches in one launch, split-KV decode, fp8 KV."""
 
@@ -467,22 +481,30 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        """The prefill kernel a default builder runs for batches with prefills (when the forward brings the step's
-        keys and values), with the reason where the Gluon Hopper kernel is ruled out."""
+        """The prefill kernel a default builder runs for batches with prefills (the paged Gluon kernel for chunks
+        on cached context and ``key=None`` steps, the fresh-prompt Gluon kernel for fresh prompts with keys), with
+        the reason where a Gluon Hopper kernel is ruled out."""
+        paged_why = paged_default_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
         why = prefill_split_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
-        if why is not None:
-            return [f"prefill kernel: the unified kernel (the prefill kernels are not used: {why})"]
         triton = ("the Triton prefill kernel (new tokens' keys from the forward, cached context from the pages) where "
                   "the new tokens' work is at least the cached context's, else the unified kernel")
         hopper = hopper_prefill_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
+        if not paged_why:
+            paged = (f"{PAGED_KERNEL_NOTE}; where the query or cache rows do not fit its TMA views, "
+                     f"{triton if why is None else 'the unified kernel'}")
+            if hopper:
+                return [f"prefill kernel: {paged}; fresh prompts too (not the Gluon Hopper kernel: {hopper})"]
+            return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong "
+                    "consumer warpgroups, persistent) for batches whose prefills have no cached context and whose "
+                    f"forward brings their keys; {_cache_write_note(spec)}; for others {paged}"]
+        not_paged = f"not the paged Gluon Hopper kernel: {paged_why}"
+        if why is not None:
+            return [f"prefill kernel: the unified kernel (the prefill kernels are not used: {why}; {not_paged})"]
         if hopper:
-            return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {hopper}"]
-        writes = cache_write_reason(HopperPrefillConfig(), spec.block_size)
-        write = ("the kernel writes the step's keys and values into the cache itself, a writer warp TMA-storing "
-                 "whole pages" if not writes else f"the cache write runs before or beside it, not in it: {writes}")
+            return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {hopper}; {not_paged}"]
         return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong consumer "
-                f"warpgroups, persistent) for batches whose prefills have no cached context; {write}; for others "
-                f"{triton}"]
+                f"warpgroups, persistent) for batches whose prefills have no cached context; "
+                f"{_cache_write_note(spec)}; for others {triton}; {not_paged}"]
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:

@@ -7,20 +7,21 @@ only the query, the pages and the block table.
 
 Query row i of a sequence with ``ctx = seq_len - query_len`` cached tokens sits at position ``ctx + i``: the
 causal diagonal of the sequence's query block m0 .. m0 + 127 ends at key ``ctx + m0 + 127``, so a work item
-(head, sequence, query block) visits key tiles ``j0 .. cdiv(ctx + min(query_len, m0 + 128), BLOCK_N) - 1``
+(head, sequence, query block) reads key tiles ``j0 .. cdiv(ctx + min(query_len, m0 + 128), BLOCK_N) - 1``
 (``j0`` past the tiles left of every row's sliding window, else 0). The work order, the barriers, the ping-pong
 turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring); what differs:
 
 - **K/V tiles from pages.** A key tile of BLOCK_N keys is BLOCK_N / BOX TMA boxes of ``BOX = min(PAGE, BLOCK_N)``
   rows of one KV head (``[BOX, HEAD]``, rows ``(2 * page + kv) * PAGE + offset`` of the cache viewed as
-  ``[num_blocks * 2 * PAGE, HKV * HEAD]``), all counted in the stage's one expect-tx. The loader reads each box's
-  page id from the block table (one scalar load per box, issued before it waits for the stage, so their latency
-  hides behind the wait).
-- **The sequence's end.** Key boxes that start past ``seq_len`` are not loaded (the stage keeps an older tile:
-  those keys lie above every valid row's diagonal and their scores are replaced by -inf, NaN included). Their
-  values enter P.V with weight 0, so they must be finite: the loader writes the value boxes that reach past
-  ``seq_len`` itself (generic loads of the valid rows, zeros for the rest, into the stage, fenced for the async
-  proxy before the stage's expect-tx arrival), so the slots past a sequence's end may hold anything.
+  ``[num_blocks * 2 * PAGE, HKV * HEAD]``), counted in one expect-tx of the whole tile. Every lane of the loader
+  warp holds every box's row (:func:`_tile_rows`), so issuing a box is a register move and a TMA; the rows are read
+  from the block table a tile ahead (tile j + 2's while the loader waits for tile j + 1's stage), and a value tile
+  uses its key tile's pages.
+- **The sequence's end.** Every box of a tile is loaded: boxes past ``seq_len`` read the sequence's last page
+  again (the block table is read only within the sequence). Those keys lie above every valid row's diagonal: their
+  scores are replaced by -inf, NaN included. Their values enter P.V with weight 0, so they must be finite: before
+  the P.V of an item's last tile (the only one that reaches past ``seq_len``) each consumer warpgroup zeroes the
+  stage's value rows past the end (:func:`_zero_value_tail`), so the slots past a sequence's end may hold anything.
 - **Options** (constexpr, off for the plain causal layer): a sliding window (``WINDOW`` keys: key n visible from
   position p iff p - WINDOW < n <= p; tiles left of the item's first row's window skipped, the left edge masked,
   the running max guarded while a row has seen no key), a logit soft-cap (``cap * tanh(s * scale / cap)`` before
@@ -46,13 +47,17 @@ from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
 from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, hopper_prefill_items
 
-__all__ = ["PAGED_PREFILL_DEFAULT", "PAGED_HEAD_SIZES", "forward_paged", "plan_paged_split", "PagedPrefillConfig", "PagedPrefillPlan", "default_paged_config",
+__all__ = ["PAGED_KERNEL_NOTE", "PAGED_PREFILL_DEFAULT", "paged_default_reason", "PAGED_HEAD_SIZES", "plan_paged_split", "PagedPrefillConfig", "PagedPrefillPlan", "default_paged_config",
            "launch_paged_prefill", "paged_prefill_args", "paged_prefill_reason", "plan_paged_prefill",
            "paged_cache_reason"]
 
 PAGED_HEAD_SIZES = (64, 128, 256)
 #: Whether a builder plans the paged kernel unless told (its ``hopper_paged_prefill`` option).
-PAGED_PREFILL_DEFAULT = False
+PAGED_PREFILL_DEFAULT = True
+#: What the kernel serves, as ``attnbackends explain`` names it.
+PAGED_KERNEL_NOTE = ("the paged Gluon Hopper kernel (every key from the cache's pages by TMA, a loader warp, two "
+                     "ping-pong consumer warpgroups, persistent) for chunks on cached context, prefix-cache hits, "
+                     "recomputation and key=None steps")
 
 if gluon_available():
     from triton.experimental import gluon
@@ -78,7 +83,7 @@ class PagedPrefillConfig:
     pingpong: bool = True
     persistent: bool = True
     epi_tma: bool = True
-    regs: tuple[int, int] = (224, 56)  # the loader's page ids and tail fill need more than the fresh kernel's
+    regs: tuple[int, int] = (240, 24)
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128) or self.nbuf < 2:
@@ -150,6 +155,16 @@ def paged_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, in
     if not gluon_available():
         return "triton.experimental.gluon is not installed"
     return ""
+
+
+def paged_default_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
+                         interpreted: bool = False) -> str:
+    """Why a builder with default options does not plan the paged kernel for a layer ``spec`` ("" if it does):
+    :func:`paged_prefill_reason`, or the default being off (:data:`PAGED_PREFILL_DEFAULT`)."""
+    why = paged_prefill_reason(spec, compute_capability, interpreted=interpreted)
+    if not why and not PAGED_PREFILL_DEFAULT:
+        why = "off unless asked for (hopper_paged_prefill=True)"
+    return why
 
 
 def paged_cache_reason(kv_cache: torch.Tensor) -> str:
@@ -268,66 +283,45 @@ if gluon_available():
         return h, seq, start, q_len, ctx, m0, j0, j_end, (w < num_items) & (m0 < q_len)
 
     @gluon.jit
-    def _fill_value_rows(CACHE, buf, bt, key0, first, seq_len, col, HKV: gl.constexpr, HEAD: gl.constexpr,
-                         BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
-        """Write rows ``first`` .. BLOCK_N - 1 (a multiple of 8) of the value tile of keys key0 .. in shared memory
-        ``buf`` [BLOCK_N, HEAD] with generic stores: the values of keys < seq_len from their pages, zeros past the
-        end. In pieces of 8 rows x 64 columns (one swizzle atom of 16-bit values; 16 values per lane)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        for ch in gl.static_range(BLOCK_N // 8):
-            if ch * 8 >= first:  # one branch per piece: its loads are not hoisted next to another piece's
-                k = key0 + ch * 8  # 8 keys of one page (pages hold a multiple of 8)
-                pg = gl.load(bt + gl.minimum(k, seq_len - 1) // PAGE)
-                base = CACHE + ((2 * pg + 1) * PAGE + k % PAGE).to(gl.int64) * (HKV * HEAD) + col
-                mask = gl.expand_dims(k + rows < seq_len, 1) & gl.expand_dims(cols < 64, 0)
-                for c0 in gl.static_range(0, HEAD, 64):
-                    ptrs = base + gl.expand_dims(rows * (HKV * HEAD), 1) + gl.expand_dims(c0 + cols, 0)
-                    buf.slice(ch * 8, 8).slice(c0, 64, dim=1).store(gl.load(ptrs, mask=mask, other=0.0))
-
-    @gluon.jit
-    def _load_paged_tile(c_desc, bufs, ready, empty, CACHE, bt, j, g, seq_len, col, KV: gl.constexpr,
-                         HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-                         PAGE: gl.constexpr):
-        """Key (KV = 0) or value (KV = 1) tile j (keys j * BLOCK_N ..) of one KV head into stage g % NBUF, once both
-        consumers released it: one TMA box per BOX keys of a page; key boxes past the sequence's end skipped, value
-        boxes that reach past it written by :func:`_fill_value_rows` before the stage's expect-tx arrival."""
+    def _tile_rows(bt, j, seq_len, KV: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+        """The cache rows of the boxes of key (KV = 0) or value (KV = 1) tile j of one sequence: [BLOCK_N // BOX]
+        int32, rows ``(2 * page + KV) * PAGE + offset`` of the [num_blocks * 2 * PAGE, HKV * HEAD] view, one per
+        box of ``BOX = min(PAGE, BLOCK_N)`` keys. Keys past the sequence's end read its last page (their scores are
+        masked, their values zeroed by the consumers), so the block table is read only within the sequence. Every
+        lane holds every box's row (size_per_thread covers the tile): picking a box's row is a register move."""
         BOX: gl.constexpr = BLOCK_N if PAGE > BLOCK_N else PAGE
         NB: gl.constexpr = BLOCK_N // BOX
-        key0 = j * BLOCK_N
-        box_ids = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        # One load of the tile's page ids, issued before the wait so that its latency hides behind it.
-        pages = gl.load(bt + gl.minimum(key0 + box_ids * BOX, seq_len - 1) // PAGE)
-        if KV == 0:
-            n_tma = gl.minimum(gl.cdiv(seq_len - key0, BOX), NB)  # boxes that start before the end
-        else:
-            n_tma = gl.minimum((seq_len - key0) // BOX, NB)  # boxes wholly before the end
+        layout: gl.constexpr = gl.BlockedLayout([NB], [32], [1], [0])
+        k0 = j * BLOCK_N + gl.arange(0, NB, layout=layout) * BOX
+        pages = gl.load(bt + gl.minimum(k0, seq_len - 1) // PAGE)
+        return (2 * pages + KV) * PAGE + k0 % PAGE
+
+    @gluon.jit
+    def _issue_tile(c_desc, bufs, ready, empty, rows, g, col, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                    PAGE: gl.constexpr):
+        """The boxes of one key or value tile (``rows``: :func:`_tile_rows`) into stage g % NBUF once both consumers
+        released it; one expect-tx of the whole tile's bytes."""
+        BOX: gl.constexpr = BLOCK_N if PAGE > BLOCK_N else PAGE
+        NB: gl.constexpr = BLOCK_N // BOX
+        box_ids = gl.arange(0, NB, layout=gl.BlockedLayout([NB], [32], [1], [0]))
         s = g % NBUF
         mbarrier.wait(empty.index(s), ((g // NBUF) & 1) ^ 1)
+        bar = ready.index(s)
         buf = bufs.index(s)
-        if KV == 1:
-            if n_tma < NB:
-                _fill_value_rows(CACHE, buf, bt, key0, n_tma * BOX, seq_len, col, HKV, HEAD, BLOCK_N, PAGE)
-                fence_async_shared()  # the generic stores visible to wgmma before the arrival below releases them
-        bar = ready.index(s)  # NB arrivals: each box's expect-tx with its TMA, or a plain one where not loaded
+        mbarrier.expect(bar, NB * c_desc.block_type.nbytes)
         for c in gl.static_range(NB):
-            if c < n_tma:
-                k0 = key0 + c * BOX
-                pg = gl.max(gl.where(box_ids == c, pages, 0), axis=0)
-                row = (2 * pg + KV) * PAGE + k0 % PAGE
-                mbarrier.expect(bar, c_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(c_desc, [row, col], bar, buf.slice(c * BOX, BOX))
-            else:
-                mbarrier.arrive(bar, count=1)
+            row = gl.max(gl.where(box_ids == c, rows, 0), axis=0)  # within each lane: rows is replicated
+            tma.async_copy_global_to_shared(c_desc, [row, col], bar, buf.slice(c * BOX, BOX))
 
     @gluon.jit
     def _paged_loader(q_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      CACHE, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr,
+                      QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr,
                       HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NBUF: gl.constexpr, PAGE: gl.constexpr, WINDOW: gl.constexpr):
         """1 warp. Per work item: Q once both consumers are done with the previous one, K_{j0}, then per tile j
-        K_{j+1} (one ahead) and V_j."""
+        K_{j+1} (one ahead) and V_j. The block-table reads run a tile ahead of the TMA: tile j + 2's rows are
+        loaded while the loader waits for tile j + 1's stage, and V_j reuses K_j's pages."""
+        PAGE_ROWS: gl.constexpr = PAGE  # a value box's row is its key box's plus PAGE
         it = 0
         i = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
@@ -338,17 +332,19 @@ if gluon_available():
                 seq_len = ctx + q_len
                 bt = BT + seq.to(gl.int64) * stride_bt
                 nt = j_end - j0
+                rows = _tile_rows(bt, j0, seq_len, 0, BLOCK_N, PAGE)
+                rows_next = _tile_rows(bt, j0 + 1, seq_len, 0, BLOCK_N, PAGE)
                 mbarrier.wait(q_empty, (i & 1) ^ 1)
                 mbarrier.expect(q_ready, q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
-                _load_paged_tile(c_desc, k_bufs, k_ready, k_empty, CACHE, bt, j0, it, seq_len, col, 0, HKV, HEAD,
-                                 BLOCK_N, NBUF, PAGE)
+                _issue_tile(c_desc, k_bufs, k_ready, k_empty, rows, it, col, BLOCK_N, NBUF, PAGE)
                 for jj in range(nt):
+                    rows_v = rows + PAGE_ROWS
                     if jj + 1 < nt:
-                        _load_paged_tile(c_desc, k_bufs, k_ready, k_empty, CACHE, bt, j0 + jj + 1, it + jj + 1,
-                                         seq_len, col, 0, HKV, HEAD, BLOCK_N, NBUF, PAGE)
-                    _load_paged_tile(c_desc, v_bufs, v_ready, v_empty, CACHE, bt, j0 + jj, it + jj, seq_len, col, 1,
-                                     HKV, HEAD, BLOCK_N, NBUF, PAGE)
+                        rows = rows_next
+                        rows_next = _tile_rows(bt, j0 + jj + 2, seq_len, 0, BLOCK_N, PAGE)
+                        _issue_tile(c_desc, k_bufs, k_ready, k_empty, rows, it + jj + 1, col, BLOCK_N, NBUF, PAGE)
+                    _issue_tile(c_desc, v_bufs, v_ready, v_empty, rows_v, it + jj, col, BLOCK_N, NBUF, PAGE)
                 it += nt
                 i += 1
 
@@ -391,12 +387,34 @@ if gluon_available():
         return gl.convert_layout(p.to(dtype), p_layout), l_i, m_new, alpha
 
     @gluon.jit
+    def _zero_value_tail(buf, first, HEAD: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Rows ``first`` .. BLOCK_N - 1 of a value tile in shared memory ``buf`` [BLOCK_N, HEAD] to zero (they
+        hold the sequence's last page again, or slots past its end: anything, NaN included, and they enter P.V with
+        weight 0). Both consumer warpgroups run it on the same stage: they write the same bits (zeros, or a valid
+        row's own value), so neither disturbs the other's P.V. In pieces of 8 rows x 64 columns (one swizzle atom
+        of 16-bit values; 4 values per thread); the writes are fenced for wgmma and the warpgroup synchronised."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        for ch in gl.static_range(BLOCK_N // 8):
+            if ch * 8 + 8 > first:
+                keep = gl.expand_dims(ch * 8 + rows < first, 1) & gl.expand_dims(cols >= 0, 0)
+                for c0 in gl.static_range(0, HEAD, 64):
+                    piece = buf.slice(ch * 8, 8).slice(c0, 64, dim=1)
+                    vals = piece.load(layout)
+                    piece.store(gl.where(keep, vals, gl.zeros_like(vals)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, pos0, j0, nt, it, t,
-                      qk_scale, cap_in, cap_out, WG: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NBUF: gl.constexpr, PINGPONG: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
-        """One warpgroup's 64 query rows at positions pos0 .. pos0 + 63 against key tiles j0 .. j0 + nt - 1: (O
-        unnormalised [64, HEAD] float32, row sums, row maxima). Stages and turns as in
-        :func:`.prefill_hopper._attend`."""
+                      seq_len, qk_scale, cap_in, cap_out, WG: gl.constexpr, HEAD: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr, WINDOW: gl.constexpr,
+                      SOFTCAP: gl.constexpr):
+        """One warpgroup's 64 query rows at positions pos0 .. pos0 + 63 against key tiles j0 .. j0 + nt - 1 of a
+        sequence of ``seq_len`` keys: (O unnormalised [64, HEAD] float32, row sums, row maxima). Stages and turns as
+        in :func:`.prefill_hopper._attend`; the last tile's value rows past ``seq_len`` are zeroed before its
+        P.V (:func:`_zero_value_tail`)."""
         ROWS: gl.constexpr = 64
         dtype: gl.constexpr = q.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -443,6 +461,9 @@ if gluon_available():
         mbarrier.arrive(q_empty, count=1)
         last = (it + nt - 1) % NBUF
         mbarrier.wait(v_ready.index(last), ((it + nt - 1) // NBUF) & 1)
+        tail = seq_len - (j0 + nt - 1) * BLOCK_N  # valid keys of the last tile (only it reaches past the end)
+        if tail < BLOCK_N:
+            _zero_value_tail(v_bufs.index(last), tail, HEAD, BLOCK_N)
         _turn_wait(turn, t + nt, WG, PINGPONG)
         o_tok = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
@@ -474,8 +495,8 @@ if gluon_available():
                 nt = j_end - j0
                 mbarrier.wait(q_ready, i & 1)
                 o, l_i, m_i = _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                                            ctx + r0, j0, nt, it, it + i, qk_scale, cap_in, cap_out, WG, HEAD,
-                                            BLOCK_N, NBUF, PINGPONG, WINDOW, SOFTCAP)
+                                            ctx + r0, j0, nt, it, it + i, ctx + q_len, qk_scale, cap_in, cap_out,
+                                            WG, HEAD, BLOCK_N, NBUF, PINGPONG, WINDOW, SOFTCAP)
                 it += nt
                 i += 1
 
@@ -543,10 +564,9 @@ if gluon_available():
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)
-        BOXES: gl.constexpr = BLOCK_N // (BLOCK_N if PAGE > BLOCK_N else PAGE)
         for s in gl.static_range(NBUF):
-            mbarrier.init(k_ready.index(s), count=BOXES)  # one arrival per box of a tile (:func:`_load_paged_tile`)
-            mbarrier.init(v_ready.index(s), count=BOXES)
+            mbarrier.init(k_ready.index(s), count=1)  # the loader's expect-tx of the tile (:func:`_issue_tile`)
+            mbarrier.init(v_ready.index(s), count=1)
             mbarrier.init(k_empty.index(s), count=2)
             mbarrier.init(v_empty.index(s), count=2)
         for s in gl.static_range(2):
@@ -564,7 +584,7 @@ if gluon_available():
                                qk_scale, cap_in, cap_out, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
                                WINDOW, SOFTCAP, SINKS)),
             (_paged_loader, (q_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, CACHE, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ,
+                             v_empty, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ,
                              HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, PAGE, WINDOW)),
         ], [4, 1], [REGS_CONSUMER, REGS_LOAD])
 
@@ -586,29 +606,3 @@ def plan_paged_split(builder, common, num_decodes: int, num_decode_tokens: int, 
                               max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens,
                               num_sms=builder.num_sms)
     return decode_plan, plan
-
-
-def forward_paged(impl, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
-                  kv_cache: torch.Tensor, metadata, output: torch.Tensor) -> bool:
-    """Run a batch the builder planned for the paged kernel (``metadata.paged_prefill``): the step's keys and values
-    (if given) into the cache, the decodes on the unified kernel, the rest on the paged kernel. False (nothing
-    launched) where the query / output rows or the cache do not fit the kernel's TMA views
-    (:func:`.prefill_launch.tma_compatible`, :func:`paged_cache_reason`): the unified plan then runs."""
-    from .launch import launch_attention
-    from .prefill_launch import tma_compatible
-
-    if not tma_compatible(query, query, query, output) or paged_cache_reason(kv_cache):
-        return False
-    common = metadata.common
-    decode_plan, plan = metadata.paged_prefill
-    alibi, sinks = impl._features(query.device)
-    if key is not None:
-        impl.update_kv_cache(key, value, kv_cache, common.slot_mapping)
-    _, key_cache, value_cache, cache_key = impl._views_of(kv_cache)
-    if decode_plan is not None:
-        launch_attention(decode_plan, query, key_cache, value_cache, output, common.query_start_loc, common.seq_lens,
-                         common.block_table, impl.scale, impl._soft_cap, alibi, sinks, impl.k_scale, impl.v_scale,
-                         cache_key=cache_key)
-    launch_paged_prefill(plan, query, output, kv_cache, common.block_table, common.seq_lens, common.query_start_loc,
-                         impl.scale, impl._soft_cap, sinks)
-    return True

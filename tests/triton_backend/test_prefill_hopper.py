@@ -356,6 +356,7 @@ def run_forward(spec, shapes, *, seed=0, pad_tokens=3, layout=None, slots=None, 
         t[n:] = NAN
     if slots is not None:
         batch.common.slot_mapping.copy_(slots(batch))
+    builder_kw.setdefault("hopper_paged_prefill", False)  # batches with context on the Triton prefill kernel
     builder = TritonAttentionBackend.get_builder_cls()(spec, "cuda", **builder_kw)
     impl = TritonAttentionBackend.get_impl_cls()(spec)
     meta = builder.build(batch.common)

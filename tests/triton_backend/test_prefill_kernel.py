@@ -48,7 +48,8 @@ def run_forward(spec: AttentionSpec, shapes, *, seed: int = 0, pad_tokens: int =
     from attnbackends.triton.step_plan import Launch, LaunchKind, make_step_plan
 
     batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=pad_tokens)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True,
+                                                       hopper_paged_prefill=False)  # not the paged Gluon kernel
     impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
     meta = builder.build(batch.common)
     if config is not None:
@@ -262,7 +263,8 @@ def test_prefill_kernel_gpu_overlapped_with_decodes():
     impl = TritonAttentionBackend.get_impl_cls()(spec)
     outs = []
     for overlap in (False, True):
-        builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True, overlap_decodes=overlap)
+        builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=True, overlap_decodes=overlap,
+                                                           hopper_paged_prefill=False)
         meta = builder.build(batch.common)
         assert meta.prefill_split[0] is not None and meta.overlap_streams == overlap
         out = batch.new_output()
