@@ -138,12 +138,12 @@ def test_decodes_before_fresh_prefills_on_sm90(fake_h100):
 @needs_gluon
 def test_chunked_prefills_on_sm90_run_the_triton_prefill_kernel(fake_h100):
     """Prefills with cached context (new-token work dominating) take the Triton prefill kernel after the decodes;
-    context-heavy ones stay on the unified kernel."""
-    step = _builder().build(_common([(1, 40), (200, 0), (100, 64), (129, 0)])).step
+    context-heavy ones stay on the unified kernel (with the paged Gluon prefill off; on, it serves both)."""
+    step = _builder(hopper_paged_prefill=False).build(_common([(1, 40), (200, 0), (100, 64), (129, 0)])).step
     assert step.new_kv_rows.kinds() == (K.CACHE_WRITE, K.ATTENTION, K.TRITON_PREFILL)
     prefill = step.new_kv_rows.launches[2].plan
     assert isinstance(prefill, PrefillPlan) and prefill.first_seq == 1 and step.decode_plan.num_decodes == 1
-    assert _builder().build(_common([(1, 40), (16, 2000)])).step.new_kv_rows is None
+    assert _builder(hopper_paged_prefill=False).build(_common([(1, 40), (16, 2000)])).step.new_kv_rows is None
 
 
 def test_mixed_batch_on_the_interpreter_splits_when_asked():
@@ -177,7 +177,7 @@ def test_tree_verify_batches_never_split():
 @needs_gluon
 def test_program_for_picks_by_the_forward_tensors(fake_h100):
     common = _common([(300, 0), (2, 0), (129, 0)])
-    step = _builder().build(common).step
+    step = _builder(hopper_paged_prefill=False).build(common).step
     q, k, v, o, cache = _forward_tensors(common)
     slots = common.slot_mapping
     assert step.program_for(q, None, None, o, cache, slots) is step.no_new_kv  # key=None: the cache holds them
