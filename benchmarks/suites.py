@@ -61,6 +61,12 @@ SUITES: dict[str, Suite] = {
                          "acceptance and tokens/s per drafter", out_dir_file="spec_engine.json"),
     "serving_trace": Suite("benchmarks.serving_trace", "serving traces (chat, long documents, short prompts, "
                            "decode-heavy) on model layer shapes"),
+    "prefill_hopper_paged_sweep": Suite("benchmarks.prefill_hopper_paged_sweep", "configurations of the paged "
+                                        "Gluon prefill (registers, stages, O staging) on chunk and fresh shapes"),
+    "bad_input_cost": Suite("benchmarks.bad_input_cost", "host cost of the per-step bad-input checks in build() "
+                            "and forward(), by how the engine passes the batch"),
+    "hf_generate_batch": Suite("benchmarks.hf_generate_batch", "transformers' generate_batch tokens/s with "
+                               "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
     "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",
                        gpus=2),
 }
