@@ -14,7 +14,7 @@ import torch
 
 from ..metadata import CommonAttentionMetadata
 from .plan_inputs import paged_kv_plan_inputs
-from .workspace import shared_workspace
+from .wrapper_pool import standalone_decode_wrapper
 
 __all__ = ["forward_with_lse"]
 
@@ -38,8 +38,7 @@ def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: 
         torch.arange(n + 1, dtype=torch.int32), common.seq_lens_cpu[held_cpu].to(torch.int32),
         common.block_table.index_select(0, held), spec.block_size,
     )
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        shared_workspace(query.device), "NHD", use_tensor_cores=spec.num_queries_per_kv > 1)
+    wrapper = standalone_decode_wrapper(flashinfer, query.device, spec.num_queries_per_kv > 1)
     wrapper.plan(
         inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len, spec.num_heads, spec.num_kv_heads,
         spec.head_size, spec.block_size, pos_encoding_mode="NONE", logits_soft_cap=spec.logits_soft_cap,

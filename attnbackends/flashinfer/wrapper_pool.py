@@ -7,7 +7,8 @@ custom mask may not take one), one two-level cascade; one
 decode wrapper per draft step (every step's plan must survive the later steps' planning). CUDA-graph wrappers: a
 decode wrapper per captured batch size, all on one set of persistent page-table buffers (one batch runs at a time;
 each sees its own prefix of them), and a prefill wrapper per captured verify shape (requests, tokens, tree), each
-on its own buffers (a tree wrapper also owns a packed-mask buffer).
+on its own buffers (a tree wrapper also owns a packed-mask buffer). :func:`standalone_decode_wrapper` makes the one
+wrapper planned outside a builder (partial attention with its log-sum-exp, :mod:`.lse_forward`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .plan_inputs import DevicePlanBuffer
 from .workspace import shared_workspace
 
-__all__ = ["KV_LAYOUT", "WrapperPool"]
+__all__ = ["KV_LAYOUT", "WrapperPool", "standalone_decode_wrapper"]
 
 KV_LAYOUT = "NHD"  # kv_cache[:, 0] / [:, 1] are [num_blocks, block_size, num_kv_heads, head_size]
+
+
+def standalone_decode_wrapper(flashinfer: Any, device: torch.device, use_tensor_cores: bool) -> Any:
+    """A new eager decode wrapper on the device's shared workspace, for a call that plans and runs it at once
+    (a new one per call: no later plan rewrites buffers a pending run still reads)."""
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(shared_workspace(device), KV_LAYOUT,
+                                                         use_tensor_cores=use_tensor_cores)
 
 
 class WrapperPool:

@@ -160,13 +160,14 @@ def test_builder_puts_fresh_prefills_on_the_gluon_kernel(fake_h100, shapes, deco
 
 @needs_gluon
 def test_builder_keeps_the_other_paths(fake_h100):
+    """With the paged Gluon prefill off (on, it takes the prefills these paths would serve: test_step_plan.py)."""
     fresh = _common([(1, 40), (300, 0), (129, 0)])
     with_context = _common([(1, 40), (200, 0), (100, 64), (129, 0)])  # new-token work dominates: Triton kernel
     context_heavy = _common([(1, 40), (16, 2000)])  # the unified kernel (prefill_kernel_pays)
-    builder = _builder()
+    builder = _builder(hopper_paged_prefill=False)
     assert isinstance(builder.build(with_context).prefill_split[1], PrefillPlan)
     assert builder.build(context_heavy).prefill_split is None
-    off = _builder(hopper_prefill=False)
+    off = _builder(hopper_prefill=False, hopper_paged_prefill=False)
     assert "hopper_prefill=False" in off.hopper_prefill_reason
     assert isinstance(off.build(fresh).prefill_split[1], PrefillPlan)
     assert _builder(prefill_kernel=False).build(fresh).prefill_split is None
