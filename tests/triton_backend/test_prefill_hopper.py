@@ -174,7 +174,7 @@ def test_builder_keeps_the_other_paths(fake_h100):
     deterministic = _builder(deterministic=True)
     assert "deterministic" in deterministic.hopper_prefill_reason
     assert deterministic.build(fresh).prefill_split is None
-    window = _builder(SPEC.model_copy(update=dict(sliding_window=256)))
+    window = _builder(SPEC.model_copy(update=dict(sliding_window=256)), hopper_paged_prefill=False)
     assert "sliding window" in window.hopper_prefill_reason
     assert isinstance(window.build(fresh).prefill_split[1], PrefillPlan)
 
