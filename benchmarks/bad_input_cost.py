@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
 
 from attnbackends import AttentionSpec, build_common_metadata
 from attnbackends.interface import AttentionImpl

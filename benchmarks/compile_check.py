@@ -73,54 +73,22 @@ def _sass_facts(sass: str) -> dict:
             "global_stores": dict(Counter(re.findall(r"\b(STG\.E(?:\.\w+)?)\b", sass)))}
 
 
-def gluon_prefill_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, cache_write: bool = False,
-                         keep_asm: bool = False, **config: Any) -> dict:
-    """Compile the Gluon prefill for sm_90 as the GPU's JIT would (arguments built on the CPU through the library's
-    own planner and argument builder, with the launch's divisibility attributes).
-
-    Parameters
-    ----------
-    tokens, heads, kv_heads : one sequence of ``tokens`` new tokens, head size 128, bfloat16
-    cache_write : the variant that writes the paged cache itself (16-token pages), as the backend runs it for
-        batches of fresh prefills
-    config : :class:`~attnbackends.triton.prefill_hopper.HopperPrefillConfig` fields (default: the backend's)
-
-    Returns
-    -------
-    dict with "regs" (the kernel-level .maxnreg warp specialisation sets), "stack" / "local" (spill stack),
-    "shared", "shared_over_limit", "wgmma" {shape: count}, "mma_sync", "ptxas_notes", "setmaxnreg" (the PTX's
-    register moves), "maxnreg", the SASS facts of :func:`_sass_facts` and "config" (every field, regs a list).
-    """
+def compile_gluon_call(kernel, args: tuple, kwargs: dict, target=None) -> tuple[dict[str, Any], str, str]:
+    """Compile one Gluon kernel call for sm_90 without a GPU and read what it uses: (report, ptx, sass). The report
+    holds "compile_s", "shared", "shared_over_limit", "regs" / "stack" / "local" (cuobjdump's resource usage),
+    "ptxas_notes", "wgmma" {shape: count}, "setmaxnreg" (the PTX's register moves, "inc N" / "dec N"), "maxnreg"
+    and the SASS facts of :func:`_sass_facts`."""
     import triton
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attnbackends.triton.prefill_hopper import (
-        HopperPrefillConfig,
-        _prefill_hopper_kernel,
-        hopper_prefill_args,
-        plan_hopper_prefill,
-    )
     from benchmarks.offline_compile import SHARED_LIMIT, _ptxas_notes, _signature, _tool, sm90_target
 
-    cfg = HopperPrefillConfig(**config)
-    q = torch.zeros(tokens, heads, 128, dtype=torch.bfloat16)
-    k = torch.zeros(tokens, kv_heads, 128, dtype=torch.bfloat16)
-    qsl = torch.tensor([0, tokens], dtype=torch.int32)
-    cache = ()
-    if cache_write:  # a cache of 16-token pages, the slots, the to-do flags
-        cache = (torch.zeros(tokens // 16 + 1, 2, 16, kv_heads, 128, dtype=torch.bfloat16),
-                 torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int8))
-    plan = plan_hopper_prefill(num_heads=heads, num_kv_heads=kv_heads, head_size=128, num_seqs=1, first_seq=0,
-                               max_query_len=tokens, num_tokens=tokens, num_sms=H100_SMS, config=cfg,
-                               writes_cache=cache_write, block_size=16)
-    _, args, kwargs = hopper_prefill_args(plan, q, k, k.clone(), torch.empty_like(q), qsl, 0.1, *cache)
-    kernel, target = _prefill_hopper_kernel, sm90_target()
+    target = target or sm90_target()
     signature, constexprs, options = _signature(kernel, args, kwargs)
     attrs = _launch_attrs(kernel, args, kwargs)
     t0 = time.time()
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
-    rep: dict[str, Any] = {"kernel": kernel.fn.__name__, "compile_s": round(time.time() - t0, 2),
-                           "shared": compiled.metadata.shared,
+    rep: dict[str, Any] = {"compile_s": round(time.time() - t0, 2), "shared": compiled.metadata.shared,
                            "shared_over_limit": compiled.metadata.shared > SHARED_LIMIT[target.arch]}
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
@@ -137,15 +105,57 @@ def gluon_prefill_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, 
     ptx = compiled.asm["ptx"]
     rep["ptxas_notes"] = _ptxas_notes(ptx, target.arch)
     rep["wgmma"] = dict(Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.[\w.]+)", ptx)))
-    rep["mma_sync"] = len(re.findall(r"\bmma\.sync\.aligned", ptx))
     rep["setmaxnreg"] = [f"{kind} {n}" for kind, n in
                          re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)]
     m = re.search(r"\.maxnreg\s+(\d+)", ptx)
     rep["maxnreg"] = int(m.group(1)) if m else None
     rep.update(_sass_facts(sass))
+    return rep, ptx, sass
+
+
+def gluon_prefill_report(tokens: int = 256, heads: int = 32, kv_heads: int = 8, cache_write: bool = False,
+                         **config: Any) -> dict:
+    """Compile the Gluon prefill for sm_90 as the GPU's JIT would (arguments built on the CPU through the library's
+    own planner and argument builder, with the launch's divisibility attributes).
+
+    Parameters
+    ----------
+    tokens, heads, kv_heads : one sequence of ``tokens`` new tokens, head size 128, bfloat16
+    cache_write : the variant that writes the paged cache itself (16-token pages), as the backend runs it for
+        batches of fresh prefills
+    config : :class:`~attnbackends.triton.prefill_hopper.HopperPrefillConfig` fields (default: the backend's)
+
+    Returns
+    -------
+    dict with "regs" (the kernel-level .maxnreg warp specialisation sets), "stack" / "local" (spill stack),
+    "shared", "shared_over_limit", "wgmma" {shape: count}, "mma_sync", "ptxas_notes", "setmaxnreg" (the PTX's
+    register moves), "maxnreg", the SASS facts of :func:`_sass_facts` and "config" (every field, regs a list).
+    """
+    from attnbackends.triton.prefill_hopper import (
+        HopperPrefillConfig,
+        _prefill_hopper_kernel,
+        hopper_prefill_args,
+        plan_hopper_prefill,
+    )
+    from benchmarks.offline_compile import sm90_target
+
+    cfg = HopperPrefillConfig(**config)
+    q = torch.zeros(tokens, heads, 128, dtype=torch.bfloat16)
+    k = torch.zeros(tokens, kv_heads, 128, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32)
+    cache = ()
+    if cache_write:  # a cache of 16-token pages, the slots, the to-do flags
+        cache = (torch.zeros(tokens // 16 + 1, 2, 16, kv_heads, 128, dtype=torch.bfloat16),
+                 torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int8))
+    plan = plan_hopper_prefill(num_heads=heads, num_kv_heads=kv_heads, head_size=128, num_seqs=1, first_seq=0,
+                               max_query_len=tokens, num_tokens=tokens, num_sms=H100_SMS, config=cfg,
+                               writes_cache=cache_write, block_size=16)
+    _, args, kwargs = hopper_prefill_args(plan, q, k, k.clone(), torch.empty_like(q), qsl, 0.1, *cache)
+    kernel, target = _prefill_hopper_kernel, sm90_target()
+    rep, ptx, sass = compile_gluon_call(kernel, args, kwargs, target)
+    rep = {"kernel": kernel.fn.__name__, **rep}
+    rep["mma_sync"] = len(re.findall(r"\bmma\.sync\.aligned", ptx))
     rep["config"] = {**dataclasses.asdict(cfg), "regs": list(cfg.regs)}
-    if keep_asm:
-        rep["asm"] = {"ttgir": compiled.asm.get("ttgir", ""), "ptx": ptx, "sass": sass}
     return rep
 
 

@@ -12,9 +12,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import tempfile
-import time
 
 import torch
 
@@ -38,12 +35,9 @@ VARIANTS = {
 
 def compile_variant(name: str, **config) -> dict:
     """Compile one variant; the report of ``benchmarks.compile_check.gluon_prefill_report``'s keys."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-    import triton
 
     from attnbackends.triton.prefill_hopper_paged import _paged_prefill_kernel, paged_prefill_args, plan_paged_prefill
-    from benchmarks.offline_compile import SHARED_LIMIT, _ptxas_notes, _signature, _tool, sm90_target
-    from benchmarks.compile_check import _launch_attrs, _sass_facts
+    from benchmarks.compile_check import compile_gluon_call
 
     fields = dict(VARIANTS[name])
     fields.setdefault("dtype", "bfloat16")
@@ -62,32 +56,8 @@ def compile_variant(name: str, **config) -> dict:
         plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **config))
     _, args, kwargs = paged_prefill_args(plan, q, torch.empty_like(q), cache, table, lens, qsl, 0.1,
                                          float(spec.logits_soft_cap or 0.0), sinks)
-    kernel = _paged_prefill_kernel
-    target = sm90_target()
-    signature, constexprs, options = _signature(kernel, args, kwargs)
-    attrs = _launch_attrs(kernel, args, kwargs)
-    t0 = time.time()
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
-    rep = {"variant": name, "compile_s": round(time.time() - t0, 2), "shared": compiled.metadata.shared,
-           "shared_over_limit": compiled.metadata.shared > SHARED_LIMIT[target.arch]}
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        os.unlink(f.name)
-    for key, field in (("regs", "REG"), ("stack", "STACK"), ("local", "LOCAL")):
-        m = re.search(rf"\b{field}:(\d+)", usage)
-        rep[key] = int(m.group(1)) if m else None
-    ptx = compiled.asm["ptx"]
-    rep["ptxas_notes"] = _ptxas_notes(ptx, target.arch)
-    from collections import Counter
-    rep["wgmma"] = dict(Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.[\w.]+)", ptx)))
-    rep["setmaxnreg"] = re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-    rep.update(_sass_facts(sass))
+    rep, _, sass = compile_gluon_call(_paged_prefill_kernel, args, kwargs)
+    rep = {"variant": name, **rep}
     rep.update(_sass_by_limit(sass))
     if os.environ.get("PAGED_SASS_DIR"):
         with open(os.path.join(os.environ["PAGED_SASS_DIR"], f"{name}.sass"), "w") as f:
