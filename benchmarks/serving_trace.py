@@ -458,12 +458,17 @@ def _docs(rng: random.Random, p: dict[str, Any], limits: SchedulerLimits, steps:
     return _run(sched, "docs", steps, arrivals)
 
 
-def _short(rng: random.Random, p: dict[str, Any], limits: SchedulerLimits, steps: int) -> Trace:
-    sched = _Scheduler(rng, limits)
+def _start_running_decodes(sched: "_Scheduler", rng: random.Random, p: dict[str, Any]) -> None:
+    """``p["running"]`` requests already decoding when the window opens (context ``p["running_context"]``)."""
     for _ in range(p["running"]):
         context = _uniform(rng, p["running_context"])
         sched.start_running(sched.new_request(computed=context, prompt_len=context, generated=1,
                                               output_len=1 + _uniform(rng, p["running_output"])))
+
+
+def _short(rng: random.Random, p: dict[str, Any], limits: SchedulerLimits, steps: int) -> Trace:
+    sched = _Scheduler(rng, limits)
+    _start_running_decodes(sched, rng, p)
 
     def arrivals(now: int) -> None:
         for _ in range(_poisson(rng, p["arrivals"])):
@@ -475,10 +480,7 @@ def _short(rng: random.Random, p: dict[str, Any], limits: SchedulerLimits, steps
 
 def _decode(rng: random.Random, p: dict[str, Any], limits: SchedulerLimits, steps: int) -> Trace:
     sched = _Scheduler(rng, limits)
-    for _ in range(p["running"]):
-        context = _uniform(rng, p["running_context"])
-        sched.start_running(sched.new_request(computed=context, prompt_len=context, generated=1,
-                                              output_len=1 + _uniform(rng, p["running_output"])))
+    _start_running_decodes(sched, rng, p)
 
     def arrivals(now: int) -> None:
         if rng.random() < p["arrival_prob"]:
