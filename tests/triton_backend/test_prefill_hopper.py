@@ -127,15 +127,6 @@ def _common(shapes, device="cpu", block_size=SPEC.block_size):
     return build_common_metadata([q for q, _ in shapes], [c for _, c in shapes], tables, block_size, device)
 
 
-@pytest.fixture
-def fake_h100(monkeypatch):
-    """Builders on the CPU see an sm_90 device with 132 SMs, Triton not interpreted (they plan; nothing launches)."""
-    from attnbackends.triton import backend
-
-    monkeypatch.setattr(DeviceInfo, "current", classmethod(lambda cls, device=None: DeviceInfo.cuda(9, 0)))
-    monkeypatch.setattr(backend, "is_triton_interpreted", lambda: False)
-
-
 def _builder(spec=SPEC, **kw):
     return TritonAttentionBackend.get_builder_cls()(spec, "cpu", **{"max_num_tokens": 32768, **kw})
 

@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
-from attnbackends.platform import DeviceInfo  # noqa: E402
 from attnbackends.triton import prefill_hopper, runner  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
 from attnbackends.triton.launch import plan_attention  # noqa: E402
@@ -45,15 +44,6 @@ def _common(shapes, spec=SPEC):
         tables.append(list(range(at, at + n)))
         at += n
     return build_common_metadata([q for q, _ in shapes], [c for _, c in shapes], tables, spec.block_size, "cpu")
-
-
-@pytest.fixture
-def fake_h100(monkeypatch):
-    """Builders on the CPU see an sm_90 device with 132 SMs, Triton not interpreted (they plan; nothing launches)."""
-    from attnbackends.triton import backend
-
-    monkeypatch.setattr(DeviceInfo, "current", classmethod(lambda cls, device=None: DeviceInfo.cuda(9, 0)))
-    monkeypatch.setattr(backend, "is_triton_interpreted", lambda: False)
 
 
 def _builder(spec=SPEC, **kw):
