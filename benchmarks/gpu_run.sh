@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_run.sh bench [SUITE ...]      # benchmark suites (none named: the default suites)
 #   bash benchmarks/gpu_run.sh all                    # every test group, then the default suites
 #
-# Groups and suites: python -m benchmarks.run --list. TEST_TIMEOUT (seconds per group) and PARALLEL=1 (the groups
-# side by side) shape the test runs; copy the files under $OUT into benchmarks/results/ and run
+# Groups and suites: python -m benchmarks.run --list. TEST_TIMEOUT (seconds per group), PARALLEL=1 (the groups
+# side by side) and WORKERS=N (pytest-xdist processes per group) shape the test runs; copy the files under $OUT into benchmarks/results/ and run
 # python -m benchmarks.run --index to update benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ if [ -f .gpu/base/setup.sh ]; then
 fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 run() { python3 -m benchmarks.run --outdir "$OUT" "$@"; }
-test_opts=(${TEST_TIMEOUT:+--timeout "$TEST_TIMEOUT"} ${PARALLEL:+--parallel})
+test_opts=(${TEST_TIMEOUT:+--timeout "$TEST_TIMEOUT"} ${PARALLEL:+--parallel} ${WORKERS:+--workers "$WORKERS"})
 what=${1:-all}
 shift || true
 case "$what" in

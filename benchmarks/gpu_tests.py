@@ -4,7 +4,8 @@
     python -m benchmarks.run --gpu-tests triton mla      # named groups
     python -m benchmarks.run --gpu-tests mla --sanitize  # under compute-sanitizer memcheck
 
-Groups run one after another, or side by side with ``--parallel`` (each its own process on the same GPU). A group
+Groups run one after another, or side by side with ``--parallel`` (each its own process on the same GPU); ``--workers N``
+spreads each group's tests over N pytest-xdist processes. A group
 that runs past ``--timeout`` still leaves the PASSED / FAILED lines of the tests it reached in its log.
 """
 
@@ -48,10 +49,12 @@ def group_paths(name: str) -> list[str]:
     return [p for p in GROUPS[name] if (REPO / p).exists()]
 
 
-def pytest_command(name: str, keyword: Optional[str] = None, sanitize: bool = False) -> list[str]:
-    """The command line of one group; under ``sanitize``, compute-sanitizer's memcheck around pytest."""
+def pytest_command(name: str, keyword: Optional[str] = None, sanitize: bool = False,
+                   workers: Optional[int] = None) -> list[str]:
+    """The command line of one group; under ``sanitize``, compute-sanitizer's memcheck around pytest; ``workers``:
+    pytest-xdist processes."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfE",
-           *group_paths(name), *(["-k", keyword] if keyword else [])]
+           *(["-n", str(workers)] if workers else []), *group_paths(name), *(["-k", keyword] if keyword else [])]
     if sanitize:
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "50", *cmd]
     return cmd
@@ -74,6 +77,7 @@ def summarise(name: str, log: Path, returncode: Optional[int]) -> GroupResult:
     text = log.read_text(errors="replace") if log.exists() else ""
     errors = re.findall(r"ERROR SUMMARY: (\d+) error", text)
     outcomes = re.findall(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED)\b", text, flags=re.MULTILINE)
+    outcomes += re.findall(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED) \S+::", text, flags=re.MULTILINE)
     return GroupResult(
         name=name, log=log, returncode=returncode,
         passed=outcomes.count("PASSED"), failed=outcomes.count("FAILED") + outcomes.count("ERROR"),
@@ -84,7 +88,8 @@ def summarise(name: str, log: Path, returncode: Optional[int]) -> GroupResult:
 
 
 def run_groups(names: Sequence[str], outdir: Path, log_name: str, keyword: Optional[str] = None,
-               sanitize: bool = False, parallel: bool = False, timeout_s: Optional[float] = None) -> list[GroupResult]:
+               sanitize: bool = False, parallel: bool = False, timeout_s: Optional[float] = None,
+               workers: Optional[int] = None) -> list[GroupResult]:
     """Run the groups, each writing its log to ``outdir / log_name.format(group=name)``; returns their summaries
     (``returncode`` None for a group stopped at ``timeout_s``)."""
     if sanitize and shutil.which("compute-sanitizer") is None:
@@ -100,7 +105,7 @@ def run_groups(names: Sequence[str], outdir: Path, log_name: str, keyword: Optio
     running, codes = [], {}
     for name in names:
         log = logs[name].open("w")
-        proc = subprocess.Popen(pytest_command(name, keyword, sanitize), cwd=REPO, env=env, stdout=log,
+        proc = subprocess.Popen(pytest_command(name, keyword, sanitize, workers), cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
         running.append((name, proc, log))
         if not parallel:
