@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from attnbackends import AttentionConfig, BackendNotSupportedError  # noqa: E402
+from attnbackends.compat import transformers_cb_hooks_reason  # noqa: E402
 from attnbackends.integrations import transformers as integration  # noqa: E402
 from examples.transformers_generate_batch import (  # noqa: E402
     generate_batch_tokens,
@@ -26,6 +27,9 @@ from examples.transformers_generate_batch import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.gpu
+# generate_batch needs the continuous-batching names compat hooks (an older transformers lacks them).
+needs_cb_hooks = pytest.mark.skipif(transformers_cb_hooks_reason() is not None,
+                                    reason=str(transformers_cb_hooks_reason()))
 
 PROMPT_LENGTHS = (1, 7, 33, 64, 100, 250)
 MAX_NEW_TOKENS = 16
@@ -59,6 +63,7 @@ def _check(kind: str, ours, peer) -> None:
     assert [t[:keep] for t in ours] == [t[:keep] for t in peer], f"{kind}: {ours} vs {peer}"
 
 
+@needs_cb_hooks
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt_oss"])
 def test_generate_batch_bf16_matches_transformers(kind, backend):
@@ -69,6 +74,7 @@ def test_generate_batch_bf16_matches_transformers(kind, backend):
     _check(kind, ours, peer)
 
 
+@needs_cb_hooks
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_prefix_reuse_bf16(backend):
     model = _model("llama")

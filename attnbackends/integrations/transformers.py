@@ -109,7 +109,7 @@ def register(config: Optional[AttentionConfig] = None, *, name: str = ATTN_IMPLE
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
     except ImportError as exc:
-        raise ImportError("attnbackends.integrations.transformers needs transformers>=5.0 "
+        raise ImportError("attnbackends.integrations.transformers needs transformers>=5.24 "
                           "(pip install 'attnbackends[transformers]')") from exc
     compat.install_transformers_cb_hooks(name)
     _SETTINGS[name] = _Settings(AttentionConfig.from_env(config), max_num_reqs)

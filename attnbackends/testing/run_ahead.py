@@ -35,13 +35,14 @@ RUN_AHEAD_STEPS: tuple[tuple[SequenceShape, ...], ...] = (
 STALL_CYCLES = 200_000_000
 
 
-def put_host_ahead(device: "torch.device | str") -> None:
-    """Let ``device``'s queued work finish, then queue a GPU stall (:data:`STALL_CYCLES`) on the current stream, so
-    that whatever the host enqueues next certainly runs after the host has moved on. No-op off CUDA."""
+def put_host_ahead(device: "torch.device | str", stall_cycles: int = STALL_CYCLES) -> None:
+    """Let ``device``'s queued work finish, then queue a GPU stall of ``stall_cycles`` clock cycles on the current
+    stream, so that whatever the host enqueues next runs after the host has moved on (unless the host itself is
+    slowed for longer than the stall, as on a machine whose cores are all busy). No-op off CUDA."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        cuda_sleep(STALL_CYCLES)
+        cuda_sleep(stall_cycles)
 
 
 def run_ahead_batches(spec: AttentionSpec, device: "torch.device | str", num_blocks: int = 96) -> list[Any]:
