@@ -1,40 +1,89 @@
-"""FlashInfer's page table built on the GPU: the O(pages) work in one kernel launch, no host work per page.
+"""FlashInfer's page table from a block table and the KV lengths: its definition on the host, and the kernels that
+build it on the GPU.
 
-- :func:`decode_page_table`: the whole table of a pure-decode batch (``kv_indptr``, ``kv_last_page_len``,
-  ``kv_indices``) from the device KV lengths; the host computes only the ``kv_indptr`` FlashInfer's scheduler reads.
-- :func:`gather_page_ids`: ``kv_indices`` alone, from a ``kv_indptr`` the host computed (any batch; cascade levels
-  skip a shared prefix). For request ``r`` the page ids are ``block_table[r, skip_pages : skip_pages + n_r]`` with
-  ``n_r = kv_indptr[r + 1] - kv_indptr[r]``, written to ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``.
+For requests ``0..B-1`` with KV lengths ``seq_lens``, each request's first ``skip_pages`` pages left out (cascade
+levels skip a shared prefix): request r has ``n_r = ceil(seq_lens[r] / page_size) - skip_pages`` pages,
+``kv_indptr = [0, n_0, n_0 + n_1, ...]``, ``kv_last_page_len[r] = seq_lens[r] - (skip_pages + n_r - 1) * page_size``
+and ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]] = block_table[r, skip_pages : skip_pages + n_r]``.
 
-Given the cache's page count ``num_blocks``, both contain the page ids they copy (:mod:`attnbackends.ops.page_guard`):
-an id outside ``[0, num_blocks)`` is written as page 0, so FlashInfer never reads outside the cache, and the first
-one is recorded in the device's fault record (request, block-table column, page id), raised as a PageTableError at
-the next check point. Without it (a block table with a host copy, which the guard checks before any kernel) they
-copy the ids as they are.
+- :func:`csr_page_table` (``kv_indptr``, ``kv_last_page_len``) and :func:`gather_page_ids_on_host` (``kv_indices``):
+  numpy on the host; every host path calls them (:mod:`.plan_inputs`, the kernels' CPU stand-ins).
+- :func:`decode_page_table`: the whole table of a pure-decode batch, on the device from the device KV lengths (the
+  host computes only the ``kv_indptr`` FlashInfer's scheduler reads).
+- :func:`gather_page_ids`: ``kv_indices`` alone, on the device, from a ``kv_indptr`` the host computed.
 
-The host's cost is one launch whatever the number of pages (benchmarks/NOTES.md).
-On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton kernels do it; other CPU tensors use torch.
+The kernels do the O(pages) work in one launch: the host's cost is one launch whatever the number of pages
+(benchmarks/NOTES.md). On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) Triton runs them; other CPU tensors go
+through the host functions.
+
+Given the cache's page count ``num_blocks``, both kernels contain the page ids they copy
+(:mod:`attnbackends.ops.page_guard`): an id outside ``[0, num_blocks)`` is written as page 0, so FlashInfer never reads
+outside the cache, and the first one is recorded in the device's fault record (request, block-table column, page id),
+raised as a PageTableError at the next check point. Without it (a block table with a host copy, which the guard
+checks before any kernel) they copy the ids as they are.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
-
-from typing import Optional
 
 from ..compat import DirectLauncher
 from ..platform import is_triton_interpreted
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.page_guard import contain_page_ids, fault_record, record_first_bad_page, safe_page
 
-__all__ = ["DECODE_TABLE_MAX_REQS", "decode_page_table", "gather_page_ids"]
+__all__ = [
+    "DECODE_TABLE_MAX_REQS", "csr_page_table", "decode_page_table", "gather_page_ids", "gather_page_ids_on_host",
+]
 
 _BLOCK = 256  # page ids per program
 
 #: Most requests :func:`decode_page_table` takes (each program sums the page counts of the requests before its own).
 DECODE_TABLE_MAX_REQS = 4096
+
+
+#: Column numbers 0, 1, 2, ... (read-only; sliced to a block table's width).
+_COLUMNS = np.arange(1 << 16, dtype=np.int32)
+_COLUMNS.setflags(write=False)
+
+
+def csr_page_table(
+    seq_lens: np.ndarray, page_size: int, kv_indptr: np.ndarray, kv_last_page_len: Optional[np.ndarray] = None, *,
+    skip_pages: int = 0,
+) -> np.ndarray:
+    """Write ``kv_indptr`` [B + 1] int32 and, when given, ``kv_last_page_len`` [B] int32 of B requests from their KV
+    lengths ``seq_lens`` [B] (integer, each >= 1), on the host (the module docstring's definition); return their page
+    counts [B] (seq_lens' dtype), ``skip_pages`` left out (the caller checks that each request keeps one)."""
+    num_pages = (seq_lens + (page_size - 1)) // page_size
+    if skip_pages:
+        num_pages -= skip_pages
+    kv_indptr[0] = 0
+    np.add.accumulate(num_pages, out=kv_indptr[1:])  # (np.cumsum, the same, costs twice the host time)
+    if kv_last_page_len is not None:
+        np.subtract(seq_lens, (num_pages + (skip_pages - 1)) * page_size, out=kv_last_page_len)
+    return num_pages
+
+
+def gather_page_ids_on_host(
+    block_table: np.ndarray, num_pages: np.ndarray, out: np.ndarray, *, skip_pages: int = 0,
+    width: Optional[int] = None,
+) -> None:
+    """Write the page ids of B requests to ``out`` [sum(num_pages)] int32, in request order, on the host: request r's
+    ``num_pages[r]`` ([B] integer, as :func:`csr_page_table` returns them) from column ``skip_pages`` of its row of
+    ``block_table`` [>= B, >= skip_pages + width] (integer; a wider dtype is narrowed). ``width``: ``max(num_pages)``
+    or more, when the caller knows it."""
+    if width is None:
+        width = int(num_pages.max()) if num_pages.shape[0] else 0
+    # Request r's pages are columns skip_pages .. skip_pages + num_pages[r] - 1 of its row: a boolean mask over the
+    # table's first columns selects them, in row-major order, which is kv_indices' order.
+    columns = _COLUMNS[:width] if width <= _COLUMNS.shape[0] else np.arange(width, dtype=np.int32)
+    table = block_table[: num_pages.shape[0], skip_pages : skip_pages + width]
+    out[:] = table[columns < num_pages[:, None]]
 
 
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
@@ -115,10 +164,8 @@ def gather_page_ids(
         _gather_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype, contain), grid,
                                    args, (_BLOCK, contain))
         return out
-    counts = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    rows = torch.repeat_interleave(torch.arange(num_reqs), counts)
-    cols = torch.arange(out.shape[0]) - kv_indptr[:-1].long()[rows] + skip_pages
-    out.copy_(block_table[rows, cols])
+    indptr = kv_indptr.numpy()
+    gather_page_ids_on_host(block_table.numpy(), indptr[1:] - indptr[:-1], out.numpy(), skip_pages=skip_pages)
     return out if num_blocks is None else contain_page_ids(out, num_blocks)
 
 
@@ -195,10 +242,7 @@ def decode_page_table(
         _decode_table_launcher.launch_on(block_table.device, (block_table.device.index, block_table.dtype, constexprs),
                                          grid, args, constexprs)
     else:
-        pages = (seq_lens[:num_reqs] + page_size - 1) // page_size
-        kv_indptr[0] = 0
-        torch.cumsum(pages, 0, out=kv_indptr[1:])
-        kv_last_page_len.copy_(seq_lens[:num_reqs] - (pages - 1) * page_size)
+        csr_page_table(seq_lens[:num_reqs].numpy(), page_size, kv_indptr.numpy(), kv_last_page_len.numpy())
         total = int(kv_indptr[-1])
         gather_page_ids(block_table, kv_indptr, kv_indices[:total], num_blocks=num_blocks)
 

@@ -2,8 +2,9 @@
 
 No flashinfer import: this runs (and is tested) on the CPU. The per-request quantities come from the CPU copies
 (``query_start_loc_cpu``, ``seq_lens_cpu``); only ``paged_kv_indices`` needs the block table. It is gathered on the
-host from the table's host copy when the batch has few pages, else on the table's device by one kernel
-(:mod:`.page_ids`), so nothing waits for the GPU and the host work stays O(batch) for large batches.
+host from the table's host copy when the batch has few pages, else on the table's device by one kernel, so nothing
+waits for the GPU and the host work stays O(batch) for large batches. The arrays' definition and the kernels are
+:mod:`.page_ids`'s.
 
 FlashInfer's page table ("CSR" layout) for requests ``0..B-1``:
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from ..ops.page_guard import contain_page_ids
-from .page_ids import decode_page_table, gather_page_ids
+from .page_ids import csr_page_table, decode_page_table, gather_page_ids, gather_page_ids_on_host
 
 __all__ = [
     "DEFAULT_HOST_GATHER_MAX_PAGES", "DevicePlanBuffer", "PagedKVPlanInputs", "PlanArrays", "paged_kv_plan_inputs",
@@ -183,9 +184,8 @@ class DevicePlanBuffer:
                 self._host_indptr = torch.zeros(max(b, 2 * self._host_indptr.shape[0]), dtype=torch.int32)
                 self._host_indptr_views.clear()
             host_indptr = self._host_indptr_views[b] = self._host_indptr[:b]
-        indptr = host_indptr.numpy()
-        np.add.accumulate((seq_lens_cpu.numpy() + (block_size - 1)) // block_size, out=indptr[1:])
-        total = int(indptr[num_reqs])
+        csr_page_table(seq_lens_cpu.numpy(), block_size, host_indptr.numpy())
+        total = int(host_indptr[num_reqs])
         self._grow(3 * b + total)
         _, kv_indptr, last = self._views_for(b)
         kv_indices = self._buffer[3 * b : 3 * b + total]
@@ -212,15 +212,6 @@ class DevicePlanBuffer:
         if not host_gathered:
             gather_page_ids(block_table, kv_indptr, kv_indices, skip_pages=skip_pages, num_blocks=num_blocks)
         return PlanArrays(qo, kv_indptr, last, kv_indices)
-
-
-#: Column numbers 0, 1, 2, ... (read-only; sliced to a block table's width).
-_COLUMNS = np.arange(1 << 16, dtype=np.int32)
-_COLUMNS.setflags(write=False)
-
-
-def _columns(width: int) -> np.ndarray:
-    return _COLUMNS[:width] if width <= _COLUMNS.shape[0] else np.arange(width, dtype=np.int32)
 
 
 def paged_kv_plan_inputs(
@@ -269,12 +260,14 @@ def paged_kv_plan_inputs(
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, the batch has {num_reqs} requests")
     # Host time matters here (once per step, small batches): numpy on views of one buffer, few torch calls.
-    seq_lens = seq_lens_cpu.numpy()
-    num_pages = (seq_lens + (block_size - 1)) // block_size  # [B] pages holding each request's tokens
-    if skip_pages:
-        num_pages -= skip_pages
-        if num_reqs and num_pages.min() < 1:
-            raise ValueError(f"skip_pages={skip_pages} leaves a request without pages")
+    # kv_indptr and kv_last_page_len first, in a scratch array laid out as the host buffer's start: the total pages
+    # (kv_indptr's last entry) size that buffer.
+    b = num_reqs + 1
+    scratch = np.empty(2 * b, dtype=np.int32)
+    num_pages = csr_page_table(seq_lens_cpu.numpy(), block_size, scratch[:b], scratch[b : 2 * b - 1],
+                               skip_pages=skip_pages)
+    if skip_pages and num_reqs and num_pages.min() < 1:
+        raise ValueError(f"skip_pages={skip_pages} leaves a request without pages")
     if not num_reqs:
         width = 0
     elif max_seq_len is not None:
@@ -285,12 +278,7 @@ def paged_kv_plan_inputs(
         raise ValueError(
             f"block_table has {block_table.shape[1]} columns, a request needs {skip_pages + width} pages"
         )
-    b = num_reqs + 1
-    # kv_indptr first: its last entry is the total, which sizes the buffer (a small scratch array until then).
-    indptr = np.empty(b, dtype=np.int32)
-    indptr[0] = 0
-    np.add.accumulate(num_pages, out=indptr[1:])  # (np.cumsum, the same, costs twice the host time)
-    total = int(indptr[-1])
+    total = int(scratch[num_reqs])
     if block_table_cpu is None and not block_table.is_cuda:
         block_table_cpu = block_table
     host_gather = block_table_cpu is not None and (total <= host_gather_max_pages or not block_table.is_cuda)
@@ -298,15 +286,11 @@ def paged_kv_plan_inputs(
         block_table = block_table.contiguous()
     host_buffer = torch.empty(3 * b + (total if host_gather else 0), dtype=torch.int32, pin_memory=pin_memory)
     host = host_buffer.numpy()
-    host[:b] = indptr
-    last_page_len = host[b : 2 * b - 1]  # seq_len - (pages - 1) * block_size, in [1, block_size]
-    np.subtract(seq_lens, (num_pages + (skip_pages - 1)) * block_size, out=last_page_len)
+    host[: 2 * b] = scratch
     host[2 * b : 3 * b] = query_start_loc_cpu.numpy()
     if host_gather:
-        # Request r's pages are columns skip_pages .. skip_pages + num_pages[r] - 1 of its row: a boolean mask over
-        # the table's first columns selects them, in row-major order, which is kv_indices' order.
-        table = block_table_cpu.numpy()[:num_reqs, skip_pages : skip_pages + width]
-        host[3 * b :] = table[_columns(width) < num_pages[:, None]]  # (numpy casts a wider integer table)
+        gather_page_ids_on_host(block_table_cpu.numpy(), num_pages, host[3 * b :], skip_pages=skip_pages,
+                                width=width)
         if num_blocks is not None:
             contain_page_ids(host_buffer[3 * b :], num_blocks)
     on_device = None

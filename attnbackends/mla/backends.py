@@ -9,6 +9,7 @@ import torch
 
 from ..compat import fallback_reason, surface_unsupported_reason
 from ..flashinfer.plan_guard import planning
+from ..flashinfer.plan_inputs import paged_kv_plan_inputs
 from ..flashinfer.workspace import shared_workspace
 from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
 from ..ops.page_guard import PageTableError, contain_page_ids, has_host_table, raise_pending_faults
@@ -186,6 +187,7 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
         super().__init__(spec, device, **kwargs)
         self.flashinfer_backend = backend
         self._wrapper = None
+        self._pin = self.device.type == "cuda"
 
     @property
     def wrapper(self):
@@ -197,27 +199,20 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
 
     def build_decode(self, decode: MLADecodeMetadata, common) -> None:
         spec = self.spec
-        bs = spec.block_size
-        b = decode.num_decodes
-        pages_cpu = (decode.seq_lens_cpu.to(torch.int64) + bs - 1) // bs
-        kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(pages_cpu, 0)
-        total = int(kv_indptr[-1])
-        dev = self.device
-        pages = pages_cpu.to(dev, non_blocking=True)
-        req = torch.repeat_interleave(torch.arange(b, device=dev), pages, output_size=total)
-        col = torch.arange(total, device=dev) - kv_indptr.to(dev, non_blocking=True).long()[req]
-        kv_indices = decode.block_table[req, col].to(torch.int32)
+        # no host table given: the page ids are gathered on the table's device, where the wrapper reads them
+        inputs = paged_kv_plan_inputs(decode.query_start_loc_cpu, decode.seq_lens_cpu, decode.block_table,
+                                      spec.block_size, pin_memory=self._pin, max_seq_len=decode.max_seq_len)
+        kv_indices = inputs.kv_indices
         with planning(self.wrapper):
             self.wrapper.plan(
-                decode.query_start_loc_cpu.to(torch.int32),
-                kv_indptr,
+                inputs.qo_indptr,
+                inputs.kv_indptr,
                 kv_indices,
                 decode.seq_lens_cpu.to(torch.int32),
                 spec.num_heads,
                 spec.kv_lora_rank,
                 spec.qk_rope_head_dim,
-                bs,
+                spec.block_size,
                 decode.max_query_len > 1,
                 spec.softmax_scale,
                 spec.torch_dtype,

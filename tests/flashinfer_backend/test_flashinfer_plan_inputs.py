@@ -207,15 +207,15 @@ def want_page_ids(table, counts, skip):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "host"])
 def test_gather_page_ids_matches_brute_force(seed, impl, monkeypatch):
-    """The device gather (Triton, interpreted on the CPU; or the torch stand-in) takes each request's pages from
+    """The device gather (Triton, interpreted on the CPU; or the host definition) takes each request's pages from
     column ``skip`` on, in request order; int64 tables are narrowed to int32."""
     from attnbackends.flashinfer import page_ids
 
     if impl == "triton" and not (torch.cuda.is_available() or page_ids.is_triton_interpreted()):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    if impl == "torch":
+    if impl == "host":
         monkeypatch.setattr(page_ids, "is_triton_interpreted", lambda: False)
     table, counts, skip = random_tables(seed, torch.int64 if seed % 2 else torch.int32)
     indptr = torch.zeros(counts.shape[0] + 1, dtype=torch.int32)
@@ -313,15 +313,15 @@ def decode_batch(seed, dtype=torch.int32):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "host"])
 def test_decode_page_table_matches_brute_force(seed, impl, monkeypatch):
     """The whole decode page table built on the device from the KV lengths (Triton interpreted on the CPU, or the
-    torch stand-in) equals the brute-force one; outputs poisoned first."""
+    host definition) equals the brute-force one; outputs poisoned first."""
     from attnbackends.flashinfer import page_ids
 
     if impl == "triton" and not page_ids.is_triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (the GPU test covers CUDA)")
-    if impl == "torch":
+    if impl == "host":
         monkeypatch.setattr(page_ids, "is_triton_interpreted", lambda: False)
     common, bs, (_, kv, indices, last) = decode_batch(seed, torch.int64 if seed % 2 else torch.int32)
     n = common.num_reqs
@@ -350,7 +350,7 @@ def test_decode_page_table_rejects_bad_input():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_device_plan_buffer_decode_table(seed):
-    """DevicePlanBuffer.decode_table (here on the CPU, the kernel interpreted or the torch stand-in): the device
+    """DevicePlanBuffer.decode_table (here on the CPU, the kernel interpreted or the host definition): the device
     arrays are the brute-force table, the host keeps kv_indptr alone and says so when asked for more."""
     from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
 
@@ -380,3 +380,54 @@ def test_decode_page_table_on_the_gpu():
         decode_page_table(common.seq_lens.cuda(), common.block_table.cuda(), bs, *outs)
         assert (outs[0].tolist(), outs[1].tolist()) == (kv, last), f"seed {seed}"
         assert outs[2].tolist() == indices + [-3] * 4, f"seed {seed}"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_host_page_table_definition_matches_python(seed):
+    """csr_page_table + gather_page_ids_on_host (the host definition every path shares) equal a per-request Python
+    loop on random lengths, page sizes, skips and table dtypes; ``kv_last_page_len`` only when asked for."""
+    import numpy as np
+
+    from attnbackends.flashinfer.page_ids import csr_page_table, gather_page_ids_on_host
+
+    rng = np.random.default_rng(seed)
+    num_reqs = int(rng.integers(0, 12)) if seed else 0
+    page_size = int(rng.choice([1, 2, 7, 16, 64]))
+    skip = int(rng.integers(0, 3))
+    seq_lens = rng.integers(skip * page_size + 1, skip * page_size + 300, num_reqs).astype(np.int32)
+    width = max((-(-int(s) // page_size) for s in seq_lens), default=skip) + int(rng.integers(0, 3))
+    table = rng.permutation(1 << 20)[: (num_reqs + 1) * width].reshape(num_reqs + 1, width)
+    table = table.astype(np.int64 if seed % 2 else np.int32)
+
+    kv_indptr, indices, last = [0], [], []
+    for r, s in enumerate(seq_lens.tolist()):
+        pages = -(-s // page_size)
+        indices += table[r, skip:pages].tolist()
+        kv_indptr.append(kv_indptr[-1] + pages - skip)
+        last.append(s - (pages - 1) * page_size)
+
+    got_indptr = np.full(num_reqs + 1, -7, dtype=np.int32)
+    got_last = np.full(num_reqs, -7, dtype=np.int32)
+    num_pages = csr_page_table(seq_lens, page_size, got_indptr, got_last, skip_pages=skip)
+    assert got_indptr.tolist() == kv_indptr and got_last.tolist() == last
+    assert num_pages.tolist() == np.diff(kv_indptr).tolist()
+    only_indptr = np.full(num_reqs + 1, -7, dtype=np.int32)
+    csr_page_table(seq_lens, page_size, only_indptr, skip_pages=skip)
+    assert only_indptr.tolist() == kv_indptr
+    for known_width in (None, width - skip):
+        out = np.full(len(indices), -7, dtype=np.int32)
+        gather_page_ids_on_host(table, num_pages, out, skip_pages=skip, width=known_width)
+        assert out.tolist() == indices
+
+
+def test_host_gather_wider_than_the_column_table():
+    """Rows of more pages than the precomputed column numbers hold."""
+    import numpy as np
+
+    from attnbackends.flashinfer.page_ids import gather_page_ids_on_host
+
+    table = np.arange(2 * 70_001, dtype=np.int32).reshape(2, 70_001)
+    num_pages = np.array([70_000, 3], dtype=np.int32)
+    out = np.empty(70_003, dtype=np.int32)
+    gather_page_ids_on_host(table, num_pages, out, skip_pages=1)
+    assert out.tolist() == list(range(1, 70_001)) + [70_002, 70_003, 70_004]

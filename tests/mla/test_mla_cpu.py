@@ -319,3 +319,68 @@ def test_explain_names_the_mla_decode_kernel(kv_cache_dtype, heads, block_size, 
     result = explain(spec, DeviceInfo.cuda(*cc), AttentionConfig(backend="triton_mla"))
     assert any(note.startswith("triton_mla: decode kernel") and kernel in note for note in result.notes), result.notes
     assert "triton_mla: decode kernel" in str(result)
+
+
+class FakeMLAWrapper:
+    """Stand-in for flashinfer.mla.BatchMLAPagedAttentionWrapper in float64: request r's queries
+    ``qo_indptr[r]:qo_indptr[r + 1]`` over its ``kv_len[r]`` keys in pages ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``,
+    logits ``(q_nope . ckv + q_pe . kpe) * sm_scale``, causal with the queries aligned to the last keys, output
+    ``softmax . ckv``."""
+
+    def __init__(self, workspace, backend="auto"):
+        self.planned = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type):
+        self.planned = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len=kv_len,
+                            page_size=page_size, causal=causal, sm_scale=sm_scale)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out):
+        p = self.planned
+        qo, kv, ids, lens = (p[k].tolist() for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len"))
+        for r in range(len(lens)):
+            pages = ids[kv[r] : kv[r + 1]]
+            ckv = ckv_cache[pages].reshape(-1, ckv_cache.shape[-1])[: lens[r]].double()  # [L, Lkv]
+            kpe = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[: lens[r]].double()
+            rows = slice(qo[r], qo[r + 1])
+            s = (q_nope[rows].double() @ ckv.T + q_pe[rows].double() @ kpe.T) * p["sm_scale"]  # [Q, N, L]
+            nq = qo[r + 1] - qo[r]
+            pos_q = torch.arange(lens[r] - nq, lens[r])[:, None, None]
+            s = s.masked_fill(torch.arange(lens[r])[None, None, :] > pos_q, float("-inf"))
+            out[rows] = (torch.softmax(s, dim=-1) @ ckv).to(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("shapes, threshold, num_decodes", [
+    (MIXED, 1, 4),  # one-token decodes (page edges, a context-less one), then prefills with and without context
+    ([S(3, 9), S(2, 30), S(3, 0)], 3, 3),  # multi-token decodes alone: planned causal
+])
+def test_flashinfer_mla_through_a_stand_in(monkeypatch, shapes, threshold, num_decodes):
+    """flashinfer_mla's builder and impl on the CPU through a stand-in flashinfer.mla: the planned page table is the
+    brute-force one (int32, on the CPU), and the output matches the oracle."""
+    import importlib.machinery
+    import sys
+    import types
+
+    fi = types.ModuleType("flashinfer")
+    fi.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+    fi.mla = types.ModuleType("flashinfer.mla")
+    fi.mla.BatchMLAPagedAttentionWrapper = FakeMLAWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", fi.mla)
+    spec = tiny_spec("bfloat16")
+    batch = make_random_mla_batch(spec, shapes, seed=len(shapes))
+    check(FlashInferMLABackend, batch, decode_threshold=threshold)
+
+    builder = FlashInferMLABackend.get_builder_cls()(spec, "cpu")
+    builder.decode_threshold = threshold
+    planned = builder.build(batch.common).decode.extra["wrapper"].planned
+    lens = batch.common.seq_lens_cpu[:num_decodes].tolist()
+    pages = [-(-n // spec.block_size) for n in lens]
+    table = batch.common.block_table.tolist()
+    assert planned["qo_indptr"].tolist() == batch.common.query_start_loc_cpu[: num_decodes + 1].tolist()
+    assert planned["kv_indptr"].tolist() == torch.tensor([0] + pages).cumsum(0).tolist()
+    assert planned["kv_indices"].tolist() == [p for r, n in enumerate(pages) for p in table[r][:n]]
+    assert planned["kv_len"].tolist() == lens and planned["causal"] == (threshold > 1)
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len"):
+        assert planned[name].dtype == torch.int32 and planned[name].device.type == "cpu", name
