@@ -460,37 +460,66 @@ def check_slots_match_block_table(
     block_size`` or -1 (not written), and that no two tokens share a slot. Raises ValueError naming the tensor, the
     index and the values.
     """
-    qsl = common.query_start_loc_cpu.numpy()
-    seq = common.seq_lens_cpu.numpy()
     n, t = common.num_reqs, common.num_actual_tokens
+    seq = common.seq_lens_cpu.numpy()[:n]
     given = slots[:t]
-    # The common case first, in as few NumPy calls as possible (each costs about a microsecond): compute every
-    # token's slot, compare, and only on a difference work out what exactly is wrong.
+    # Every build runs this, so the common case takes as few NumPy calls as it can (each costs about a
+    # microsecond, more than the arithmetic on a few thousand elements): every token's slot from the block table,
+    # one comparison, one sort. Only when something differs does the slow path work out what exactly is wrong.
     if t == n and common.max_query_len == 1:  # a decode step: request i's one token sits at position seq_len - 1
         req = _arange(n)
-        pos = seq[:n] - 1
+        pos = seq.astype(np.int64)  # positions in int64, like the slots, so no later step needs a cast
+        pos -= 1
     else:
-        qlens = qsl[1 : n + 1] - qsl[:n]
-        if qlens.min(initial=0) < 0:
-            i = int(np.argmax(qlens < 0))
-            raise ValueError(f"query_start_loc is not monotonic at index {i + 1}: {int(qsl[i])} -> {int(qsl[i + 1])}")
-        if qsl[0] != 0 or qsl[n] != t:
-            raise ValueError(f"query_start_loc must rise from 0 to num_actual_tokens ({t}); got "
-                             f"{int(qsl[0])} ... {int(qsl[n])}")
-        req = np.repeat(_arange(n), qlens)
-        pos = _arange(t) + (seq[:n] - qsl[1 : n + 1])[req]
+        req, pos = _token_positions(common, seq)
     col = pos // block_size
     try:
         pages = table[req, col]
     except IndexError:  # a column past the table's width (or a length that makes no sense)
         pages = None
-    expected = None if pages is None else (pages - col).astype(np.int64) * block_size + pos
-    if expected is None or not np.array_equal(given, expected):
+    if pages is not None:
+        expected = pages - col
+        expected *= block_size
+        expected += pos
+    if pages is None or np.count_nonzero(given != expected):
         _explain_slot_mismatch(common, block_size, table, given, req, pos)  # raises, unless only -1s differ
         return
-    ordered = np.sort(given)
-    if (ordered[1:] == ordered[:-1]).any():
-        value = int(ordered[np.flatnonzero(ordered[1:] == ordered[:-1])[0]])
+    _check_no_repeated_slot(given, np.sort(given))
+
+
+def _token_positions(common: CommonAttentionMetadata, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's request and position (int64 [num_actual_tokens] each), from ``query_start_loc``.
+
+    Raises ValueError where ``query_start_loc`` is not monotonic (checked first) or does not rise from 0 to
+    num_actual_tokens."""
+    qsl = common.query_start_loc_cpu.numpy()
+    n, t = common.num_reqs, common.num_actual_tokens
+    qlens = qsl[1 : n + 1] - qsl[:n]
+    if qsl[0] != 0 or qsl[n] != t:
+        _check_monotonic(qsl, qlens)
+        raise ValueError(f"query_start_loc must rise from 0 to num_actual_tokens ({t}); got "
+                         f"{int(qsl[0])} ... {int(qsl[n])}")
+    try:
+        req = np.repeat(_arange(n), qlens)
+    except ValueError:  # np.repeat refuses a negative count: a query_start_loc that goes down
+        _check_monotonic(qsl, qlens)
+        raise
+    return req, _arange(t) + (seq - qsl[1 : n + 1])[req]
+
+
+def _check_monotonic(qsl: np.ndarray, qlens: np.ndarray) -> None:
+    """Raise naming the first index where ``query_start_loc`` goes down (``qlens``: its differences)."""
+    if qlens.min(initial=0) < 0:
+        i = int(np.argmax(qlens < 0))
+        raise ValueError(f"query_start_loc is not monotonic at index {i + 1}: {int(qsl[i])} -> {int(qsl[i + 1])}")
+
+
+def _check_no_repeated_slot(given: np.ndarray, ordered: np.ndarray) -> None:
+    """Raise naming the first two tokens of ``given`` (the step's slots) that share a slot, where ``ordered`` (the
+    slots that count, sorted) holds a value twice."""
+    twice = ordered[1:] == ordered[:-1]
+    if np.count_nonzero(twice):
+        value = int(ordered[np.argmax(twice)])
         i, j = (int(x) for x in np.flatnonzero(given == value)[:2])
         raise ValueError(f"slot_mapping[{i}] and slot_mapping[{j}] are both {value}: two tokens of the step would "
                          "be written to one cache slot (duplicate slots)")
@@ -527,14 +556,7 @@ def _explain_slot_mismatch(common: CommonAttentionMetadata, block_size: int, tab
             f"slot_mapping[{k}] = {int(given[k])} disagrees with the block table: token {k} (request {i}, "
             f"position {int(pos[k])}) belongs in page block_table[{i}, {int(col[k])}] = {int(pages[k])} "
             f"at offset {int(pos[k] % block_size)}, slot {int(expected[k])} (block_size {block_size})")
-    written = given[given >= 0]
-    ordered = np.sort(written)
-    twice = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if twice.size:
-        value = int(ordered[twice[0]])
-        i, j = (int(x) for x in np.flatnonzero(given == value)[:2])
-        raise ValueError(f"slot_mapping[{i}] and slot_mapping[{j}] are both {value}: two tokens of the step would "
-                         "be written to one cache slot (duplicate slots)")
+    _check_no_repeated_slot(given, np.sort(given[given >= 0]))
 
 
 _ARANGE = np.arange(0)

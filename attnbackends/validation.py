@@ -314,7 +314,7 @@ def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -
         return
     host_table = common.block_table_cpu if common.block_table_cpu is not None else table
     slots = common.slot_mapping
-    if host_table.device.type == "cpu" and slots.device.type == "cpu":
+    if host_table.is_cpu and slots.is_cpu:
         if host_table.dtype not in _PAGE_ID_DTYPES:
             raise ValueError(f"block_table_cpu must hold integer page ids (int32), got {host_table.dtype}")
         check_slots_match_block_table(common, spec.block_size, host_table.numpy(), slots.numpy())
