@@ -473,10 +473,12 @@ def check_slots_match_block_table(
     else:
         req, pos = _token_positions(common, seq)
     col = pos // block_size
-    try:
-        pages = table[req, col]
-    except IndexError:  # a column past the table's width (or a length that makes no sense)
-        pages = None
+    pages = None
+    if pos.min(initial=0) >= 0:  # a negative position (seq_len < query_len) would read its row from the end
+        try:
+            pages = table[req, col]
+        except IndexError:  # a column past the table's width
+            pass
     if pages is not None:
         expected = pages - col
         expected *= block_size

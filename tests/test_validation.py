@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from attnbackends import AttentionSpec
+from attnbackends import AttentionSpec, build_common_metadata
+from attnbackends.metadata import check_slots_match_block_table
 from attnbackends.mla.backends import TritonMLABackend
 from attnbackends.testing.mla import make_random_mla_batch
 from attnbackends.reference.backend import ReferenceBackend
@@ -143,3 +144,17 @@ def test_mla_first_forward_rejects_bad_tensors_and_debug_checks_block_table():
     bad = debug_builder.build(dataclasses.replace(batch.common, block_table=table, block_table_cpu=table.cpu()))
     with pytest.raises(ValueError, match=r"block_table\[0, 0\] = \d+ is outside"):
         impl.forward(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache.clone(), bad, batch.new_output())
+
+
+def test_seq_len_below_query_len_is_caught_even_where_the_slot_matches_the_rows_last_page():
+    """A token at a negative position (seq_len < query_len) must not be checked against its row read from the end:
+    the decode token of a request with seq_len 0 is given exactly the slot that reading would expect."""
+    common = build_common_metadata([1, 1], [4, 7], [[3], [5, 9]], 16, "cpu")
+    seq = common.seq_lens_cpu.clone()
+    seq[1] = 0
+    slots = common.slot_mapping.clone()
+    slots[1] = 9 * 16 + 15  # the last slot of the row's last page: where position -1 lands when read from the end
+    bad = dataclasses.replace(common, seq_lens_cpu=seq, seq_lens=seq.clone(), slot_mapping=slots)
+    table = bad.block_table_cpu.numpy()
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] \(0\) < query_len \(1\) of request 1"):
+        check_slots_match_block_table(bad, 16, table, bad.slot_mapping.numpy())
