@@ -812,7 +812,7 @@ def _tune_missing(specs: list[AttentionSpec], device: DeviceInfo, profile_dir: s
     returns how each spec's profile came about, by a short description of the spec."""
     from attnbackends.selection.phased import is_phased_name, parse_phased_name
     from attnbackends.selection.tune_timing import run_tune, tune_candidates
-    from attnbackends.selection.tuning import load_profile
+    from attnbackends.selection.tuning import choose, load_profile
 
     status = {}
     for spec in specs:
@@ -832,7 +832,8 @@ def _tune_missing(specs: list[AttentionSpec], device: DeviceInfo, profile_dir: s
         profile = run_tune(spec, device, grid=grid, candidates=names)
         path = profile.save(profile_dir)
         status[label] = f"tuned here in {time.perf_counter() - start:.0f} s ({', '.join(names)}): {path}"
-        logger.info("tune %s: %s", label, status[label])
+        choice = choose(profile, {n: [] for n in names}, names, source=str(path))
+        logger.info("tune %s: %s\n%s", label, status[label], choice.render())
     return status
 
 
