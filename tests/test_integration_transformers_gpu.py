@@ -1,5 +1,5 @@
 """The GPU twin of tests/test_integration_transformers.py (``pytest -m gpu``): greedy ``generate_batch`` with
-``paged|attnbackends`` in bf16 on the Triton and FlashInfer backends and the registry's own choice, against
+``paged|attnbackends`` in bf16 on the Triton, FlashInfer and flash-attn backends and the registry's own choice, against
 transformers' own paged attention in bf16 (``paged|sdpa``; ``paged|eager`` for gpt-oss), with chunked prefill and
 prefix reuse; and all-MiniLM-L6-v2's sentence embeddings in bf16 (cosine >= 0.999 against transformers' float32).
 
@@ -92,7 +92,7 @@ def _check(kind: str, model, prompts, ours, peer) -> None:
 
 
 @needs_cb_hooks
-@pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn", "auto"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt_oss"])
 def test_generate_batch_bf16_matches_transformers(kind, backend):
     model = _model(kind)

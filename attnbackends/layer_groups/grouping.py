@@ -254,9 +254,10 @@ def group_layers(
     groups = []
     for index, (name, spec, layers, cfg, ex) in enumerate(rows):
         if ex.chosen is None:
-            what = f"the requested backend {ex.requested!r}" if ex.requested != "auto" else "no registered backend"
+            what = (f"the requested backend {ex.requested!r} cannot" if ex.requested != "auto"
+                    else "no registered backend can")
             raise BackendNotSupportedError(
-                f"layer group {name!r} (layers {format_layers(layers)}): {what} can serve its spec", ex)
+                f"layer group {name!r} (layers {format_layers(layers)}): {what} serve its spec", ex)
         backend = get_backend_class(ex.chosen)
         if ex.requested == "auto" and backend.name in ("reference", "reference_mla") and device.is_cuda:
             logger.warning("layer group %s: no fast backend fits; using the slow reference backend", name)
