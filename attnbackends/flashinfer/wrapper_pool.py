@@ -9,6 +9,10 @@ decode wrapper per captured batch size, all on one set of persistent page-table 
 each sees its own prefix of them), and a prefill wrapper per captured verify shape (requests, tokens, tree), each
 on its own buffers (a tree wrapper also owns a packed-mask buffer). :func:`standalone_decode_wrapper` makes the one
 wrapper planned outside a builder (partial attention with its log-sum-exp, :mod:`.lse_forward`).
+
+The MLA backends' wrappers are made here too, on the same shared workspace: :func:`mla_paged_wrapper` (the latent
+decode of ``flashinfer_mla``) and :func:`ragged_prefill_wrapper` (the MLA prefill's new-token and context-chunk
+attention), so that this module is where every FlashInfer wrapper the library uses is constructed.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .plan_inputs import DevicePlanBuffer
 from .workspace import shared_workspace
 
-__all__ = ["KV_LAYOUT", "WrapperPool", "standalone_decode_wrapper"]
+__all__ = ["KV_LAYOUT", "WrapperPool", "mla_paged_wrapper", "ragged_prefill_wrapper", "standalone_decode_wrapper"]
 
 KV_LAYOUT = "NHD"  # kv_cache[:, 0] / [:, 1] are [num_blocks, block_size, num_kv_heads, head_size]
 
@@ -33,6 +37,18 @@ def standalone_decode_wrapper(flashinfer: Any, device: torch.device, use_tensor_
     (a new one per call: no later plan rewrites buffers a pending run still reads)."""
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(shared_workspace(device), KV_LAYOUT,
                                                          use_tensor_cores=use_tensor_cores)
+
+
+def mla_paged_wrapper(flashinfer: Any, device: torch.device, backend: str) -> Any:
+    """A latent-cache MLA decode wrapper (``flashinfer.mla.BatchMLAPagedAttentionWrapper``) on the device's shared
+    workspace; ``backend``: FlashInfer's kernel family ("auto", "fa2", "fa3")."""
+    return flashinfer.mla.BatchMLAPagedAttentionWrapper(shared_workspace(device), backend=backend)
+
+
+def ragged_prefill_wrapper(flashinfer: Any, device: torch.device) -> Any:
+    """A ragged (non-paged) prefill wrapper on the device's shared workspace: queries and keys as [tokens, heads,
+    head_size] tensors with cumulative-length offsets."""
+    return flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(shared_workspace(device), KV_LAYOUT)
 
 
 class WrapperPool:

@@ -7,10 +7,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import fallback_reason, surface_unsupported_reason
+from ..compat import fallback_reason, import_flashinfer, surface_unsupported_reason
 from ..flashinfer.plan_guard import planning
 from ..flashinfer.plan_inputs import paged_kv_plan_inputs
-from ..flashinfer.workspace import shared_workspace
+from ..flashinfer.wrapper_pool import mla_paged_wrapper
 from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
 from ..ops.page_guard import PageTableError, contain_page_ids, has_host_table, raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
@@ -192,9 +192,7 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
     @property
     def wrapper(self):
         if self._wrapper is None:
-            from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
-            self._wrapper = BatchMLAPagedAttentionWrapper(shared_workspace(self.device), backend=self.flashinfer_backend)
+            self._wrapper = mla_paged_wrapper(import_flashinfer(), self.device, self.flashinfer_backend)
         return self._wrapper
 
     def build_decode(self, decode: MLADecodeMetadata, common) -> None:

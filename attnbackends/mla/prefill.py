@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import DirectLauncher, efficient_attention_with_lse, flash_attn_cute_available
+from ..compat import DirectLauncher, efficient_attention_with_lse, flash_attn_cute_available, import_flashinfer
 from ..flashinfer.plan_guard import planning
-from ..flashinfer.workspace import shared_workspace
+from ..flashinfer.wrapper_pool import ragged_prefill_wrapper
 from ..platform import DeviceInfo, is_triton_interpreted, package_available
 from ..ops.launch_math import cdiv, next_power_of_2
 
@@ -188,15 +188,12 @@ class FlashInferPrefill(PrefillKernel):
         self._next = 0
 
     def plan(self, cu_seqlens_q_cpu, cu_seqlens_k_cpu, *, causal, scale, num_heads, head_dim_qk, head_dim_v, dtype):
-        import flashinfer
-
         plan = super().plan(
             cu_seqlens_q_cpu, cu_seqlens_k_cpu, causal=causal, scale=scale, num_heads=num_heads,
             head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype,
         )
         if self._next == len(self._wrappers):
-            self._wrappers.append(
-                flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(shared_workspace(self.device), "NHD"))
+            self._wrappers.append(ragged_prefill_wrapper(import_flashinfer(), self.device))
         wrapper = self._wrappers[self._next]
         self._next += 1
         with planning(wrapper):
