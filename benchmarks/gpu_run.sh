@@ -17,6 +17,12 @@ mkdir -p "$OUT"
 if [ -f .gpu/base/setup.sh ]; then
   bash .gpu/base/setup.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 3; }
 fi
+# The transformers the integration's hooks are tested on, where the host has an older one. Stage it on the
+# development machine with: pip download --no-deps -d .gpu/tf transformers==5.24.0 (and ship .gpu/tf).
+if ls .gpu/tf/transformers-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --disable-pip-version-check .gpu/tf/transformers-*.whl \
+    >> "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 3; }
+fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 run() { python3 -m benchmarks.run --outdir "$OUT" "$@"; }
 test_opts=(${TEST_TIMEOUT:+--timeout "$TEST_TIMEOUT"} ${PARALLEL:+--parallel} ${WORKERS:+--workers "$WORKERS"})
