@@ -8,8 +8,8 @@
 #   bash benchmarks/gpu_run.sh all                    # every test group, then the default suites
 #
 # Groups and suites: python -m benchmarks.run --list. TEST_TIMEOUT (seconds per group), PARALLEL=1 (the groups
-# side by side) and WORKERS=N (pytest-xdist processes per group) shape the test runs; copy the files under $OUT into benchmarks/results/ and run
-# python -m benchmarks.run --index to update benchmarks/RESULTS.md.
+# side by side) and WORKERS=N (pytest-xdist processes per group) shape the test runs; copy the files under $OUT
+# into benchmarks/results/ and run python -m benchmarks.run --index to update benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/attnbackends-out}

@@ -4,9 +4,10 @@
     python -m benchmarks.run --gpu-tests triton mla      # named groups
     python -m benchmarks.run --gpu-tests mla --sanitize  # under compute-sanitizer memcheck
 
-Groups run one after another, or side by side with ``--parallel`` (each its own process on the same GPU); ``--workers N``
-spreads each group's tests over N pytest-xdist processes. A group
-that runs past ``--timeout`` still leaves the PASSED / FAILED lines of the tests it reached in its log.
+Groups run one after another, or side by side with ``--parallel`` (each its own process on the same GPU);
+``--workers N`` spreads each group's tests over N pytest-xdist processes. A group that runs past ``--timeout`` still
+leaves the PASSED / FAILED lines of the tests it reached in its log. A log holds pytest's output without its
+opening banner line.
 """
 
 from __future__ import annotations
@@ -115,7 +116,18 @@ def run_groups(names: Sequence[str], outdir: Path, log_name: str, keyword: Optio
         if name not in codes:
             codes[name] = _wait(proc, timeout_s)
             log.close()
+    for log in logs.values():
+        _drop_banner(log)
     return [summarise(name, logs[name], codes[name]) for name in names]
+
+
+_BANNER = re.compile(r"^=+ test \w+ starts =+\n", flags=re.MULTILINE)  # pytest's opening line
+
+
+def _drop_banner(log: Path) -> None:
+    """Remove pytest's opening banner line from a group's log (it carries no result)."""
+    if log.exists():
+        log.write_text(_BANNER.sub("", log.read_text(errors="replace"), count=1))
 
 
 def _wait(proc: subprocess.Popen, timeout_s: Optional[float]) -> Optional[int]:

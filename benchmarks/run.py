@@ -245,8 +245,7 @@ def _run_gpu_tests(args: argparse.Namespace, outdir: Path) -> int:
     kind = "sanitize" if args.sanitize else "gpu_tests"
     log_name = f"{gpu}-{kind}_{{group}}-{dt.date.today().isoformat()}.log"
     results = gpu_tests.run_groups(groups, outdir, log_name, keyword=args.keyword, sanitize=args.sanitize,
-                                   parallel=args.parallel, timeout_s=args.timeout,
-                                   workers=args.workers)
+                                   parallel=args.parallel, timeout_s=args.timeout, workers=args.workers)
     failed = False
     for r in results:
         timed_out = " TIMED OUT (tests after the last PASSED line did not run)" if r.returncode is None else ""
