@@ -1,6 +1,6 @@
 """The GPU twin of tests/test_integration_transformers.py (``pytest -m gpu``): greedy ``generate_batch`` with
-``paged|attnbackends`` in bf16 on the Triton, FlashInfer and flash-attn backends and the registry's own choice, against
-transformers' own paged attention in bf16 (``paged|sdpa``; ``paged|eager`` for gpt-oss), with chunked prefill and
+``paged|attnbackends`` in bf16 on the Triton, FlashInfer and flash-attn backends and the registry's own choice,
+against transformers' own paged attention in bf16 (``paged|sdpa``; ``paged|eager`` for gpt-oss), with chunked prefill and
 prefix reuse; and all-MiniLM-L6-v2's sentence embeddings in bf16 (cosine >= 0.999 against transformers' float32).
 
 bf16 greedy decoding parts at near-ties, for reasons that are not attention's. Llama and Qwen2 run as the
@@ -34,8 +34,8 @@ from examples.transformers_generate_batch import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 # generate_batch needs the continuous-batching names compat hooks (an older transformers lacks them).
-needs_cb_hooks = pytest.mark.skipif(transformers_cb_hooks_reason() is not None,
-                                    reason=str(transformers_cb_hooks_reason()))
+_CB_HOOKS_MISSING = transformers_cb_hooks_reason()
+needs_cb_hooks = pytest.mark.skipif(_CB_HOOKS_MISSING is not None, reason=str(_CB_HOOKS_MISSING))
 
 PROMPT_LENGTHS = (1, 7, 33, 64, 100, 250)
 MAX_NEW_TOKENS = 16
@@ -63,19 +63,24 @@ def _ours(model, backend: str, prompts, **cb):
     return generate_batch_tokens(model, "paged|attnbackends", prompts, MAX_NEW_TOKENS, **{**CB, **cb})
 
 
-def fp32_logit_deficits(model, prompts, generated) -> list[float]:
-    """Per prompt, the largest float32 logit deficit of its generated tokens: the model in float32 with eager
-    attention, teacher-forced over prompt + generated; a token's deficit is the best logit minus its own there."""
+def fp32_logit_deficits(model, prompts, *generations) -> list[list[float]]:
+    """For each generation (one token list per prompt), per prompt the largest float32 logit deficit of its
+    generated tokens: the model in float32 with eager attention, teacher-forced over prompt + generated; a token's
+    deficit is the best logit minus its own there."""
     reference = copy.deepcopy(model).float()
     reference.set_attn_implementation("eager")
     device = next(reference.parameters()).device
-    worst = []
+    result = []
     with torch.no_grad():
-        for prompt, tokens in zip(prompts, generated):
-            logits = reference(torch.tensor([prompt + tokens], device=device)).logits[0, len(prompt) - 1:-1].double()
-            picked = logits.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0]
-            worst.append((logits.max(dim=1).values - picked).max().item())
-    return worst
+        for generated in generations:
+            worst = []
+            for prompt, tokens in zip(prompts, generated):
+                ids = torch.tensor([prompt + tokens], device=device)
+                logits = reference(ids).logits[0, len(prompt) - 1:-1].double()
+                picked = logits.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0]
+                worst.append((logits.max(dim=1).values - picked).max().item())
+            result.append(worst)
+    return result
 
 
 def _check(kind: str, model, prompts, ours, peer) -> None:
@@ -85,7 +90,7 @@ def _check(kind: str, model, prompts, ours, peer) -> None:
         return
     if ours == peer:
         return
-    ours_worst, peer_worst = fp32_logit_deficits(model, prompts, ours), fp32_logit_deficits(model, prompts, peer)
+    ours_worst, peer_worst = fp32_logit_deficits(model, prompts, ours, peer)
     bound = max(DEFICIT_FLOOR, 2 * max(peer_worst))
     assert max(ours_worst) <= bound, (f"{kind}: float32 logit deficits per prompt {ours_worst} (transformers' own "
                                       f"bf16: {peer_worst}); tokens {ours} vs {peer}")
