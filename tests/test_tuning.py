@@ -91,9 +91,54 @@ def test_score_is_relative_per_shape_and_ties_follow_the_static_order():
     choice = choose(profile, {"a": [], "b": [], "c": []}, ["c", "b", "a"])
     scores = {r.name: r.score for r in choice.rows}
     assert scores["a"] == pytest.approx(scores["c"]) and choice.ranking[0] == "c"
-    three_decode, three_prefill = 3, 3
-    assert scores["a"] == pytest.approx((2 ** three_prefill) ** (1 / 7))
-    assert scores["b"] == pytest.approx((2 ** three_decode) ** (1 / 7))
+    n_decode = sum(s["phase"] == "decode" for s in SHAPES)
+    n_prefill = sum(s["phase"] == "prefill" for s in SHAPES)
+    assert scores["a"] == pytest.approx((2 ** n_prefill) ** (1 / len(SHAPES)))
+    assert scores["b"] == pytest.approx((2 ** n_decode) ** (1 / len(SHAPES)))
+
+
+@pytest.mark.parametrize("gain, composition_wins", [(0.99, False), (0.95, True)])
+def test_a_composition_must_win_by_the_margin(gain, composition_wins):
+    """A composition within COMPOSITION_MARGIN of the best single backend is ranked after it, and the explanation
+    says why; one that wins by more is chosen."""
+    single = times(10, 20, 30)
+    composition = {label: t * gain for label, t in single.items()}
+    profile = Profile(key={}, shapes=SHAPES, times_us={"triton": single, PHASED: composition})
+    choice = choose(profile, {"triton": [], PHASED: []}, ["triton", PHASED])
+    assert choice.winner == (PHASED if composition_wins else "triton")
+    assert ("as a phase composition, ranks at its score" in choice.why) == (not composition_wins)
+
+
+def test_tune_times_whole_steps_and_reports_per_layer(monkeypatch):
+    """One timed step = one build on a fresh metadata object + layers_per_step forwards; the profile holds the
+    step's time divided by the layer count."""
+    from attnbackends.selection import tune_timing
+    from attnbackends.reference.backend import ReferenceBackend
+
+    calls = {"build": [], "forward": 0}
+    builder_cls, impl_cls = ReferenceBackend.get_builder_cls(), ReferenceBackend.get_impl_cls()
+    build, forward = builder_cls.build, impl_cls.forward
+
+    def counting_build(self, common):
+        calls["build"].append(common)
+        return build(self, common)
+
+    def counting_forward(self, *args, **kwargs):
+        calls["forward"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(builder_cls, "build", counting_build)
+    monkeypatch.setattr(impl_cls, "forward", counting_forward)
+    monkeypatch.setattr(tune_timing, "time_us", lambda fn, device: (fn(), 120.0)[1])
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float32")
+    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], layers_per_step=3)
+    shapes = len(GRIDS["tiny"])
+    assert profile.layers_per_step == 3 and profile.errors == {}
+    assert all(t == pytest.approx(40.0) for t in profile.times_us["reference"].values())
+    assert len(calls["build"]) == 2 * shapes and calls["forward"] == 3 * 2 * shapes  # first call + timed call
+    assert len({id(c) for c in calls["build"]}) == len(calls["build"])  # a fresh metadata object every step
+    with pytest.raises(ValueError, match="layers_per_step"):
+        run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], layers_per_step=0)
 
 
 def test_explain_cli_shows_the_measured_table(tmp_path, capsys):
@@ -106,7 +151,8 @@ def test_explain_cli_shows_the_measured_table(tmp_path, capsys):
 
 def test_tune_runs_on_the_cpu_with_the_tiny_grid():
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16")
-    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference", phased_name("reference", "triton")])
+    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference", phased_name("reference", "triton")],
+                       layers_per_step=2)
     labels = [s["label"] for s in profile.shapes]
     assert set(profile.times_us) == {"reference", phased_name("reference", "triton")}
     assert all(profile.times_us[name][label] > 0 for name in profile.times_us for label in labels)

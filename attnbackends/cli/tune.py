@@ -15,11 +15,16 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> None:
+    from ..selection.tune_timing import LAYERS_PER_STEP
+
     tune = sub.add_parser("tune", help="time every fitting backend and phase composition here; store the profile")
     add_spec_arguments(tune)
     add_config_arguments(tune)
     tune.add_argument("--grid", default="small", choices=["small", "tiny"], help="tiny: a CPU smoke run")
     tune.add_argument("--candidates", default=None, help="comma-separated backend names (default: all that fit)")
+    tune.add_argument("--layers-per-step", type=int, default=LAYERS_PER_STEP,
+                      help="layers sharing one build() in a timed step (the model's layer count weighs the build as "
+                           "serving does)")
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -34,7 +39,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"tuning on {plain(device.describe())} (first calls compile kernels: expect minutes on a fresh "
                   "machine)")
     start = time.perf_counter()
-    profile = run_tune(spec, device, grid=args.grid, candidates=candidates)
+    profile = run_tune(spec, device, grid=args.grid, candidates=candidates,
+                       layers_per_step=args.layers_per_step)
     console.print(f"timed in {time.perf_counter() - start:.1f} s")
     if device.is_cuda:
         path = profile.save(default_profile_dir(config))

@@ -1,14 +1,18 @@
 """`attnbackends tune`: time every fitting backend and phase composition for a spec on this GPU, store the profile.
 
-Each candidate gets one builder and one impl; for every shape of the grid its metadata is built once and its
-``forward`` is timed as an engine calls it (the step's new keys and values written into the cache, then attention:
-a backend that reads new tokens straight from ``key``/``value`` gains by it) with ``triton.testing.do_bench`` (median,
-on CUDA) or a wall-clock loop (on the CPU, for smoke runs). The first call of each (candidate, shape) is timed apart
-and logged: that is where kernels compile.
+Each candidate gets one builder and one impl. For every shape of the grid a whole engine step is timed as an engine
+runs it: ``build()`` on a fresh copy of the step's metadata, then ``layers_per_step`` calls of ``forward`` (each
+writes the step's new keys and values into the cache, then attends: a backend that reads new tokens straight from
+``key``/``value`` gains by it). A candidate's time on a shape is that step's time divided by ``layers_per_step``:
+its per-layer cost with the build shared out, so a composition pays for its second build and a backend whose
+``plan()`` is slow pays for it, as they do in a served model. Timing is ``triton.testing.do_bench`` (median, on
+CUDA) or a wall-clock loop (on the CPU, for smoke runs). The first call of each (candidate, shape) is timed apart and
+logged: that is where kernels compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import logging
@@ -25,7 +29,8 @@ from .phased import phased_name
 from .registry import backend_names, get_backend_class, priority_list
 from .tuning import Profile, environment_key
 
-__all__ = ["GRIDS", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch", "tune_candidates"]
+__all__ = ["GRIDS", "LAYERS_PER_STEP", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch",
+           "tune_candidates"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,12 @@ class TuneShape:
                 "prefill_len": self.prefill_len, "prefill_context": self.prefill_context}
 
 
+#: Layers sharing one ``build()`` in a timed step (the layer count of a 7-8B model's attention).
+LAYERS_PER_STEP = 32
+
+#: The shapes a profile is measured on: decode-only and prefill-only steps, and the mixed steps of serving traffic
+#: (decodes beside prompt chunks on cached context: chat turns on a shared prefix, a long document's chunk, a few new
+#: prompts in a decode-heavy stream).
 GRIDS: dict[str, tuple[TuneShape, ...]] = {
     "small": (
         TuneShape("decode", num_decodes=1, decode_context=4096),
@@ -67,6 +78,10 @@ GRIDS: dict[str, tuple[TuneShape, ...]] = {
         TuneShape("prefill", num_prefills=8, prefill_len=1024),
         TuneShape("prefill", num_prefills=4, prefill_len=512, prefill_context=2048),
         TuneShape("mixed", num_decodes=60, decode_context=4096, num_prefills=4, prefill_len=512, prefill_context=2048),
+        TuneShape("mixed", num_decodes=32, decode_context=2048, num_prefills=2, prefill_len=256, prefill_context=4096),
+        TuneShape("mixed", num_decodes=4, decode_context=16384, num_prefills=1, prefill_len=2048,
+                  prefill_context=14336),
+        TuneShape("mixed", num_decodes=128, decode_context=2048, num_prefills=1, prefill_len=128),
     ),
     "tiny": (  # CPU smoke runs
         TuneShape("decode", num_decodes=2, decode_context=20),
@@ -173,11 +188,15 @@ def _progress(items: list, desc: str) -> Iterable:
 
 
 def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: str = "small",
-             candidates: Optional[Sequence[str]] = None, seed: int = 0) -> Profile:
-    """Time ``candidates`` (default: :func:`tune_candidates`) on the grid's shapes; returns the profile (unsaved)."""
+             candidates: Optional[Sequence[str]] = None, seed: int = 0,
+             layers_per_step: int = LAYERS_PER_STEP) -> Profile:
+    """Time ``candidates`` (default: :func:`tune_candidates`) on the grid's shapes, one engine step of
+    ``layers_per_step`` layers per timing (see the module docstring); returns the profile (unsaved) with µs per layer."""
     device = device or DeviceInfo.current()
     if grid not in GRIDS:
         raise ValueError(f"grid {grid!r} is unknown; allowed: {', '.join(GRIDS)}")
+    if layers_per_step < 1:
+        raise ValueError(f"layers_per_step must be >= 1, got {layers_per_step}")
     shapes = GRIDS[grid]
     names = list(candidates) if candidates is not None else tune_candidates(spec, device)
     if not names:
@@ -198,10 +217,12 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
                                  cls.get_impl_cls()(spec, sinks=sinks))
             builder, impl = objects[name]
             batch = batches[shape.label]
-            metadata = builder.build(batch.common)
 
             def step() -> None:
-                batch.forward(impl, metadata)
+                # a fresh metadata object per step, as an engine makes one: nothing a builder caches on it carries over
+                metadata = builder.build(dataclasses.replace(batch.common))
+                for _ in range(layers_per_step):
+                    batch.forward(impl, metadata)
 
             start = time.perf_counter()
             step()
@@ -210,7 +231,7 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
             first = time.perf_counter() - start
             if first > 1.0:
                 logger.info("%s on %s: first call %.1f s (kernel compilation)", name, shape.label, first)
-            times[name][shape.label] = time_us(step, torch_device)
+            times[name][shape.label] = time_us(step, torch_device) / layers_per_step
         except Exception as exc:  # one failing candidate must not end the run; the profile records why
             times[name][shape.label] = None
             errors.setdefault(name, f"{type(exc).__name__}: {exc}")
@@ -223,6 +244,7 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
         shapes=[s.as_dict() for s in shapes],
         times_us=times,
         errors=errors,
+        layers_per_step=layers_per_step,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 

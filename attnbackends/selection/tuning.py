@@ -7,9 +7,12 @@ attnbackends versions, and the spec. ``AttentionConfig(selection="measured")`` m
 look the profile up; with one, candidates are ranked by :func:`choose` (and the explanation carries the table and
 why the winner won), without one the static priority list is used and the explanation says so.
 
-The score of a candidate is the geometric mean, over the grid's shapes, of its time divided by the best fitting
-candidate's time on that shape: 1.0 means fastest everywhere. Candidates not measured on every shape, or that do
-not fit the spec on this device now, are not ranked.
+A candidate's time on a shape is its per-layer cost in a whole engine step (``build()`` shared out over the step's
+layers, see :mod:`attnbackends.selection.tune_timing`). Its score is the geometric mean, over the grid's shapes, of
+that time divided by the best fitting candidate's time on the shape: 1.0 means fastest everywhere. A phase
+composition is ranked at its score times ``1 + COMPOSITION_MARGIN``: it runs two builds and, on mixed steps, two
+launches per layer, so it is chosen only where it wins by more than timing noise. Candidates not measured on every
+shape, or that do not fit the spec on this device now, are not ranked.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import torch
 
 from ..platform import DeviceInfo
 from ..spec import AttentionConfig, AttentionSpec
+from .phased import is_phased_name
 
 __all__ = [
+    "COMPOSITION_MARGIN",
     "PROFILE_FORMAT",
     "MeasuredChoice",
     "Profile",
@@ -45,7 +50,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2
+#: How much better than its score a phase composition must be to rank as it measured (see the module docstring).
+COMPOSITION_MARGIN = 0.03
 PHASES = ("decode", "prefill", "mixed")
 
 
@@ -108,14 +115,16 @@ def profile_path(key: dict[str, Any], directory: "str | os.PathLike") -> Path:
 
 @dataclass
 class Profile:
-    """One tune run: its key, the shapes (``{"label", "phase", ...}``), and µs per candidate and shape label
-    (None where the candidate failed on that shape; ``errors`` says why)."""
+    """One tune run: its key, the shapes (``{"label", "phase", ...}``), and µs per layer per candidate and shape
+    label (None where the candidate failed on that shape; ``errors`` says why), measured in steps of
+    ``layers_per_step`` layers sharing one build."""
 
     key: dict[str, Any]
     shapes: list[dict[str, Any]]
     times_us: dict[str, dict[str, Optional[float]]]
     errors: dict[str, str] = field(default_factory=dict)
     created: str = ""
+    layers_per_step: int = 1
 
     def save(self, directory: "str | os.PathLike") -> Path:
         path = profile_path(self.key, directory)
@@ -131,7 +140,8 @@ class Profile:
         missing = {"key", "shapes", "times_us"} - set(data)
         if missing:
             raise ValueError(f"{path} is not a tune profile (missing {', '.join(sorted(missing))})")
-        return cls(**{k: data[k] for k in ("key", "shapes", "times_us", "errors", "created") if k in data})
+        return cls(**{k: data[k] for k in ("key", "shapes", "times_us", "errors", "created", "layers_per_step")
+                      if k in data})
 
 
 def load_profile(
@@ -212,7 +222,8 @@ def choose(
     best = {label: min(profile.times_us[n][label] for n in fitting) for label in labels} if fitting else {}
     scores = {n: _geomean([profile.times_us[n][label] / best[label] for label in labels]) for n in fitting}
     rank_of = {n: i for i, n in enumerate(order)}
-    ranking = sorted(fitting, key=lambda n: (round(scores[n], 6), rank_of.get(n, len(order)), n))
+    ranked = {n: scores[n] * (1 + COMPOSITION_MARGIN) if is_phased_name(n) else scores[n] for n in fitting}
+    ranking = sorted(fitting, key=lambda n: (round(ranked[n], 6), rank_of.get(n, len(order)), n))
     rows = []
     for name in ranking + sorted(set(profile.times_us) - set(ranking)):
         times = profile.times_us[name]
@@ -223,15 +234,20 @@ def choose(
         rows.append(CandidateRow(name, phase_us, scores.get(name), status.get(name, "ranked")))
     if rows and ranking:
         rows[0].status = "chosen"
-    return MeasuredChoice(source=source, rows=rows, ranking=ranking, why=_why(ranking, scores, rows, labels))
+    return MeasuredChoice(source=source, rows=rows, ranking=ranking, why=_why(ranking, scores, ranked, rows, labels))
 
 
-def _why(ranking: list[str], scores: dict[str, float], rows: list[CandidateRow], labels: list[str]) -> str:
+def _why(ranking: list[str], scores: dict[str, float], ranked: dict[str, float], rows: list[CandidateRow],
+         labels: list[str]) -> str:
     if not ranking:
         return "no measured candidate fits this spec here: the static priority list is used"
     winner = ranking[0]
     text = (f"{winner} won: score {scores[winner]:.3f} (geometric mean over {len(labels)} shapes of its time / the "
             f"fastest fitting candidate's; 1.000 = fastest on every shape)")
+    passed_over = [n for n in ranking[1:] if scores[n] < scores[winner]]
+    if passed_over:
+        text += (f"; {', '.join(passed_over)} measured lower but, as a phase composition, ranks at its score "
+                 f"x {1 + COMPOSITION_MARGIN:.2f} ({ranked[passed_over[0]]:.3f})")
     if len(ranking) > 1:
         runner = ranking[1]
         by_name = {r.name: r for r in rows}
