@@ -1077,6 +1077,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="compared: the single backends of --backends and their per-phase compositions; "
                              "all: everything `attnbackends tune` would time")
     parser.add_argument("--profile-dir", default=None, help="where tune profiles live (default: the user cache)")
+    parser.add_argument("--no-common-prefix", action="store_true",
+                        help="replay without telling the backends each step's common prefix (as an engine without "
+                             "a prefix cache would): FlashInfer then runs no cascade attention")
     args = parser.parse_args(argv)
     try:
         backends = _csv(args.backends, backend_names() + [AUTO], "backends")
@@ -1099,6 +1102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = {n: (TINY_MODELS if args.tiny else MODELS)[n] for n in model_names}
     traces = {k: generate_trace(k, seed=args.seed, scale=args.scale, tiny=args.tiny) for k in kinds}
     commons = {k: [s.common(device) for s in t.steps] for k, t in traces.items()}
+    if args.no_common_prefix:
+        commons = {k: [dataclasses.replace(c, common_prefix_len=0) for c in cs] for k, cs in commons.items()}
     for k, t in traces.items():
         logger.info("trace %s: %s, %d pages", k, t.stats(), t.num_blocks)
 
@@ -1115,7 +1120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     compared = set(explicit)
     uses_flashinfer = "flashinfer" in compared or (AUTO in backends and args.tune_candidates == "all")
     flashinfer_specs = [s for s in all_specs if uses_flashinfer and unsupported_reason([s], info, "flashinfer") is None]
-    build = _start_flashinfer_build(flashinfer_specs, device, cascade="chat" in traces)
+    build = _start_flashinfer_build(flashinfer_specs, device, cascade="chat" in traces and not args.no_common_prefix)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
