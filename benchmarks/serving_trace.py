@@ -45,8 +45,8 @@ its attention time as the engine sees it: the GPU's work, or the host's launch t
 (the GPU then waits between kernels). The host wall time from the step's first call to its last launch is kept
 beside it. ``us`` is the sum over the trace's steps in the median pass. Kernels compile before any timed pass:
 FlashInfer's modules build in the background (all at once) while the Triton kernels compile on warm-up passes;
-the explicit backends are timed next, then the tune runs and ``auto`` is timed. The JSON is rewritten after each
-model, so a run cut short keeps what it measured (``"complete": false``).
+then the tune runs (for ``auto``), and every backend, ``auto`` included, is timed model by model in one stretch.
+The JSON is rewritten after each model, so a run cut short keeps what it measured (``"complete": false``).
 
 Rows: ``{"case": "serving_trace", "backend", "peer", "trace", "model", "us", "peer_us", "ratio", "steps", "tokens",
 ...}`` with the build time, the host time, per-layer averages and ``model_us``: the builds plus each group's forward
@@ -1148,8 +1148,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny CPU replays: intra-op threads only contend
     try:
-        _replay_all(models, traces, commons, explicit, device, args, unsupported, timed=True, results=results,
-                    on_model=lambda: write(False))
+        # Tuning comes first, so that every backend (auto too) is timed in the same stretch of the run, model by
+        # model: the host's state after a tune would otherwise favour the backends timed before it.
         if AUTO in backends:
             start = time.perf_counter()
             if args.tune == "missing" and info.is_cuda:
@@ -1161,8 +1161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for model in models.values():
                 specs = replay_layer_specs(model, args.layers_per_group, args.dtype)[0]
                 unsupported[(model.name, AUTO)] = unsupported_reason(specs, info, AUTO, args.profile_dir)
-            _replay_all(models, traces, commons, [AUTO], device, args, unsupported, timed=True, results=results,
-                        on_model=lambda: write(False))
+        _replay_all(models, traces, commons, backends, device, args, unsupported, timed=True, results=results,
+                    on_model=lambda: write(False))
     finally:
         torch.set_num_threads(threads)
     rows = write(True)

@@ -50,6 +50,8 @@ SUITES: dict[str, Suite] = {
                          "k SMs", args=("--write-sweep",)),
     "flashinfer_adapter": Suite("benchmarks.flashinfer_adapter", "the FlashInfer adapter's cost over raw "
                                 "FlashInfer wrapper calls; build() host time", default=True),
+    "flashinfer_cascade": Suite("benchmarks.flashinfer_cascade", "FlashInfer's cascade attention as the adapter's "
+                                "policy picks it vs cascade off, on shared-prefix steps"),
     "mla": Suite("benchmarks.mla", "MLA decode and prefill (DeepSeek-V3 dims) vs FlashInfer MLA", default=True),
     "phase_selection": Suite("benchmarks.phase_selection", "prefill per backend and an engine-like mixed workload "
                              "on each backend and on the measured composition"),
