@@ -1,5 +1,6 @@
-"""Where FlashInfer's cascade attention pays: the adapter with its cascade policy against the same adapter with
-cascade off, on batches whose requests share a prefix, with the Triton backend beside them.
+"""Where FlashInfer's cascade attention pays: the adapter with its cascade thresholds on
+(``CascadePolicy(enabled=True)``) against the adapter's default (cascade off), with cascade forced and the Triton
+backend beside them.
 
 Each case is a whole engine step as an engine runs it: ``build()`` on a fresh metadata object (passing the common
 prefix length, as a prefix-caching engine does), then ``forward`` for each of ``--layers`` layers with the step's new
@@ -10,10 +11,10 @@ keys and values. Cases (32 query / 8 KV heads, head 128, page 16, bf16, the priv
 - ``chat``: 120 decodes at 2048-6144 tokens and 8 chunks of 256, all on a 1024-token system prompt (the serving
   trace's chat steps).
 
-Rows: ``{"case": "cascade_step", "backend": "flashinfer", "peer": "flashinfer_plain", "shape", "B", "L", "prefix",
-"us" (per layer: the step's do_bench median / layers), "peer_us", "ratio", "cascade" (whether the policy chose
-it), "forced_cascade_us" (cascade whatever the policy says), "triton_us", "saved_fraction"}``. A ratio above 1
-means the policy's cascade made the step slower.
+Rows: ``{"case": "cascade_step", "backend": "flashinfer_cascade", "peer": "flashinfer", "shape", "B", "L",
+"prefix", "us" (per layer: the step's do_bench median / layers), "peer_us", "ratio", "cascade" (whether the
+thresholds chose it), "forced_cascade_us" (cascade whatever the thresholds say), "triton_us", "saved_fraction"}``.
+A ratio above 1 means cascade made the step slower.
 
     python -m benchmarks.run --suite flashinfer_cascade
     python -m benchmarks.flashinfer_cascade --out rows.json
@@ -99,30 +100,31 @@ def cascade_rows(layers: int = 32, cases: Optional[dict] = None) -> list[dict]:
         common, cache, q, k, v = shared_prefix_step(qlens, clens, prefix)
         timed, outs, chose = {}, {}, None
         for label, backend, kwargs in (
+            ("flashinfer_cascade", FlashInferBackend, {"cascade_policy": CascadePolicy(enabled=True)}),
             ("flashinfer", FlashInferBackend, {}),
-            ("flashinfer_plain", FlashInferBackend, {"cascade_policy": CascadePolicy(enabled=False)}),
             ("flashinfer_forced", FlashInferBackend,
-             {"cascade_policy": CascadePolicy(min_requests=2, min_shared_tokens=1, min_saved_fraction=0.0)}),
+             {"cascade_policy": CascadePolicy(enabled=True, min_requests=2, min_shared_tokens=1,
+                                              min_saved_fraction=0.0)}),
             ("triton", TritonAttentionBackend, {}),
         ):
             step, out, state = _step_fn(backend, common, cache, q, k, v, layers, **kwargs)
             step()
             torch.cuda.synchronize()
-            if label == "flashinfer":
+            if label == "flashinfer_cascade":
                 chose = state["meta"].cascade_wrapper is not None
             outs[label] = out.float().clone()
             timed[label] = 1000.0 * triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median") / layers
         total_kv = sum(q_ + c for q_, c in zip(qlens, clens))
         rows.append({
-            "case": "cascade_step", "backend": "flashinfer", "peer": "flashinfer_plain", "shape": name,
+            "case": "cascade_step", "backend": "flashinfer_cascade", "peer": "flashinfer", "shape": name,
             "B": len(qlens), "L": max(q_ + c for q_, c in zip(qlens, clens)), "prefix": prefix,
             "dtype": "bfloat16", "kv_dtype": "auto", "layers": layers,
-            "us": round(timed["flashinfer"], 2), "peer_us": round(timed["flashinfer_plain"], 2),
-            "ratio": round(timed["flashinfer"] / timed["flashinfer_plain"], 4), "cascade": chose,
+            "us": round(timed["flashinfer_cascade"], 2), "peer_us": round(timed["flashinfer"], 2),
+            "ratio": round(timed["flashinfer_cascade"] / timed["flashinfer"], 4), "cascade": chose,
             "forced_cascade_us": round(timed["flashinfer_forced"], 2), "triton_us": round(timed["triton"], 2),
             "saved_fraction": round((len(qlens) - 1) * prefix / total_kv, 3),
-            "max_abs_diff_vs_plain": float((outs["flashinfer"] - outs["flashinfer_plain"]).abs().max()),
-            "max_abs_diff_vs_triton": float((outs["flashinfer"] - outs["triton"]).abs().max()),
+            "max_abs_diff_vs_plain": float((outs["flashinfer_cascade"] - outs["flashinfer"]).abs().max()),
+            "max_abs_diff_vs_triton": float((outs["flashinfer_cascade"] - outs["triton"]).abs().max()),
         })
         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -88,6 +88,7 @@ from attnbackends import (
     explain_layers,
     group_layers,
 )
+from attnbackends.flashinfer.cascade import CascadePolicy
 
 __all__ = [
     "FULL_LIMITS",
@@ -1120,7 +1121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     compared = set(explicit)
     uses_flashinfer = "flashinfer" in compared or (AUTO in backends and args.tune_candidates == "all")
     flashinfer_specs = [s for s in all_specs if uses_flashinfer and unsupported_reason([s], info, "flashinfer") is None]
-    build = _start_flashinfer_build(flashinfer_specs, device, cascade="chat" in traces and not args.no_common_prefix)
+    cascade = "chat" in traces and not args.no_common_prefix and CascadePolicy().enabled
+    build = _start_flashinfer_build(flashinfer_specs, device, cascade=cascade)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

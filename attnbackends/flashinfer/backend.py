@@ -10,8 +10,9 @@ into FlashInfer's page table (:mod:`.plan_inputs`), then plans
   the whole batch when it holds multi-token decodes (speculative verify: the decode wrapper takes one query token
   per request) or a tree mask (planned as FlashInfer's ``custom_mask``, expanded to [query, key] per request by
   :func:`attnbackends.speculative.tree_mask.expand_tree_mask`);
-- or, instead of both, ``MultiLevelCascadeAttentionWrapper`` when the engine reports a shared prefix and
-  :func:`.cascade.cascade_prefix_blocks` says it pays.
+- or, instead of both, ``MultiLevelCascadeAttentionWrapper`` when the builder's cascade policy is on (it is off by
+  default: see :mod:`.cascade`), the engine reports a shared prefix and :func:`.cascade.cascade_prefix_blocks` says
+  it pays.
 
 Every layer's :class:`FlashInferImpl` then runs those planned wrappers into slices of the caller's output.
 
@@ -159,8 +160,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     workspace_bytes : None (default): the device's shared float workspace (:func:`.workspace.shared_workspace`, one
         for every FlashInfer wrapper of the process: they run one after another on a stream); a size: a workspace of
         this builder's own (for builders whose layers run on concurrent streams).
-    cascade_policy : thresholds for cascade attention (:class:`.cascade.CascadePolicy`); ``CascadePolicy(enabled=False)``
-        turns it off.
+    cascade_policy : when to use cascade attention (:class:`.cascade.CascadePolicy`); the default is off,
+        ``CascadePolicy(enabled=True)`` lets its thresholds decide per batch.
     max_model_len : longest sequence, sizing the persistent page-index buffer of CUDA-graph decode.
     use_tensor_cores : decode on tensor cores; default: when query heads are grouped (num_heads > num_kv_heads).
     fast_plan : after a decode wrapper's first ``plan()``, re-plan it for later batches with

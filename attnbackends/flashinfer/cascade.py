@@ -3,8 +3,13 @@
 Cascade attention splits a batch whose requests all start with the same pages into two levels: every query of the
 batch attends to the shared prefix once (one pass over its pages, as a single "request" of many query rows), then
 each request attends to its own remaining pages, and the two partial results are merged by their log-sum-exp.
-It pays when the shared prefix is long and many requests read it: the prefix is read once instead of once per
-request. It costs a second kernel and a merge, so small batches and short prefixes stay on the plain path.
+In principle it pays when the shared prefix is long and many requests read it: the prefix is read once instead of
+once per request. In practice FlashInfer's ``MultiLevelCascadeAttentionWrapper`` serves every level with its prefill
+kernels (decodes included) and merges the levels, and on Hopper that measured slower than the plain decode and
+prefill wrappers on every shared-prefix step tried, long prefixes included (``benchmarks/flashinfer_cascade.py``;
+the numbers are in ``benchmarks/NOTES.md``). So the default policy is off; an engine
+that measures a gain on its own traffic turns it on with ``CascadePolicy(enabled=True)``, and the thresholds below
+then decide per batch.
 """
 
 from __future__ import annotations
@@ -21,14 +26,14 @@ class CascadePolicy:
 
     Attributes
     ----------
-    enabled : False turns cascade attention off.
+    enabled : True lets the thresholds below turn cascade attention on; off by default (see the module docstring).
     min_requests : fewest requests sharing the prefix.
     min_shared_tokens : shortest shared prefix, in tokens (whole pages only).
     min_saved_fraction : the KV reads saved, ``(num_reqs - 1) * shared_tokens``, as a fraction of the batch's
         plain KV reads (``sum(seq_lens)``), must reach this.
     """
 
-    enabled: bool = True
+    enabled: bool = False
     min_requests: int = 8
     min_shared_tokens: int = 256
     min_saved_fraction: float = 0.25

@@ -404,7 +404,8 @@ CASCADE_SHAPES = [SequenceShape(1, 300 + 7 * i) for i in range(8)] + [SequenceSh
 def test_cascade_attention(fake_flashinfer):
     spec = AttentionSpec(**BASE, logits_soft_cap=20.0)
     batch = shared_prefix_batch(spec, CASCADE_SHAPES, shared_blocks=17, seed=6)
-    meta, _ = check_against_oracle(batch, build_kwargs=dict(common_prefix_len=17 * 16))
+    meta, _ = check_against_oracle(batch, builder_kwargs=dict(cascade_policy=CascadePolicy(enabled=True)),
+                                   build_kwargs=dict(common_prefix_len=17 * 16))
     assert meta.cascade_wrapper is not None and meta.cascade_shared_blocks == 17
     assert meta.decode_wrapper is None and meta.prefill_wrapper is None
     top, bottom = meta.cascade_wrapper.levels
@@ -416,14 +417,13 @@ def test_cascade_attention(fake_flashinfer):
 def test_cascade_declined_without_prefix_or_policy_or_with_fp8(fake_flashinfer):
     spec = AttentionSpec(**BASE)
     batch = shared_prefix_batch(spec, CASCADE_SHAPES, shared_blocks=17, seed=7)
-    meta, _ = check_against_oracle(batch)  # no common_prefix_len: plain path, still right
+    on = dict(cascade_policy=CascadePolicy(enabled=True))
+    meta, _ = check_against_oracle(batch, builder_kwargs=on)  # no common_prefix_len: plain path, still right
     assert meta.cascade_wrapper is None
-    meta, _ = check_against_oracle(
-        batch, builder_kwargs=dict(cascade_policy=CascadePolicy(enabled=False)), build_kwargs=dict(common_prefix_len=272)
-    )
+    meta, _ = check_against_oracle(batch, build_kwargs=dict(common_prefix_len=272))  # the default policy: off
     assert meta.cascade_wrapper is None
     fp8 = shared_prefix_batch(AttentionSpec(**BASE, kv_cache_dtype="fp8"), CASCADE_SHAPES, shared_blocks=17, seed=7)
-    meta, _ = check_against_oracle(fp8, build_kwargs=dict(common_prefix_len=272))
+    meta, _ = check_against_oracle(fp8, builder_kwargs=on, build_kwargs=dict(common_prefix_len=272))
     assert meta.cascade_wrapper is None
 
 

@@ -24,6 +24,7 @@ import torch
 from attnbackends import AttentionSpec, DeviceInfo
 from attnbackends.flashinfer import FlashInferBackend, FlashInferMetadataBuilder, paged_kv_plan_inputs, precompile
 from attnbackends.compat import flashinfer_installed
+from attnbackends.flashinfer.cascade import CascadePolicy
 from attnbackends.ops.quant import dequantize_from_cache
 from attnbackends.testing import (
     SequenceShape,
@@ -154,7 +155,7 @@ def test_cascade():
 
     spec = SPECS["h128"]
     batch = shared_prefix_batch(spec, CASCADE_SHAPES, shared_blocks=17, seed=6, device=DEVICE)
-    builder = FlashInferMetadataBuilder(spec, DEVICE)
+    builder = FlashInferMetadataBuilder(spec, DEVICE, cascade_policy=CascadePolicy(enabled=True))
     meta = builder.build(batch.common, common_prefix_len=17 * 16)
     assert meta.cascade_wrapper is not None and meta.cascade_shared_blocks == 17
     impl = FlashInferBackend.get_impl_cls()(spec)

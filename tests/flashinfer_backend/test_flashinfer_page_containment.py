@@ -208,7 +208,7 @@ def test_cascade_shared_level_is_contained_on_a_copy(fake_flashinfer, monkeypatc
     table = batch.common.block_table.clone()
     table[:, 1] = NUM_BLOCKS + 9  # the shared prefix's second page, in every row
     batch.common.block_table = table
-    policy = CascadePolicy(min_requests=2, min_shared_tokens=16, min_saved_fraction=0.0)
+    policy = CascadePolicy(enabled=True, min_requests=2, min_shared_tokens=16, min_saved_fraction=0.0)
     builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024, cascade_policy=policy)
     meta = builder.build(_device_only(monkeypatch, batch.common), common_prefix_len=4 * 16)
     assert meta.cascade_wrapper is not None and len(meta.unchecked_page_ids) == 2

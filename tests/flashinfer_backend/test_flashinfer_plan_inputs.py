@@ -134,7 +134,10 @@ def test_shared_prefix_blocks():
 
 
 # -- the cascade heuristic ----------------------------------------------------------------------------------------
-def decide(policy=CascadePolicy(), **overrides):
+ON = CascadePolicy(enabled=True)
+
+
+def decide(policy=ON, **overrides):
     args = dict(
         num_reqs=16,
         common_prefix_len=1024,
@@ -176,9 +179,10 @@ def test_cascade_rounds_down_to_whole_pages_of_context():
 
 
 def test_cascade_policy_thresholds():
+    assert decide(CascadePolicy()) == 0  # off by default: it measured slower than the plain wrappers
     assert decide(CascadePolicy(enabled=False)) == 0
-    assert decide(CascadePolicy(min_requests=4), num_reqs=4, total_kv_tokens=4 * 1100) == 64
-    assert decide(CascadePolicy(min_shared_tokens=2048)) == 0
+    assert decide(CascadePolicy(enabled=True, min_requests=4), num_reqs=4, total_kv_tokens=4 * 1100) == 64
+    assert decide(CascadePolicy(enabled=True, min_shared_tokens=2048)) == 0
     with pytest.raises(ValueError, match="min_requests"):
         CascadePolicy(min_requests=1)
     with pytest.raises(ValueError, match="min_saved_fraction"):
