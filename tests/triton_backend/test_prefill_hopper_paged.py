@@ -130,6 +130,28 @@ def test_builder_plans_the_paged_kernel(fake_h100, shapes, decodes):
     assert plan.num_q_blocks == -(-max(q for q, _ in shapes) // 128)
 
 
+def test_decodes_beside_the_paged_kernel_split_their_keys():
+    """The decodes run before the paged kernel with the GPU to themselves: a few over long contexts get their keys
+    split as a decode-only batch's would (where the builder has a workspace), many short ones stay unsplit."""
+    from types import SimpleNamespace
+
+    from attnbackends.triton.heuristics import choose_num_kv_splits
+    from attnbackends.triton.launch import SplitKVWorkspace
+
+    builder = _builder()
+    fake = SimpleNamespace(spec=SPEC, num_sms=132, reorder_batch_threshold=1, _plan_args=builder._plan_args,
+                           workspace=SplitKVWorkspace.allocate(64, SPEC.num_heads, SPEC.head_size, device="cpu"))
+    common = _common([(1, 30000), (1, 9000), (2048, 14336)])
+    decode_plan, plan = paged.plan_paged_split(fake, common, 2, 2, True)
+    splits = choose_num_kv_splits(2, SPEC.num_kv_heads, SPEC.num_heads, 132, 30001)
+    assert splits > 1 and decode_plan.grid == (2, SPEC.num_kv_heads, splits) and decode_plan.reduce_grid is not None
+    assert decode_plan.workspace is fake.workspace and plan.first_seq == 2
+    many = _common([(1, 100)] * 48 + [(256, 1024)])
+    assert paged.plan_paged_split(fake, many, 48, 48, True)[0].grid[2] == 1
+    fake.workspace = None  # no workspace (the CPU, deterministic builders): never split
+    assert paged.plan_paged_split(fake, common, 2, 2, True)[0].grid[2] == 1
+
+
 def test_builder_says_why_not(fake_h100):
     assert "turned off" in _builder(hopper_paged_prefill=False).paged_prefill_reason
     alibi = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16,
@@ -312,6 +334,18 @@ def test_layer_shapes_gpu(kw, key_none):
 def test_decodes_before_chunks_gpu():
     meta, _ = run_paged(SPEC, [S(1, 700), S(1, 33), S(1, 0), S(300, 1000), S(64, 64)], seed=5)
     assert meta.paged_prefill[0] is not None and meta.paged_prefill[1].first_seq == 3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("kw", [{}, dict(head_size=64, num_heads=64, has_sinks=True, sliding_window=128),
+                                dict(head_size=256, num_heads=16, sliding_window=1024)],
+                         ids=["h128", "h64-sinks-win128", "h256-win1024"])
+def test_split_decodes_before_a_chunk_gpu(kw):
+    """A few decodes over long contexts beside a chunk: their keys split (the decode launch's third grid axis)."""
+    meta, _ = run_paged(_spec(**kw), [S(1, 9000), S(1, 3000), S(300, 5000)], seed=7)
+    decode_plan, plan = meta.paged_prefill
+    assert decode_plan is not None and decode_plan.grid[2] > 1 and plan.first_seq == 2
 
 
 @pytest.mark.gpu
