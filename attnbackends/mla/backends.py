@@ -98,8 +98,11 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             tree_indptr=decode.tree_indptr,
         )
         ql_t = ql.transpose(0, 1)
+        p, r, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        # the per-call views of q and output, as (size, dim order): one as_strided each, whatever rows they have
         decode.extra.update(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
-                            ql_key=tensor_key(ql_t), latent=latent)
+                            ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
+                            out_nt=(n, t, v))
 
 
 class TritonMLAImpl(MLAImpl):
@@ -113,16 +116,23 @@ class TritonMLAImpl(MLAImpl):
         fp8 = spec.kv_cache_torch_dtype in FP8_DTYPES
         self._qk_scale_log2 = self.scale * LOG2E * (self.k_scale if fp8 else 1.0)
         self._v_scale = self.k_scale if fp8 else 1.0
+        self._nope = spec.qk_nope_head_dim
 
     def _forward_decode(self, q, kv_cache, decode, output) -> None:
+        # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them: every view below is one as_strided
+        # over the planned sizes (it slices the first T rows and transposes in one torch op)
         extra = decode.extra
-        p = self.spec.qk_nope_head_dim
-        ql = extra["ql"]  # [N, T, Lkv]
-        torch.bmm(q[:, :, :p].transpose(0, 1), self.W_UK_T, out=ql)
-        launch_mla_decode(extra["plan"], extra["ql_t"], q[:, :, p:], self._caches.get(kv_cache),
-                          self._qk_scale_log2, self._v_scale, extra["ql_key"])
+        qs_t, qs_n, qs_d = q.stride()
+        q_at = q.storage_offset()
+        # [N, T, P] @ [N, P, Lkv] -> the planned [N, T, Lkv] buffer
+        torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=extra["ql"])
+        q_pe = q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q_at + self._nope * qs_d)
+        launch_mla_decode(extra["plan"], extra["ql_t"], q_pe, self._caches.get(kv_cache), self._qk_scale_log2,
+                          self._v_scale, extra["ql_key"])
         # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
-        torch.bmm(extra["latent"], self.W_UV, out=output.transpose(0, 1))
+        os_t, os_n, os_d = output.stride()
+        torch.bmm(extra["latent"], self.W_UV,
+                  out=output.as_strided(extra["out_nt"], (os_n, os_t, os_d), output.storage_offset()))
 
 
 class TritonMLABackend(_MLABackendBase):
