@@ -20,7 +20,9 @@ from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
 from .decode_hopper import hopper_reason
 from ..ops.quant import FP8_DTYPES
 from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config
-from .decode_launch import LOG2E, CacheStates, launch_mla_decode, plan_mla_decode, tensor_key
+from .decode_launch import (
+    LOG2E, CacheStates, launch_mla_decode, launch_mla_up_projection, plan_mla_decode, tensor_key, weight_launch_state,
+)
 
 __all__ = [
     "TritonMLABackend",
@@ -51,6 +53,12 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     decode buffers, shared by every layer of a batch: the absorbed queries and the latent output ([N, T, Lkv] each,
     the layouts the absorption and up-projection matmuls write and read without copies) and the split-KV partials.
 
+    The up-projection (latent -> V per head) is planned here too (``up_projection``): "fused" runs it as one Triton
+    launch that also merges the KV splits (:mod:`~attnbackends.mla.projection_kernels`), "bmm" as the split
+    reduction's launch (if any) then ``torch.bmm``; "auto" fuses whenever the decode is split, and unsplit decodes
+    of at most :attr:`FUSED_UP_MAX_TOKENS` query tokens (a few host microseconds per torch op and cuBLAS call
+    saved; larger unsplit batches keep cuBLAS).
+
     Speculative decoding: decodes of up to ``max_decode_query_len`` tokens (any mix of lengths) run on the decode
     kernel, a request's query tokens x heads as the rows of its programs (the cache is read once per request), with
     the tree mask honoured over each request's draft segment.
@@ -59,10 +67,17 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     query_len_support = QueryLenSupport.VARLEN
     max_decode_query_len = 64
     supports_tree_mask = True
+    #: Unsplit decodes of at most this many query tokens run the fused Triton up-projection under "auto".
+    FUSED_UP_MAX_TOKENS = 16
+    UP_PROJECTIONS = ("auto", "fused", "bmm")
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
-                 decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None, **kwargs: Any) -> None:
+                 decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None,
+                 up_projection: str = "auto", **kwargs: Any) -> None:
         super().__init__(spec, device, **kwargs)
+        if up_projection not in self.UP_PROJECTIONS:
+            raise ValueError(f"up_projection must be one of {self.UP_PROJECTIONS}, got {up_projection!r}")
+        self.up_projection = up_projection
         self.decode_config = decode_config or default_decode_config(
             spec.num_heads, interpreted=is_triton_interpreted())
         self.num_splits = num_splits
@@ -95,20 +110,27 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             seq_lens=decode.seq_lens, output=latent.transpose(0, 1), num_splits=splits, config=self.decode_config,
             compute_capability=self.device_info.compute_capability, partials=partials,
             query_start_loc=decode.query_start_loc, max_query_len=decode.max_query_len, tree_mask=decode.tree_mask,
-            tree_indptr=decode.tree_indptr,
+            tree_indptr=decode.tree_indptr, fuse_up_projection=self._fuse_up(splits, t), v_dim=spec.v_head_dim,
         )
         ql_t = ql.transpose(0, 1)
         p, r, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
         # the per-call views of q and output, as (size, dim order): one as_strided each, whatever rows they have
         decode.extra.update(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
                             ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
-                            out_nt=(n, t, v))
+                            out_nt=(n, t, v), up_fused=plan.up_grid is not None)
+
+    def _fuse_up(self, splits: int, num_tokens: int) -> bool:
+        """Whether the decode's up-projection is the fused Triton launch (see the class docstring)."""
+        if self.up_projection != "auto":
+            return self.up_projection == "fused"
+        return splits > 1 or num_tokens <= self.FUSED_UP_MAX_TOKENS
 
 
 class TritonMLAImpl(MLAImpl):
     """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`: per decode, the absorption
     matmul into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
-    up-projection matmul straight into ``output``."""
+    up-projection straight into ``output``: the planned fused launch (split reduction + per-head matmul) or, where
+    the builder planned none, the split reduction (inside the decode launch) and a batched matmul."""
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -117,6 +139,11 @@ class TritonMLAImpl(MLAImpl):
         self._qk_scale_log2 = self.scale * LOG2E * (self.k_scale if fp8 else 1.0)
         self._v_scale = self.k_scale if fp8 else 1.0
         self._nope = spec.qk_nope_head_dim
+        self._w_uv_state: Optional[tuple] = None
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        self._w_uv_state = weight_launch_state(self.W_UV)
 
     def _forward_decode(self, q, kv_cache, decode, output) -> None:
         # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them: every view below is one as_strided
@@ -127,8 +154,14 @@ class TritonMLAImpl(MLAImpl):
         # [N, T, P] @ [N, P, Lkv] -> the planned [N, T, Lkv] buffer
         torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=extra["ql"])
         q_pe = q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q_at + self._nope * qs_d)
-        launch_mla_decode(extra["plan"], extra["ql_t"], q_pe, self._caches.get(kv_cache), self._qk_scale_log2,
+        plan = extra["plan"]
+        launch_mla_decode(plan, extra["ql_t"], q_pe, self._caches.get(kv_cache), self._qk_scale_log2,
                           self._v_scale, extra["ql_key"])
+        if extra["up_fused"]:
+            if self._w_uv_state is None:  # W_UV set without process_weights_after_loading
+                self._w_uv_state = weight_launch_state(self.W_UV)
+            launch_mla_up_projection(plan, self.W_UV, self._w_uv_state, output)
+            return
         # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
         os_t, os_n, os_d = output.stride()
         torch.bmm(extra["latent"], self.W_UV,
@@ -136,7 +169,8 @@ class TritonMLAImpl(MLAImpl):
 
 
 class TritonMLABackend(_MLABackendBase):
-    """Triton MLA decode (split-KV + lse merge) with the shared chunked-context prefill; CUDA or the interpreter."""
+    """Triton MLA decode (split-KV, the LSE merge fused with the up-projection) with the shared chunked-context
+    prefill; CUDA or the interpreter."""
 
     name = "triton_mla"
     description = "Triton MLA decode kernel over the latent cache (split-KV), chunked-context prefill"
@@ -146,20 +180,30 @@ class TritonMLABackend(_MLABackendBase):
     min_compute_capability = (8, 0)
     min_compute_capability_fp8_e4m3 = (8, 9)  # Triton converts e4m3 natively from sm_89 on
 
+    #: How the decode's up-projection runs (see :class:`TritonMLAMetadataBuilder`).
+    UP_PROJECTION_NOTE = ("up-projection: one Triton launch that merges the KV splits by their LSE and multiplies "
+                          "each head's latent by W_UV (split decodes and unsplit ones of at most "
+                          f"{TritonMLAMetadataBuilder.FUSED_UP_MAX_TOKENS} query tokens; else torch.bmm)")
+
     @classmethod
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        """The decode kernel: the Gluon Hopper kernel where it applies, else the Triton kernels."""
+        """The decode kernel (the Gluon Hopper kernel where it applies, else the Triton kernels) and the
+        up-projection."""
+        return [cls._decode_kernel_note(spec, device), cls.UP_PROJECTION_NOTE]
+
+    @classmethod
+    def _decode_kernel_note(cls, spec: AttentionSpec, device: DeviceInfo) -> str:
         if not device.is_cuda:
-            return ["decode kernel: the portable Triton kernel (interpreted)"]
+            return "decode kernel: the portable Triton kernel (interpreted)"
         why = hopper_reason(spec.kv_lora_rank or 0, spec.qk_rope_head_dim or 0, spec.block_size,
                             spec.kv_cache_torch_dtype, device.compute_capability)
         if not why and not default_decode_config(spec.num_heads).use_hopper:
             why = f"{spec.num_heads} heads (< 64)"
         if not why:
-            return ["decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
+            return ("decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
                     "half of P.V, one for the other half, one warp loading pages by TMA), for one or several query "
-                    "tokens per request, 16-bit or fp8 e4m3 pages; tree-verify decodes on the Triton TMA kernel"]
-        return [f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"]
+                    "tokens per request, 16-bit or fp8 e4m3 pages; tree-verify decodes on the Triton TMA kernel")
+        return f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMLAMetadataBuilder]:

@@ -6,6 +6,8 @@
   descriptor-encoding wrapper does (checked against Triton's wrapper itself, with a recording launcher).
 - The decode writes the absorbed queries and the latent output through the planned buffers and ``output``'s own
   strides (no copies), and matches the oracle.
+- The fused split reduction + up-projection equals the two-step path (reduction kernel, then ``torch.bmm``), LSE
+  included, for single and multi-token decodes, and leaves the output's other rows alone.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def test_forward_decides_nothing(monkeypatch):
     states = _Counter(decode_launch.MLACacheState)
     monkeypatch.setattr(decode_launch, "MLACacheState", states)
     keys: list = []
-    for name in ("_POINTER", "_REDUCE"):
+    for name in ("_POINTER", "_REDUCE", "_REDUCE_UP"):
         real = getattr(decode_launch, name)
 
         def record(key, *rest, _real=real):
@@ -81,7 +83,7 @@ def test_forward_decides_nothing(monkeypatch):
         outs.append(out)
     assert all(c.calls == 0 for c in counters.values()), {n: c.calls for n, c in counters.items()}
     assert states.calls == 1  # one cache, its state built once
-    assert len(keys) == 4 and keys[:2] == keys[2:]  # decode + reduce, twice, same keys
+    assert len(keys) == 4 and keys[:2] == keys[2:]  # decode + fused reduce/up-projection, twice, same keys
     assert hash(tuple(keys)) is not None
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     want = mla_oracle(batch)
@@ -163,26 +165,30 @@ class _AtenOps:
         return self._mode.__exit__(*exc)
 
 
-def test_decode_forward_runs_one_torch_op_per_view(monkeypatch):
+@pytest.mark.parametrize("up_projection,num_splits", [("bmm", 1), ("fused", 1), ("fused", 2)])
+def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, up_projection, num_splits):
     """A decode-only forward whose q and output have exactly the decode rows: no slices, no transposes; each view
-    the matmuls and the decode kernel need is one as_strided (launches replaced by recorders)."""
+    the matmuls and the decode kernel need is one as_strided, and the fused up-projection replaces the second
+    matmul and its output view (launches replaced by recorders)."""
     from attnbackends.mla import common as mla_common
 
     batch = _batch(2)
-    meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=1).build(batch.common)
+    meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=num_splits,
+                                              up_projection=up_projection).build(batch.common)
     impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
     impl.process_weights_after_loading()
     launches: list = []
-    monkeypatch.setattr(decode_launch, "_POINTER", lambda key, *rest: launches.append(key))
+    for name in ("_POINTER", "_REDUCE", "_REDUCE_UP"):
+        monkeypatch.setattr(decode_launch, name, lambda key, *rest, _n=name: launches.append(_n))
     monkeypatch.setattr(mla_common, "concat_and_cache_mla", lambda *a, **k: launches.append("write"))
     kv_cache, out = batch.kv_cache.clone(), batch.new_output()
     impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)  # first call: full validation
     launches.clear()
     with _AtenOps() as rec:
         impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)
-    assert len(launches) == 2, launches  # the cache write and the decode kernel
-    views = [op for op in rec.ops if op != "bmm"]
-    assert rec.ops.count("bmm") == 2 and views == ["as_strided"] * 3, rec.ops
+    fused = up_projection == "fused"
+    assert launches == ["write", "_POINTER"] + (["_REDUCE_UP"] if fused else []), launches
+    assert rec.ops == ["as_strided", "bmm", "as_strided"] + ([] if fused else ["as_strided", "bmm"]), rec.ops
 
 
 def test_decode_reads_strided_queries_and_leaves_padding_rows_alone():
@@ -202,3 +208,75 @@ def test_decode_reads_strided_queries_and_leaves_padding_rows_alone():
         n = batch.num_actual_tokens
         torch.testing.assert_close(out[:n].double(), mla_oracle(batch), rtol=3e-2, atol=3e-2)
         assert torch.isnan(out[n:].float()).all()
+
+
+def _fused_case(num_tokens, num_heads, kv_lora, v_dim, seed):
+    """Single-token decodes over random pages: (inputs of mla_decode, W_UV)."""
+    g = torch.Generator().manual_seed(seed)
+    rope, page = 16, 16
+    seq_lens = torch.randint(1, 30, (num_tokens,), generator=g, dtype=torch.int32)
+    seq_lens[0] = 1  # every split but the first holds no key: LSE -inf partials
+    pages = 2 * num_tokens
+    table = torch.randperm(pages, generator=g).view(num_tokens, 2).int()
+    cache = torch.randn(pages, page, kv_lora + rope, generator=g).bfloat16()
+    ql = torch.randn(num_tokens, num_heads, kv_lora, generator=g).bfloat16()
+    qpe = torch.randn(num_tokens, num_heads, rope, generator=g).bfloat16()
+    w_uv = (torch.randn(num_heads, kv_lora, v_dim, generator=g) / kv_lora ** 0.5).bfloat16()
+    return ql, qpe, cache, table, seq_lens, w_uv
+
+
+@pytest.mark.parametrize("num_tokens,num_splits", [(3, 3), (70, 2), (5, 1)])
+def test_fused_reduce_up_projection_kernel(num_tokens, num_splits):
+    """The planned fused launch against the two-step path's numerics in torch (the partials merged by their LSE in
+    float64, rounded to bf16, then the matmul) and against the float32 decode oracle: several token blocks (70
+    tokens), ignored splits whose partials hold NaN, the merged LSE, a strided output whose other rows and columns
+    keep their poison."""
+    from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode_torch
+    from attnbackends.mla.decode_launch import (
+        LOG2E, MLACacheState, launch_mla_decode, launch_mla_up_projection, plan_mla_decode, weight_launch_state,
+    )
+
+    heads, kv_lora, v_dim, scale = 2, 48, 24, 0.1  # Lkv and V not powers of two: masked columns
+    ql, qpe, cache, table, seq_lens, w_uv = _fused_case(num_tokens, heads, kv_lora, v_dim, seed=num_tokens)
+    latent = torch.full((num_tokens, heads, kv_lora), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((num_tokens, heads), float("nan"))
+    plan = plan_mla_decode(
+        num_tokens=num_tokens, num_heads=heads, kv_lora=kv_lora, rope=qpe.shape[-1], page=cache.shape[1],
+        cache_dtype=cache.dtype, q_dtype=ql.dtype, block_table=table, seq_lens=seq_lens, output=latent,
+        num_splits=num_splits, config=MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1),
+        compute_capability=None, lse=lse, kernel="pointer", fuse_up_projection=True, v_dim=v_dim)
+    assert plan.reduce_grid is None and plan.up_grid is not None
+    launch_mla_decode(plan, ql, qpe, MLACacheState(cache), scale * LOG2E, 1.0)
+    if num_splits > 1:
+        parts, part_lse = plan.out.double(), plan.lse.double()  # [T, H, S, Lkv], [T, H, S]
+        weights = torch.softmax(part_lse, dim=-1)
+        two_step = torch.where(weights[..., None] > 0, parts * weights[..., None], 0.0).sum(2).bfloat16()
+        want_lse = torch.logsumexp(part_lse, dim=-1).float()
+        empty = plan.lse == float("-inf")
+        assert empty.any()
+        plan.out[empty] = float("nan")  # an ignored split's partial must not leak
+    else:
+        two_step, want_lse = latent.clone(), lse.clone()
+    wide = torch.full((num_tokens + 2, heads, v_dim + 8), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, :, 4: 4 + v_dim]
+    launch_mla_up_projection(plan, w_uv, weight_launch_state(w_uv), out)
+    want = torch.einsum("thc,hcv->thv", two_step.double(), w_uv.double())
+    torch.testing.assert_close(out[:num_tokens].double(), want, rtol=1e-2, atol=4e-3)
+    oracle = torch.empty(num_tokens, heads, kv_lora)
+    mla_decode_torch(ql, qpe, cache, table, seq_lens, oracle, scale=scale)
+    torch.testing.assert_close(out[:num_tokens].double(), torch.einsum("thc,hcv->thv", oracle.double(),
+                                                                       w_uv.double()), rtol=3e-2, atol=2e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(wide[num_tokens:].float()).all() and torch.isnan(wide[:, :, :4].float()).all()
+    assert torch.isnan(wide[:, :, 4 + v_dim:].float()).all()
+    if num_splits > 1:
+        assert torch.isnan(latent.float()).all()  # the merged latent is never stored
+
+
+def test_up_projection_rejects_bad_arguments():
+    from attnbackends.mla.decode_launch import weight_launch_state
+
+    with pytest.raises(ValueError, match="up_projection"):
+        TritonMLABackend.get_builder_cls()(SPEC, "cpu", up_projection="cublas")
+    with pytest.raises(ValueError, match="W_UV"):
+        weight_launch_state(torch.zeros(2, 8, 4).transpose(1, 2))
