@@ -40,7 +40,7 @@ from attnbackends import DeviceInfo
 from attnbackends.compat import cuda_sleep
 from attnbackends.metadata import build_common_metadata
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
-from attnbackends.mla.decode_launch import launch_mla_decode, launch_mla_up_projection
+from attnbackends.mla.decode_launch import launch_mla_absorb, launch_mla_decode, launch_mla_up_projection
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.platform import package_available
 from attnbackends.spec import AttentionSpec
@@ -304,8 +304,9 @@ def run_host(rows: list, log) -> None:
 def run_host_parts(rows: list, log) -> None:
     """Where ``triton_mla.forward``'s host time goes at B=1 (each stage timed alone, the GPU kept busy): row
     ``mla_host_parts`` with one field per stage (microseconds per call), in the order ``forward`` runs them:
-    ``check_inputs``, ``cache_write``, ``absorb_bmm`` (its input view included), ``decode_launch`` (the rotary
-    queries' view and the decode kernel; the split reduction too when the up-projection is not fused),
+    ``check_inputs``, ``cache_write``, ``absorb_launch`` (the Triton absorption; ``absorb_bmm``, its input view
+    included, where the builder planned cuBLAS), ``decode_launch`` (the decode kernel, with the rotary queries'
+    view after ``absorb_bmm``; the split reduction too when the up-projection is not fused),
     ``reduce_up_launch`` (the fused split reduction + up-projection; ``up_bmm``, its output view included, where
     the builder planned no fused launch). Beside them, for scale: ``cache_state_lookup``, ``up_bmm_unfused``
     (what the fused launch replaces: the reduction's launch is part of ``decode_launch`` on that path),
@@ -327,11 +328,16 @@ def run_host_parts(rows: list, log) -> None:
         "forward": forward,
         "check_inputs": lambda: impl.check_inputs(step.q, step.kv_c, step.k_pe, cache, meta, step.out),
         "cache_write": lambda: impl.update_kv_cache(step.kv_c, step.k_pe, cache, meta.slot_mapping),
-        "absorb_bmm": lambda: torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q.storage_offset()),
-                                        impl.W_UK_T, out=ql),
-        "decode_launch": lambda: launch_mla_decode(plan, ql_t, q_pe(), state, impl._qk_scale_log2, impl._v_scale,
-                                                   ql_key),
     }
+    if extra["absorb"] is not None:
+        parts["absorb_launch"] = lambda: launch_mla_absorb(extra["absorb"], q, impl.W_UK_T, impl._w_uk_state)
+        parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, extra["q_pe"], state, impl._qk_scale_log2,
+                                                           impl._v_scale, ql_key, extra["q_pe_key"])
+    else:
+        parts["absorb_bmm"] = lambda: torch.bmm(
+            q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q.storage_offset()), impl.W_UK_T, out=ql)
+        parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, q_pe(), state, impl._qk_scale_log2,
+                                                           impl._v_scale, ql_key)
     if extra["up_fused"]:
         parts["reduce_up_launch"] = lambda: launch_mla_up_projection(plan, impl.W_UV, impl._w_uv_state, out)
     else:
@@ -343,7 +349,8 @@ def run_host_parts(rows: list, log) -> None:
         "empty_torch_op": lambda: q[:, :, :P],
     })
     row = {"case": "mla_host_parts", "backend": "triton_mla", "peer": None, "B": batch, "L": seq_len, "H": H,
-           "splits": plan.num_splits, "kernel": plan.kernel, "up_fused": extra["up_fused"]}
+           "splits": plan.num_splits, "kernel": plan.kernel, "up_fused": extra["up_fused"],
+           "triton_absorb": extra["absorb"] is not None}
     for name, fn in parts.items():
         row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
     rows.append(row)

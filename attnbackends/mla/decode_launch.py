@@ -33,7 +33,7 @@ from .decode_hopper import (
     HOPPER_BLOCK_H, HOPPER_NUM_WARPS, hopper_args, hopper_constexprs, hopper_descriptors, hopper_launcher,
     hopper_reason,
 )
-from .projection_kernels import _mla_reduce_up_kernel, reduce_up_blocks
+from .projection_kernels import _mla_absorb_kernel, _mla_reduce_up_kernel, absorb_blocks, reduce_up_blocks
 from .decode_kernel import (
     MLADecodeConfig, _mla_decode_kernel, _mla_decode_reduce_kernel, _mla_decode_tma_kernel, decode_kernel_name,
     default_decode_config, reduce_block_c,
@@ -41,8 +41,8 @@ from .decode_kernel import (
 )
 
 __all__ = ["CacheStates", "LOG2E", "MLACacheState", "MLADecodePlan", "choose_decode_kernel", "decode_launch_args",
-           "launch_mla_decode", "launch_mla_up_projection", "mla_decode", "plan_mla_decode", "tensor_key",
-           "weight_launch_state"]
+           "launch_mla_absorb", "launch_mla_decode", "launch_mla_up_projection", "MLAAbsorbPlan", "mla_decode",
+           "plan_mla_absorb", "plan_mla_decode", "tensor_key", "weight_launch_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ _POINTER = DescriptorLauncher(_mla_decode_kernel, POINTER_CONSTEXPRS)
 _TMA = DescriptorLauncher(_mla_decode_tma_kernel, TMA_CONSTEXPRS, (2, 3))
 _REDUCE = DescriptorLauncher(_mla_decode_reduce_kernel, REDUCE_CONSTEXPRS)
 _REDUCE_UP = DescriptorLauncher(_mla_reduce_up_kernel, REDUCE_UP_CONSTEXPRS)
+ABSORB_CONSTEXPRS = ("NOPE", "ROPE", "KV_LORA", "BLOCK_T", "BLOCK_P", "BLOCK_L", "BLOCK_R", "COPY_PE", "INTERPRET")
+_ABSORB = DescriptorLauncher(_mla_absorb_kernel, ABSORB_CONSTEXPRS)
 
 
 def _int_key(*values: int) -> tuple:
@@ -318,13 +320,14 @@ def _plan_up_projection(plan: MLADecodePlan, num_tokens: int, num_heads: int, kv
     plan.up_key = (plan.up_constexprs, _ptr_key(*plan.up_head), _int_key(*plan.up_ints))
 
 
-def weight_launch_state(w_uv: torch.Tensor) -> tuple:
-    """What :func:`launch_mla_up_projection` needs of a layer's W_UV [H, Lkv, V] (unit last stride): its part of
-    the compiled-kernel key and its strides. Compute it once per weight tensor."""
-    if w_uv.dim() != 3 or w_uv.stride(2) != 1:
-        raise ValueError(f"W_UV must be [H, Lkv, V] with a unit last stride, got shape {tuple(w_uv.shape)} "
-                         f"strides {w_uv.stride()}")
-    return tensor_key(w_uv), (w_uv.stride(0), w_uv.stride(1))
+def weight_launch_state(weight: torch.Tensor, name: str = "W_UV") -> tuple:
+    """What :func:`launch_mla_up_projection` needs of a layer's W_UV [H, Lkv, V] (or :func:`launch_mla_absorb` of
+    its W_UK_T [H, P, Lkv]), unit last stride: its part of the compiled-kernel key and its two leading strides.
+    Compute it once per weight tensor; ``name`` names it in the error."""
+    if weight.dim() != 3 or weight.stride(2) != 1:
+        raise ValueError(f"{name} must be a 3-d [H, K, N] weight with a unit last stride, got shape "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    return tensor_key(weight), (weight.stride(0), weight.stride(1))
 
 
 def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: tuple, output: torch.Tensor) -> None:
@@ -342,6 +345,50 @@ def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: t
                plan.up_constexprs, plan.up_num_warps, 2)
 
 
+@dataclass
+class MLAAbsorbPlan:
+    """One batch's query absorption launch (:func:`plan_mla_absorb`): grid, the planned output buffers and their
+    strides, constexprs and the batch's part of the compiled-kernel key."""
+
+    grid: tuple[int, int, int]
+    buffers: tuple  # (ql [T, H, Lkv], q_pe [T, H, R])
+    num_tokens: int
+    buffer_strides: tuple
+    constexprs: tuple
+    key: tuple
+    num_warps: int = 4
+
+
+def plan_mla_absorb(*, num_tokens: int, num_heads: int, nope: int, rope: int, kv_lora: int, ql: torch.Tensor,
+                    q_pe: torch.Tensor) -> MLAAbsorbPlan:
+    """The launch of :func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel` for ``num_tokens`` decode
+    tokens: ql [T, H, Lkv] receives q_nope @ W_UK_T per head and q_pe [T, H, R] a copy of the rotary queries (any
+    strides with a unit last one; the builder's buffers). Host facts only."""
+    if ql.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("the MLA absorption writes ql and q_pe with unit stride in the last dimension")
+    block_t, block_p, block_l = absorb_blocks(num_tokens, nope, kv_lora)
+    strides = (ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1))
+    constexprs = (nope, rope, kv_lora, block_t, block_p, block_l, next_power_of_2(rope), True,
+                  is_triton_interpreted())
+    return MLAAbsorbPlan(
+        grid=(num_heads, cdiv(num_tokens, block_t), cdiv(kv_lora, block_l)), buffers=(ql, q_pe),
+        num_tokens=num_tokens, buffer_strides=strides, constexprs=constexprs,
+        key=(constexprs, _ptr_key(ql, q_pe), _int_key(num_tokens, *strides)))
+
+
+def launch_mla_absorb(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple) -> None:
+    """The planned absorption: ql[t, h] = q[t, h, :P] @ w_uk_t[h] and q_pe[t, h] = q[t, h, P:] for the plan's T
+    tokens. q : [>= T, H, P + R] in the model dtype, any strides with a unit last one (rows past T are not read);
+    w_uk_t : [H, P, Lkv] the layer's weight; w_state : its :func:`weight_launch_state`."""
+    q_key = tensor_key(q)
+    q_strides = q_key[1]
+    if q_strides[-1] != 1:
+        raise ValueError(f"the MLA absorption needs queries with unit last stride, got strides {q_strides}")
+    _ABSORB((plan.key, w_state[0], q_key), plan.grid,
+            (q, w_uk_t) + plan.buffers + (plan.num_tokens, q_strides[0], q_strides[1]) + plan.buffer_strides
+            + w_state[1], plan.constexprs, plan.num_warps, 2)
+
+
 def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
     """The same batch on the portable kernel (a cache whose pages are not contiguous rows), planned once."""
     if plan._pointer_plan is None:
@@ -352,14 +399,14 @@ def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
 
 
 def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
-                       qk_scale_log2: float, v_scale: float,
-                       q_nope_key: Optional[tuple] = None) -> tuple[DescriptorLauncher, tuple, tuple, MLADecodePlan]:
+                       qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None,
+                       q_pe_key: Optional[tuple] = None) -> tuple[DescriptorLauncher, tuple, tuple, MLADecodePlan]:
     """(launcher, compiled-kernel key, runtime arguments, plan) of the decode kernel's launch for these queries and
     this cache (arguments as :func:`launch_mla_decode`; the plan is ``plan`` or its portable-kernel fallback)."""
     if plan.kernel != "pointer" and not cache.rows_contiguous:
         plan = _pointer_fallback(plan)
     qn_key = q_nope_key if q_nope_key is not None else tensor_key(q_nope)
-    qp_key = tensor_key(q_pe)
+    qp_key = q_pe_key if q_pe_key is not None else tensor_key(q_pe)
     if qn_key[1][-1] != 1 or qp_key[1][-1] != 1:
         raise ValueError("the MLA decode needs queries with unit stride in the last dimension")
     key = (plan.key, qn_key, qp_key, cache.key)
@@ -384,17 +431,19 @@ def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Te
 
 
 def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
-                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None) -> torch.Tensor:
+                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None,
+                      q_pe_key: Optional[tuple] = None) -> torch.Tensor:
     """Run ``plan`` (no checks beyond the unit last strides: see :func:`plan_mla_decode`).
 
     q_nope : [T, H, Lkv] absorbed queries, any strides with a unit last one; q_pe : [T, H, R] likewise.
     cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
     cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
-    caller knows it (a buffer the builder owns). Returns ``plan.output``.
+    caller knows it (a buffer the builder owns); q_pe_key likewise for ``q_pe``. Returns ``plan.output``.
     """
     if plan.grid[1] == 0:
         return plan.output
-    launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key)
+    launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key,
+                                                   q_pe_key)
     launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
         _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)

@@ -1,5 +1,10 @@
-"""Triton kernels for the per-head projections around the MLA decode: the split-KV reduction fused with the
-up-projection (o = merge_by_lse(partials) @ W_UV per head).
+"""Triton kernels for the per-head projections around the MLA decode: the query absorption
+(ql = q_nope @ W_UK_T per head) and the split-KV reduction fused with the up-projection
+(o = merge_by_lse(partials) @ W_UV per head).
+
+The absorption kernel serves small token counts (a cuBLAS call costs more host time than a cached Triton launch,
+and both read the whole W_UK_T): it reads the queries through their strides and writes the absorbed queries and a
+copy of the rotary queries into the builder's buffers, so the decode launch reads planned tensors only.
 
 The up-projection kernel replaces two launches of the decode path (the split reduction, then a batched matmul over
 the heads) by one: each program merges one head's split partials for a block of query tokens into the latent
@@ -15,7 +20,14 @@ import triton.language as tl
 
 from ..ops.launch_math import next_power_of_2
 
-__all__ = ["reduce_up_blocks"]
+__all__ = ["absorb_blocks", "reduce_up_blocks"]
+
+
+def absorb_blocks(num_tokens: int, nope: int, kv_lora: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_P, BLOCK_L) of :func:`_mla_absorb_kernel`: query tokens per program (16 to 64, padded rows
+    masked), the nope width per step of the matmul, latent columns per program."""
+    block_t = max(16, min(next_power_of_2(num_tokens), 64))
+    return block_t, max(16, min(next_power_of_2(nope), 64)), max(16, min(next_power_of_2(kv_lora), 128))
 
 
 def reduce_up_blocks(num_tokens: int, kv_lora: int, v_dim: int) -> tuple[int, int, int]:
@@ -109,3 +121,53 @@ def _mla_reduce_up_kernel(
             acc += tl.dot(latent, w_tile)
     out_ptr = OUT + offs_t[:, None] * stride_out_t + h * stride_out_h + offs_v[None, :]
     tl.store(out_ptr, _round_to(acc, OUT.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & v_mask[None, :])
+
+
+@triton.jit
+def _mla_absorb_kernel(
+    Q,  # [T, H, NOPE + ROPE] queries, unit last stride
+    W_UK_T,  # [H, NOPE, KV_LORA] model dtype, unit last stride
+    QL,  # [T, H, KV_LORA] absorbed queries (any strides with a unit last one)
+    Q_PE,  # [T, H, ROPE] copy of the rotary queries (written when COPY_PE)
+    num_tokens,
+    stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h,
+    stride_w_h, stride_w_p,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    COPY_PE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Grid (H, cdiv(T, BLOCK_T), cdiv(KV_LORA, BLOCK_L)): head h, query tokens [t0, t0 + BLOCK_T), latent columns
+    [l0, l0 + BLOCK_L). ql is accumulated in float32 and rounded once to the model dtype (as cuBLAS does)."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_mask = offs_l < KV_LORA
+    q_rows = Q + offs_t * stride_q_t + h * stride_q_h
+    w_head = W_UK_T + h * stride_w_h
+    offs_p0 = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_T, BLOCK_L], dtype=tl.float32)
+    for p0 in range(0, NOPE, BLOCK_P):
+        offs_p = p0 + offs_p0
+        p_mask = offs_p < NOPE
+        q = tl.load(q_rows[:, None] + offs_p[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0)
+        w = tl.load(w_head + offs_p[:, None] * stride_w_p + offs_l[None, :], mask=p_mask[:, None] & l_mask[None, :],
+                    other=0.0)
+        if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: the same products in float32
+            acc += tl.dot(q.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(q, w)
+    tl.store(QL + offs_t[:, None] * stride_ql_t + h * stride_ql_h + offs_l[None, :],
+             _round_to(acc, QL.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & l_mask[None, :])
+    if COPY_PE:
+        if tl.program_id(2) == 0:
+            offs_r = tl.arange(0, BLOCK_R)
+            tr_mask = t_mask[:, None] & (offs_r < ROPE)[None, :]
+            pe = tl.load(q_rows[:, None] + NOPE + offs_r[None, :], mask=tr_mask, other=0.0)
+            tl.store(Q_PE + offs_t[:, None] * stride_qpe_t + h * stride_qpe_h + offs_r[None, :], pe, mask=tr_mask)

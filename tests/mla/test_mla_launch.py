@@ -6,7 +6,8 @@
   descriptor-encoding wrapper does (checked against Triton's wrapper itself, with a recording launcher).
 - The decode writes the absorbed queries and the latent output through the planned buffers and ``output``'s own
   strides (no copies), and matches the oracle.
-- The fused split reduction + up-projection equals the two-step path (reduction kernel, then ``torch.bmm``), LSE
+- The Triton absorption equals the matmul and copies the rotary queries; the fused split reduction + up-projection
+  equals the two-step path (reduction kernel, then ``torch.bmm``), LSE
   included, for single and multi-token decodes, and leaves the output's other rows alone.
 """
 
@@ -67,7 +68,7 @@ def test_forward_decides_nothing(monkeypatch):
     states = _Counter(decode_launch.MLACacheState)
     monkeypatch.setattr(decode_launch, "MLACacheState", states)
     keys: list = []
-    for name in ("_POINTER", "_REDUCE", "_REDUCE_UP"):
+    for name in ("_ABSORB", "_POINTER", "_REDUCE", "_REDUCE_UP"):
         real = getattr(decode_launch, name)
 
         def record(key, *rest, _real=real):
@@ -83,7 +84,7 @@ def test_forward_decides_nothing(monkeypatch):
         outs.append(out)
     assert all(c.calls == 0 for c in counters.values()), {n: c.calls for n, c in counters.items()}
     assert states.calls == 1  # one cache, its state built once
-    assert len(keys) == 4 and keys[:2] == keys[2:]  # decode + fused reduce/up-projection, twice, same keys
+    assert len(keys) == 6 and keys[:3] == keys[3:]  # absorption, decode, reduction + up-projection: twice, same keys
     assert hash(tuple(keys)) is not None
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     want = mla_oracle(batch)
@@ -165,20 +166,22 @@ class _AtenOps:
         return self._mode.__exit__(*exc)
 
 
-@pytest.mark.parametrize("up_projection,num_splits", [("bmm", 1), ("fused", 1), ("fused", 2)])
-def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, up_projection, num_splits):
+@pytest.mark.parametrize("absorb,up_projection,num_splits", [
+    ("bmm", "bmm", 1), ("bmm", "fused", 1), ("bmm", "fused", 2), ("triton", "bmm", 2), ("triton", "fused", 2)])
+def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_projection, num_splits):
     """A decode-only forward whose q and output have exactly the decode rows: no slices, no transposes; each view
-    the matmuls and the decode kernel need is one as_strided, and the fused up-projection replaces the second
-    matmul and its output view (launches replaced by recorders)."""
+    the matmuls and the decode kernel need is one as_strided; the Triton absorption replaces the first matmul and
+    both query views, the fused up-projection the second matmul and its output view: with both, a decode forward
+    runs no torch op at all (launches replaced by recorders)."""
     from attnbackends.mla import common as mla_common
 
     batch = _batch(2)
-    meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=num_splits,
-                                              up_projection=up_projection).build(batch.common)
+    meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=num_splits, up_projection=up_projection,
+                                              absorb=absorb).build(batch.common)
     impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
     impl.process_weights_after_loading()
     launches: list = []
-    for name in ("_POINTER", "_REDUCE", "_REDUCE_UP"):
+    for name in ("_ABSORB", "_POINTER", "_REDUCE", "_REDUCE_UP"):
         monkeypatch.setattr(decode_launch, name, lambda key, *rest, _n=name: launches.append(_n))
     monkeypatch.setattr(mla_common, "concat_and_cache_mla", lambda *a, **k: launches.append("write"))
     kv_cache, out = batch.kv_cache.clone(), batch.new_output()
@@ -186,9 +189,11 @@ def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, up_projection, n
     launches.clear()
     with _AtenOps() as rec:
         impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)
-    fused = up_projection == "fused"
-    assert launches == ["write", "_POINTER"] + (["_REDUCE_UP"] if fused else []), launches
-    assert rec.ops == ["as_strided", "bmm", "as_strided"] + ([] if fused else ["as_strided", "bmm"]), rec.ops
+    fused, triton_absorb = up_projection == "fused", absorb == "triton"
+    assert launches == (["write"] + (["_ABSORB"] if triton_absorb else []) + ["_POINTER"]
+                        + (["_REDUCE_UP"] if fused else ["_REDUCE"] if num_splits > 1 else [])), launches
+    want = ([] if triton_absorb else ["as_strided", "bmm", "as_strided"]) + ([] if fused else ["as_strided", "bmm"])
+    assert rec.ops == want, rec.ops
 
 
 def test_decode_reads_strided_queries_and_leaves_padding_rows_alone():
@@ -278,5 +283,29 @@ def test_up_projection_rejects_bad_arguments():
 
     with pytest.raises(ValueError, match="up_projection"):
         TritonMLABackend.get_builder_cls()(SPEC, "cpu", up_projection="cublas")
-    with pytest.raises(ValueError, match="W_UV"):
-        weight_launch_state(torch.zeros(2, 8, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match="absorb"):
+        TritonMLABackend.get_builder_cls()(SPEC, "cpu", absorb="cublas")
+    with pytest.raises(ValueError, match="W_UK_T"):
+        weight_launch_state(torch.zeros(2, 8, 4).transpose(1, 2), "W_UK_T")
+
+
+@pytest.mark.parametrize("num_tokens", [3, 70])
+def test_absorb_kernel_matches_matmul(num_tokens):
+    """The planned absorption against q_nope @ W_UK_T in float64 (rounded once to bf16): queries read through a
+    storage offset and wider rows, rows past T ignored, several token blocks (70 tokens), Lkv not a power of two;
+    the rotary queries copied exactly; the buffers poisoned first."""
+    from attnbackends.mla.decode_launch import launch_mla_absorb, plan_mla_absorb, weight_launch_state
+
+    g = torch.Generator().manual_seed(num_tokens)
+    heads, nope, rope, kv_lora = 3, 16, 16, 48
+    wide = torch.randn(num_tokens + 4, heads, nope + rope + 8, generator=g).bfloat16()
+    q = wide[:, :, 8:]  # [T + 4, H, P + R], storage offset 8, row stride H * (P + R + 8)
+    w_uk_t = (torch.randn(heads, nope, kv_lora, generator=g) / nope ** 0.5).bfloat16()
+    ql = torch.full((num_tokens, heads, kv_lora), float("nan"), dtype=torch.bfloat16)
+    q_pe = torch.full((num_tokens, heads, rope), float("nan"), dtype=torch.bfloat16)
+    plan = plan_mla_absorb(num_tokens=num_tokens, num_heads=heads, nope=nope, rope=rope, kv_lora=kv_lora, ql=ql,
+                           q_pe=q_pe)
+    launch_mla_absorb(plan, q, w_uk_t, weight_launch_state(w_uk_t, "W_UK_T"))
+    want = torch.einsum("thp,hpl->thl", q[:num_tokens, :, :nope].double(), w_uk_t.double()).bfloat16()
+    torch.testing.assert_close(ql.float(), want.float(), rtol=8e-3, atol=1e-3)
+    assert torch.equal(q_pe, q[:num_tokens, :, nope:])
