@@ -204,6 +204,8 @@ class MLADecodePlan:
     up_num_warps: int = 4
     replan: dict = field(default_factory=dict, repr=False)  # plan_mla_decode's arguments (for the fallback)
     _pointer_plan: Optional["MLADecodePlan"] = field(default=None, repr=False)
+    # launches whose queries are planned buffers too, per cache: (cache, q_nope, q_pe, scales, launch)
+    _launches: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_noop(self) -> bool:
@@ -438,12 +440,23 @@ def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Ten
     q_nope : [T, H, Lkv] absorbed queries, any strides with a unit last one; q_pe : [T, H, R] likewise.
     cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
     cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
-    caller knows it (a buffer the builder owns); q_pe_key likewise for ``q_pe``. Returns ``plan.output``.
+    caller knows it (a buffer the builder owns); q_pe_key likewise for ``q_pe``. With both keys given the queries
+    are taken for planned buffers: the launch's arguments are worked out once per cache (the same query tensors
+    and scales). Returns ``plan.output``.
     """
     if plan.grid[1] == 0:
         return plan.output
-    launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key,
-                                                   q_pe_key)
+    if q_nope_key is not None and q_pe_key is not None:
+        # every argument is planned or the cache's: the launch is worked out once per cache and batch
+        hit = plan._launches.get(id(cache))
+        if (hit is None or hit[0] is not cache or hit[1] is not q_nope or hit[2] is not q_pe
+                or hit[3] != (qk_scale_log2, v_scale)):
+            hit = plan._launches[id(cache)] = (cache, q_nope, q_pe, (qk_scale_log2, v_scale), decode_launch_args(
+                plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key))
+        launcher, key, args, plan = hit[4]
+    else:
+        launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale,
+                                                       q_nope_key, q_pe_key)
     launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
         _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)

@@ -309,3 +309,24 @@ def test_absorb_kernel_matches_matmul(num_tokens):
     want = torch.einsum("thp,hpl->thl", q[:num_tokens, :, :nope].double(), w_uk_t.double()).bfloat16()
     torch.testing.assert_close(ql.float(), want.float(), rtol=8e-3, atol=1e-3)
     assert torch.equal(q_pe, q[:num_tokens, :, nope:])
+
+
+def test_one_plan_serves_several_caches():
+    """One batch's plan over two layers' caches, alternately: each forward reads its own cache (the launch worked
+    out per cache), as a fresh plan does."""
+    batch = _batch(4)
+    builder = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=2)
+    meta = builder.build(batch.common)
+    impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
+    impl.process_weights_after_loading()
+    caches = [batch.kv_cache.clone(), (batch.kv_cache.float() * 0.5).to(batch.kv_cache.dtype)]
+    outs = []
+    for i in (0, 1, 0):
+        out = batch.new_output()
+        impl.forward(batch.q, None, None, caches[i], meta, out)
+        outs.append(out)
+    fresh = batch.new_output()
+    impl.forward(batch.q, None, None, caches[1], builder.build(batch.common), fresh)
+    torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1], fresh, rtol=0, atol=0)
+    assert not torch.equal(outs[0], outs[1])
