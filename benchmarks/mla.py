@@ -40,7 +40,7 @@ from attnbackends import DeviceInfo
 from attnbackends.compat import cuda_sleep
 from attnbackends.metadata import build_common_metadata
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
-from attnbackends.mla.decode_launch import launch_mla_decode
+from attnbackends.mla.decode_launch import launch_mla_absorb, launch_mla_decode, launch_mla_up_projection
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.platform import package_available
 from attnbackends.spec import AttentionSpec
@@ -303,31 +303,54 @@ def run_host(rows: list, log) -> None:
 
 def run_host_parts(rows: list, log) -> None:
     """Where ``triton_mla.forward``'s host time goes at B=1 (each stage timed alone, the GPU kept busy): row
-    ``mla_host_parts`` with one field per stage (microseconds per call)."""
+    ``mla_host_parts`` with one field per stage (microseconds per call), in the order ``forward`` runs them:
+    ``check_inputs``, ``cache_write``, ``absorb_launch`` (the Triton absorption; ``absorb_bmm``, its input view
+    included, where the builder planned cuBLAS), ``decode_launch`` (the decode kernel, with the rotary queries'
+    view after ``absorb_bmm``; the split reduction too when the up-projection is not fused),
+    ``reduce_up_launch`` (the fused split reduction + up-projection; ``up_bmm``, its output view included, where
+    the builder planned no fused launch). Beside them, for scale: ``cache_state_lookup``, ``up_bmm_unfused``
+    (what the fused launch replaces: the reduction's launch is part of ``decode_launch`` on that path),
+    ``as_strided_view`` and ``empty_torch_op``."""
     batch, seq_len = HOST_SHAPE
     step = make_step(batch, seq_len)
     _, meta, impl, forward = backend_calls(TritonMLABackend, step)
     forward()
     cache = step.caches[0]
     extra = meta.decode.extra
-    n = meta.num_actual_tokens
-    q, out = step.q[:n], step.out[:n]
+    q, out = step.q, step.out
     plan, ql, ql_t, ql_key, latent = extra["plan"], extra["ql"], extra["ql_t"], extra["ql_key"], extra["latent"]
     state = impl._caches.get(cache)
+    qs_t, qs_n, qs_d = q.stride()
+    os_t, os_n, os_d = out.stride()
+    q_pe = lambda: q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q.storage_offset() + P * qs_d)  # noqa: E731
+    up_out = lambda: out.as_strided(extra["out_nt"], (os_n, os_t, os_d), out.storage_offset())  # noqa: E731
     parts = {
         "forward": forward,
         "check_inputs": lambda: impl.check_inputs(step.q, step.kv_c, step.k_pe, cache, meta, step.out),
-        "cache_write": lambda: impl.update_kv_cache(step.kv_c[:n], step.k_pe[:n], cache, meta.slot_mapping),
-        "absorb_bmm": lambda: torch.bmm(q[:, :, :P].transpose(0, 1), impl.W_UK_T, out=ql),
-        "decode_launch": lambda: launch_mla_decode(plan, ql_t, q[:, :, P:], state, impl._qk_scale_log2,
-                                                   impl._v_scale, ql_key),
-        "cache_state_lookup": lambda: impl._caches.get(cache),
-        "up_bmm": lambda: torch.bmm(latent, impl.W_UV, out=out.transpose(0, 1)),
-        "up_bmm_contiguous_out": lambda: torch.bmm(latent, impl.W_UV),
-        "empty_torch_op": lambda: q[:, :, :P],
+        "cache_write": lambda: impl.update_kv_cache(step.kv_c, step.k_pe, cache, meta.slot_mapping),
     }
+    if extra["absorb"] is not None:
+        parts["absorb_launch"] = lambda: launch_mla_absorb(extra["absorb"], q, impl.W_UK_T, impl._w_uk_state)
+        parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, extra["q_pe"], state, impl._qk_scale_log2,
+                                                           impl._v_scale, ql_key, extra["q_pe_key"])
+    else:
+        parts["absorb_bmm"] = lambda: torch.bmm(
+            q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q.storage_offset()), impl.W_UK_T, out=ql)
+        parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, q_pe(), state, impl._qk_scale_log2,
+                                                           impl._v_scale, ql_key)
+    if extra["up_fused"]:
+        parts["reduce_up_launch"] = lambda: launch_mla_up_projection(plan, impl.W_UV, impl._w_uv_state, out)
+    else:
+        parts["up_bmm"] = lambda: torch.bmm(latent, impl.W_UV, out=up_out())
+    parts.update({
+        "cache_state_lookup": lambda: impl._caches.get(cache),
+        "up_bmm_unfused": lambda: torch.bmm(latent, impl.W_UV, out=up_out()),
+        "as_strided_view": up_out,
+        "empty_torch_op": lambda: q[:, :, :P],
+    })
     row = {"case": "mla_host_parts", "backend": "triton_mla", "peer": None, "B": batch, "L": seq_len, "H": H,
-           "splits": plan.num_splits, "kernel": plan.kernel}
+           "splits": plan.num_splits, "kernel": plan.kernel, "up_fused": extra["up_fused"],
+           "triton_absorb": extra["absorb"] is not None}
     for name, fn in parts.items():
         row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
     rows.append(row)

@@ -20,7 +20,10 @@ from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
 from .decode_hopper import hopper_reason
 from ..ops.quant import FP8_DTYPES
 from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config
-from .decode_launch import LOG2E, CacheStates, launch_mla_decode, plan_mla_decode, tensor_key
+from .decode_launch import (
+    LOG2E, CacheStates, launch_mla_absorb, launch_mla_decode, launch_mla_up_projection, plan_mla_absorb,
+    plan_mla_decode, tensor_key, weight_launch_state,
+)
 
 __all__ = [
     "TritonMLABackend",
@@ -51,6 +54,17 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     decode buffers, shared by every layer of a batch: the absorbed queries and the latent output ([N, T, Lkv] each,
     the layouts the absorption and up-projection matmuls write and read without copies) and the split-KV partials.
 
+    The query absorption (q_nope -> Lkv per head) is planned here (``absorb``): "triton" runs it as one cached
+    Triton launch (:func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel`) that also copies the rotary
+    queries into a planned buffer, "bmm" as ``torch.bmm``; "auto" takes Triton for at most
+    :attr:`TRITON_ABSORB_MAX_TOKENS` decode tokens (cuBLAS for more).
+
+    The up-projection (latent -> V per head) is planned here too (``up_projection``): "fused" runs it as one Triton
+    launch that also merges the KV splits (:mod:`~attnbackends.mla.projection_kernels`), "bmm" as the split
+    reduction's launch (if any) then ``torch.bmm``; "auto" fuses whenever the decode is split, and unsplit decodes
+    of at most :attr:`FUSED_UP_MAX_TOKENS` query tokens (a few host microseconds per torch op and cuBLAS call
+    saved; larger unsplit batches keep cuBLAS).
+
     Speculative decoding: decodes of up to ``max_decode_query_len`` tokens (any mix of lengths) run on the decode
     kernel, a request's query tokens x heads as the rows of its programs (the cache is read once per request), with
     the tree mask honoured over each request's draft segment.
@@ -59,10 +73,23 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     query_len_support = QueryLenSupport.VARLEN
     max_decode_query_len = 64
     supports_tree_mask = True
+    #: Unsplit decodes of at most this many query tokens run the fused Triton up-projection under "auto".
+    FUSED_UP_MAX_TOKENS = 16
+    UP_PROJECTIONS = ("auto", "fused", "bmm")
+    #: Decodes of at most this many query tokens run the Triton absorption under "auto".
+    TRITON_ABSORB_MAX_TOKENS = 16
+    ABSORBS = ("auto", "triton", "bmm")
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
-                 decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None, **kwargs: Any) -> None:
+                 decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None,
+                 up_projection: str = "auto", absorb: str = "auto", **kwargs: Any) -> None:
         super().__init__(spec, device, **kwargs)
+        if up_projection not in self.UP_PROJECTIONS:
+            raise ValueError(f"up_projection must be one of {self.UP_PROJECTIONS}, got {up_projection!r}")
+        if absorb not in self.ABSORBS:
+            raise ValueError(f"absorb must be one of {self.ABSORBS}, got {absorb!r}")
+        self.up_projection = up_projection
+        self.absorb = absorb
         self.decode_config = decode_config or default_decode_config(
             spec.num_heads, interpreted=is_triton_interpreted())
         self.num_splits = num_splits
@@ -75,18 +102,22 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             self.decode_config,
         )
         t, n, lkv = decode.num_decode_tokens, spec.num_heads, spec.kv_lora_rank
-        # float32 elements: [N, T, Lkv] absorbed queries and [N, T, Lkv] latent output in the model dtype, then the
-        # [T, N, S, Lkv] and [T, N, S] float32 partials; every part starts 256-byte aligned
+        p, r, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        # float32 elements: [N, T, Lkv] absorbed queries, [N, T, Lkv] latent output and [T, N, R] rotary queries
+        # in the model dtype, then the [T, N, S, Lkv] and [T, N, S] float32 partials; every part starts 256-byte
+        # aligned
         part16 = -(-t * n * lkv * spec.torch_dtype.itemsize // 256) * 64
+        pe16 = -(-t * n * r * spec.torch_dtype.itemsize // 256) * 64
         part_elems = t * n * splits * (lkv + 1) if splits > 1 else 0
-        if self._decode_buffer.numel() < 2 * part16 + part_elems:
-            self._decode_buffer = torch.empty(2 * part16 + part_elems, dtype=torch.float32, device=self.device)
+        if self._decode_buffer.numel() < 2 * part16 + pe16 + part_elems:
+            self._decode_buffer = torch.empty(2 * part16 + pe16 + part_elems, dtype=torch.float32, device=self.device)
         buf = self._decode_buffer
         ql = buf[:part16].view(spec.torch_dtype)[: t * n * lkv].view(n, t, lkv)
         latent = buf[part16: 2 * part16].view(spec.torch_dtype)[: t * n * lkv].view(n, t, lkv)
+        q_pe = buf[2 * part16: 2 * part16 + pe16].view(spec.torch_dtype)[: t * n * r].view(t, n, r)
         partials = None
         if splits > 1:
-            at = 2 * part16
+            at = 2 * part16 + pe16
             partials = (buf[at: at + t * n * splits * lkv].view(t, n, splits, lkv),
                         buf[at + t * n * splits * lkv: at + part_elems].view(t, n, splits))
         plan = plan_mla_decode(
@@ -95,17 +126,36 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             seq_lens=decode.seq_lens, output=latent.transpose(0, 1), num_splits=splits, config=self.decode_config,
             compute_capability=self.device_info.compute_capability, partials=partials,
             query_start_loc=decode.query_start_loc, max_query_len=decode.max_query_len, tree_mask=decode.tree_mask,
-            tree_indptr=decode.tree_indptr,
+            tree_indptr=decode.tree_indptr, fuse_up_projection=self._fuse_up(splits, t), v_dim=spec.v_head_dim,
         )
         ql_t = ql.transpose(0, 1)
+        # the Triton absorption writes ql and a copy of the rotary queries: the decode launch reads planned buffers
+        absorb = plan_mla_absorb(num_tokens=t, num_heads=n, nope=p, rope=r, kv_lora=lkv, ql=ql_t, q_pe=q_pe) \
+            if self._triton_absorb(t) else None
+        # the per-call views of q and output, as (size, dim order): one as_strided each, whatever rows they have
         decode.extra.update(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
-                            ql_key=tensor_key(ql_t), latent=latent)
+                            ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
+                            out_nt=(n, t, v), up_fused=plan.up_grid is not None, absorb=absorb, q_pe=q_pe,
+                            q_pe_key=tensor_key(q_pe))
+
+    def _triton_absorb(self, num_tokens: int) -> bool:
+        """Whether the query absorption is the Triton launch (see the class docstring)."""
+        if self.absorb != "auto":
+            return self.absorb == "triton"
+        return num_tokens <= self.TRITON_ABSORB_MAX_TOKENS
+
+    def _fuse_up(self, splits: int, num_tokens: int) -> bool:
+        """Whether the decode's up-projection is the fused Triton launch (see the class docstring)."""
+        if self.up_projection != "auto":
+            return self.up_projection == "fused"
+        return splits > 1 or num_tokens <= self.FUSED_UP_MAX_TOKENS
 
 
 class TritonMLAImpl(MLAImpl):
     """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`: per decode, the absorption
-    matmul into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
-    up-projection matmul straight into ``output``."""
+    (the planned Triton launch or a matmul) into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
+    up-projection straight into ``output``: the planned fused launch (split reduction + per-head matmul) or, where
+    the builder planned none, the split reduction (inside the decode launch) and a batched matmul."""
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -113,20 +163,48 @@ class TritonMLAImpl(MLAImpl):
         fp8 = spec.kv_cache_torch_dtype in FP8_DTYPES
         self._qk_scale_log2 = self.scale * LOG2E * (self.k_scale if fp8 else 1.0)
         self._v_scale = self.k_scale if fp8 else 1.0
+        self._nope = spec.qk_nope_head_dim
+        self._w_uv_state: Optional[tuple] = None
+        self._w_uk_state: Optional[tuple] = None
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        self._w_uv_state = weight_launch_state(self.W_UV, "W_UV")
+        self._w_uk_state = weight_launch_state(self.W_UK_T, "W_UK_T")
 
     def _forward_decode(self, q, kv_cache, decode, output) -> None:
+        # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them: the Triton launches read them
+        # through their strides (the first T rows); each view the matmuls need is one as_strided over the planned
+        # sizes (it slices the first T rows and transposes in one torch op)
         extra = decode.extra
-        p = self.spec.qk_nope_head_dim
-        ql = extra["ql"]  # [N, T, Lkv]
-        torch.bmm(q[:, :, :p].transpose(0, 1), self.W_UK_T, out=ql)
-        launch_mla_decode(extra["plan"], extra["ql_t"], q[:, :, p:], self._caches.get(kv_cache),
-                          self._qk_scale_log2, self._v_scale, extra["ql_key"])
+        if self._w_uv_state is None:  # the weights were set without process_weights_after_loading
+            self._w_uv_state = weight_launch_state(self.W_UV, "W_UV")
+            self._w_uk_state = weight_launch_state(self.W_UK_T, "W_UK_T")
+        absorb = extra["absorb"]
+        if absorb is not None:
+            launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state)
+            q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
+        else:
+            qs_t, qs_n, qs_d = q.stride()
+            q_at = q.storage_offset()
+            # [N, T, P] @ [N, P, Lkv] -> the planned [N, T, Lkv] buffer
+            torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=extra["ql"])
+            q_pe, q_pe_key = q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q_at + self._nope * qs_d), None
+        plan = extra["plan"]
+        launch_mla_decode(plan, extra["ql_t"], q_pe, self._caches.get(kv_cache), self._qk_scale_log2,
+                          self._v_scale, extra["ql_key"], q_pe_key)
+        if extra["up_fused"]:
+            launch_mla_up_projection(plan, self.W_UV, self._w_uv_state, output)
+            return
         # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
-        torch.bmm(extra["latent"], self.W_UV, out=output.transpose(0, 1))
+        os_t, os_n, os_d = output.stride()
+        torch.bmm(extra["latent"], self.W_UV,
+                  out=output.as_strided(extra["out_nt"], (os_n, os_t, os_d), output.storage_offset()))
 
 
 class TritonMLABackend(_MLABackendBase):
-    """Triton MLA decode (split-KV + lse merge) with the shared chunked-context prefill; CUDA or the interpreter."""
+    """Triton MLA decode (split-KV, the LSE merge fused with the up-projection) with the shared chunked-context
+    prefill; CUDA or the interpreter."""
 
     name = "triton_mla"
     description = "Triton MLA decode kernel over the latent cache (split-KV), chunked-context prefill"
@@ -136,20 +214,32 @@ class TritonMLABackend(_MLABackendBase):
     min_compute_capability = (8, 0)
     min_compute_capability_fp8_e4m3 = (8, 9)  # Triton converts e4m3 natively from sm_89 on
 
+    #: How the decode's projections run (see :class:`TritonMLAMetadataBuilder`).
+    PROJECTION_NOTE = (f"projections: up to {TritonMLAMetadataBuilder.TRITON_ABSORB_MAX_TOKENS} decode tokens "
+                       "absorb their queries in one Triton launch (else torch.bmm); the up-projection is one Triton "
+                       "launch that merges the KV splits by their LSE and multiplies each head's latent by W_UV "
+                       "(split decodes and unsplit ones of at most "
+                       f"{TritonMLAMetadataBuilder.FUSED_UP_MAX_TOKENS} query tokens; else torch.bmm)")
+
     @classmethod
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        """The decode kernel: the Gluon Hopper kernel where it applies, else the Triton kernels."""
+        """The decode kernel (the Gluon Hopper kernel where it applies, else the Triton kernels) and the
+        projections around it."""
+        return [cls._decode_kernel_note(spec, device), cls.PROJECTION_NOTE]
+
+    @classmethod
+    def _decode_kernel_note(cls, spec: AttentionSpec, device: DeviceInfo) -> str:
         if not device.is_cuda:
-            return ["decode kernel: the portable Triton kernel (interpreted)"]
+            return "decode kernel: the portable Triton kernel (interpreted)"
         why = hopper_reason(spec.kv_lora_rank or 0, spec.qk_rope_head_dim or 0, spec.block_size,
                             spec.kv_cache_torch_dtype, device.compute_capability)
         if not why and not default_decode_config(spec.num_heads).use_hopper:
             why = f"{spec.num_heads} heads (< 64)"
         if not why:
-            return ["decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
+            return ("decode kernel: the Gluon Hopper kernel (warp-specialised: one warpgroup for scores, softmax and "
                     "half of P.V, one for the other half, one warp loading pages by TMA), for one or several query "
-                    "tokens per request, 16-bit or fp8 e4m3 pages; tree-verify decodes on the Triton TMA kernel"]
-        return [f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"]
+                    "tokens per request, 16-bit or fp8 e4m3 pages; tree-verify decodes on the Triton TMA kernel")
+        return f"decode kernel: the Triton kernel ({why} rules out the Gluon Hopper kernel)"
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMLAMetadataBuilder]:

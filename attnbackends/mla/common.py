@@ -288,11 +288,15 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
             self.process_weights_after_loading()
         n_tokens = metadata.num_actual_tokens
         if kv_c_normed is not None:
-            self.update_kv_cache(kv_c_normed[:n_tokens], k_pe[:n_tokens], kv_cache, metadata.slot_mapping)
+            # a slice is a torch op even when it keeps every row: compare lengths first
+            if kv_c_normed.shape[0] != n_tokens:
+                kv_c_normed = kv_c_normed[:n_tokens]
+            if k_pe.shape[0] != n_tokens:
+                k_pe = k_pe[:n_tokens]
+            self.update_kv_cache(kv_c_normed, k_pe, kv_cache, metadata.slot_mapping)
         decode = metadata.decode
         if decode is not None:
-            nd = decode.num_decode_tokens
-            self._forward_decode(q[:nd], kv_cache, decode, output[:nd])
+            self._forward_decode(q, kv_cache, decode, output)
         if metadata.prefill is not None:
             if kv_c_normed is None:
                 raise ValueError("prefill tokens need kv_c_normed and k_pe")
@@ -304,8 +308,14 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
 
     def _forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata,
                         output: torch.Tensor) -> None:
-        """The decode requests: q [T, N, P + R] -> output [T, N, V] (absorbed queries, :meth:`_decode_latent`, the
-        up-projection of the latent output)."""
+        """The decode requests: q [>= T, N, P + R] -> output [>= T, N, V], T = ``decode.num_decode_tokens``, the
+        decodes being the first T rows of both (absorbed queries, :meth:`_decode_latent`, the up-projection of the
+        latent output). Rows past T are neither read nor written."""
+        nd = decode.num_decode_tokens
+        if q.shape[0] != nd:
+            q = q[:nd]
+        if output.shape[0] != nd:
+            output = output[:nd]
         q_nope, q_pe = q.split([self.spec.qk_nope_head_dim, self.spec.qk_rope_head_dim], dim=-1)
         ql = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)  # [T, N, Lkv]
         o_latent = self._decode_latent(ql.contiguous(), q_pe.contiguous(), kv_cache, decode)

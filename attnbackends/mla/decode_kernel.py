@@ -2,7 +2,8 @@
 
 Every query head attends to the same latent "KV head" c = [kv_c ; k_pe] (Lkv + R wide); the value is kv_c. One
 program handles BLOCK_H heads of one request over one KV split, so each cache tile is loaded once for BLOCK_H heads
-and both products run on tensor cores (M = BLOCK_H). Splits are merged by their log-sum-exp in a second kernel.
+and both products run on tensor cores (M = BLOCK_H). Splits are merged by their log-sum-exp in a second kernel:
+the reduction here, or the up-projection kernel of :mod:`.projection_kernels`, which merges and projects at once.
 
 Speculative decoding: a request may decode several query tokens (verify 1 + k drafts). Its programs' rows are then
 (query token, head) pairs, row = t * H + h, so the cache is still read once per request for all of them; a row's

@@ -3,7 +3,10 @@
 :func:`plan_mla_decode` (a builder calls it in ``build``, once per batch for every layer) picks the kernel (the
 Gluon Hopper kernel, the Triton TMA kernel or the portable Triton kernel), the KV split count, the grid, the
 constexprs and the output buffers (the latent output, or the split partials and the reduction's launch), and
-works out the part of the compiled-kernel key that depends on the batch. :class:`MLACacheState` holds what depends
+works out the part of the compiled-kernel key that depends on the batch. Asked to (``fuse_up_projection``), it
+plans the up-projection too, fused with the split reduction (:mod:`.projection_kernels`): one launch from the
+partials (or the one-split latent) to the layer's [T, H, V] output, run by :func:`launch_mla_up_projection` with
+the layer's W_UV and the call's output. :class:`MLACacheState` holds what depends
 on one cache tensor only (its TMA descriptors, its page count and its part of the key), built once per cache.
 :func:`launch_mla_decode` then adds the queries and launches through the kernels' cached launchers
 (:class:`~attnbackends.compat.DescriptorLauncher`): no argument binding, no descriptor encoding, no decisions.
@@ -30,6 +33,7 @@ from .decode_hopper import (
     HOPPER_BLOCK_H, HOPPER_NUM_WARPS, hopper_args, hopper_constexprs, hopper_descriptors, hopper_launcher,
     hopper_reason,
 )
+from .projection_kernels import _mla_absorb_kernel, _mla_reduce_up_kernel, absorb_blocks, reduce_up_blocks
 from .decode_kernel import (
     MLADecodeConfig, _mla_decode_kernel, _mla_decode_reduce_kernel, _mla_decode_tma_kernel, decode_kernel_name,
     default_decode_config, reduce_block_c,
@@ -37,7 +41,8 @@ from .decode_kernel import (
 )
 
 __all__ = ["CacheStates", "LOG2E", "MLACacheState", "MLADecodePlan", "choose_decode_kernel", "decode_launch_args",
-           "launch_mla_decode", "mla_decode", "plan_mla_decode", "tensor_key"]
+           "launch_mla_absorb", "launch_mla_decode", "launch_mla_up_projection", "MLAAbsorbPlan", "mla_decode",
+           "plan_mla_absorb", "plan_mla_decode", "tensor_key", "weight_launch_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +53,15 @@ POINTER_CONSTEXPRS = ("KV_LORA", "ROPE", "BLOCK_C", "BLOCK_R", "PAGE_SIZE", "BLO
 TMA_CONSTEXPRS = ("KV_LORA", "HALF", "ROPE", "PAGE_SIZE", "BLOCK_H", "BLOCK_N", "STORE_LSE", "MAX_Q", "USE_TREE",
                   "INTERPRET")
 REDUCE_CONSTEXPRS = ("KV_LORA", "BLOCK_C", "NUM_SPLITS", "BLOCK_S", "STORE_LSE")
+REDUCE_UP_CONSTEXPRS = ("KV_LORA", "V_DIM", "NUM_SPLITS", "BLOCK_S", "BLOCK_T", "BLOCK_C", "BLOCK_V", "STORE_LSE",
+                        "INTERPRET")
 
 _POINTER = DescriptorLauncher(_mla_decode_kernel, POINTER_CONSTEXPRS)
 _TMA = DescriptorLauncher(_mla_decode_tma_kernel, TMA_CONSTEXPRS, (2, 3))
 _REDUCE = DescriptorLauncher(_mla_decode_reduce_kernel, REDUCE_CONSTEXPRS)
+_REDUCE_UP = DescriptorLauncher(_mla_reduce_up_kernel, REDUCE_UP_CONSTEXPRS)
+ABSORB_CONSTEXPRS = ("NOPE", "ROPE", "KV_LORA", "BLOCK_T", "BLOCK_P", "BLOCK_L", "BLOCK_R", "COPY_PE", "INTERPRET")
+_ABSORB = DescriptorLauncher(_mla_absorb_kernel, ABSORB_CONSTEXPRS)
 
 
 def _int_key(*values: int) -> tuple:
@@ -156,7 +166,11 @@ class MLADecodePlan:
     out : what the decode kernel writes: the latent output [T, H, Lkv] or the float32 partials [T, H, S, Lkv].
     lse : the LSE (or the split partials' [T, H, S]); None: not stored.
     output, output_lse : the caller's latent output [T, H, Lkv] and LSE [T, H] (or None).
-    reduce_grid, reduce_args, reduce_constexprs, reduce_key : the split reduction's launch (grid None: no split).
+    reduce_grid, reduce_args, reduce_constexprs, reduce_key : the split reduction's launch (grid None: no split,
+        or the reduction is fused with the up-projection).
+    up_grid, up_head, up_ints, up_constexprs, up_key, up_num_warps : the fused reduction + up-projection's launch
+        (grid None: not planned; ``output`` then holds the latent output for the caller's own up-projection):
+        the planned arguments before the layer's W_UV and the call's output, the planned integers after them.
     """
 
     kernel: str
@@ -182,8 +196,16 @@ class MLADecodePlan:
     reduce_args: tuple = ()
     reduce_constexprs: tuple = ()
     reduce_key: tuple = ()
+    up_grid: Optional[tuple[int, int, int]] = None
+    up_head: tuple = ()
+    up_ints: tuple = ()
+    up_constexprs: tuple = ()
+    up_key: tuple = ()
+    up_num_warps: int = 4
     replan: dict = field(default_factory=dict, repr=False)  # plan_mla_decode's arguments (for the fallback)
     _pointer_plan: Optional["MLADecodePlan"] = field(default=None, repr=False)
+    # launches whose queries are planned buffers too, per cache: (cache, q_nope, q_pe, scales, launch)
+    _launches: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_noop(self) -> bool:
@@ -197,12 +219,14 @@ def plan_mla_decode(
     lse: Optional[torch.Tensor] = None, partials: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     query_start_loc: Optional[torch.Tensor] = None, max_query_len: int = 1,
     tree_mask: Optional[torch.Tensor] = None, tree_indptr: Optional[torch.Tensor] = None,
-    kernel: Optional[str] = None,
+    kernel: Optional[str] = None, fuse_up_projection: bool = False, v_dim: int = 0,
 ) -> MLADecodePlan:
     """The launch plan of one batch's decode (arguments as :func:`~attnbackends.mla.decode_kernel.mla_decode`;
     ``output`` [T, H, Lkv] may have any strides with a unit last one). Host facts only, no device work beyond
     allocating the split partials when ``partials`` is None and ``num_splits > 1``. ``kernel``: force one (else
-    :func:`choose_decode_kernel`)."""
+    :func:`choose_decode_kernel`). ``fuse_up_projection``: plan the up-projection to ``v_dim`` values per head
+    (:func:`launch_mla_up_projection`), fused with the split reduction when ``num_splits > 1`` (the merged latent
+    is then never stored; ``lse`` is written by the fused kernel), reading ``output`` with one split."""
     batch = seq_lens.shape[0]
     max_query_len = int(max_query_len)
     num_splits = max(1, int(num_splits))
@@ -252,7 +276,11 @@ def plan_mla_decode(
         tree_mask=tree_mask_t, tree_indptr=tree_indptr_t, out=out, lse=out_lse, stride_o_s=stride_o_s, output=output,
         output_lse=lse, key=key,
     )
-    if num_splits > 1:
+    if fuse_up_projection:
+        if v_dim < 1:
+            raise ValueError(f"fuse_up_projection needs v_dim >= 1, got {v_dim}")
+        _plan_up_projection(plan, num_tokens, num_heads, kv_lora, v_dim, lse)
+    elif num_splits > 1:
         reduce_c = reduce_block_c(kv_lora, num_splits)
         plan.reduce_grid = (num_tokens, num_heads, cdiv(kv_lora, reduce_c))
         plan.reduce_args = (
@@ -268,8 +296,99 @@ def plan_mla_decode(
                         output=output, num_splits=num_splits, config=config, compute_capability=compute_capability,
                         lse=lse, partials=(out, out_lse) if num_splits > 1 else None,
                         query_start_loc=query_start_loc, max_query_len=max_query_len, tree_mask=tree_mask,
-                        tree_indptr=tree_indptr)
+                        tree_indptr=tree_indptr, fuse_up_projection=fuse_up_projection, v_dim=v_dim)
     return plan
+
+
+def _plan_up_projection(plan: MLADecodePlan, num_tokens: int, num_heads: int, kv_lora: int, v_dim: int,
+                        lse: Optional[torch.Tensor]) -> None:
+    """The fused reduction + up-projection's launch (``plan.up_*``): it reads the split partials, or with one
+    split the latent output the decode kernel writes."""
+    block_t, block_c, block_v = reduce_up_blocks(num_tokens, kv_lora, v_dim)
+    splits = plan.num_splits
+    store_lse = splits > 1 and lse is not None  # with one split the decode kernel writes the LSE itself
+    if splits > 1:
+        part, part_lse = plan.out, plan.lse
+        part_strides = (part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1))
+    else:
+        part, part_lse = plan.output, plan.seq_lens
+        part_strides = (part.stride(0), part.stride(1), 0, 0, 0)
+    lse_t = lse if store_lse else plan.seq_lens
+    plan.up_grid = (num_heads, cdiv(num_tokens, block_t), 1)
+    plan.up_head = (part, part_lse, lse_t)
+    plan.up_ints = (num_tokens, *part_strides, *((lse.stride(0), lse.stride(1)) if store_lse else (0, 0)))
+    plan.up_constexprs = (kv_lora, v_dim, splits, next_power_of_2(splits), block_t, block_c, block_v, store_lse,
+                          is_triton_interpreted())
+    plan.up_key = (plan.up_constexprs, _ptr_key(*plan.up_head), _int_key(*plan.up_ints))
+
+
+def weight_launch_state(weight: torch.Tensor, name: str = "W_UV") -> tuple:
+    """What :func:`launch_mla_up_projection` needs of a layer's W_UV [H, Lkv, V] (or :func:`launch_mla_absorb` of
+    its W_UK_T [H, P, Lkv]), unit last stride: its part of the compiled-kernel key and its two leading strides.
+    Compute it once per weight tensor; ``name`` names it in the error."""
+    if weight.dim() != 3 or weight.stride(2) != 1:
+        raise ValueError(f"{name} must be a 3-d [H, K, N] weight with a unit last stride, got shape "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    return tensor_key(weight), (weight.stride(0), weight.stride(1))
+
+
+def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: tuple, output: torch.Tensor) -> None:
+    """The planned fused reduction + up-projection (after :func:`launch_mla_decode` of the same plan):
+    output[t, h, :] = latent[t, h, :] @ w_uv[h] for the plan's T query tokens.
+
+    w_uv : [H, Lkv, V] the layer's up-projection weight (model dtype); w_state : its :func:`weight_launch_state`.
+    output : [>= T, H, V] in the model dtype, any strides with a unit last one; rows past T are not written.
+    """
+    out_key = tensor_key(output)
+    if out_key[1][-1] != 1:
+        raise ValueError(f"the MLA up-projection needs an output with unit last stride, got strides {out_key[1]}")
+    _REDUCE_UP((plan.up_key, w_state[0], out_key), plan.up_grid,
+               plan.up_head + (w_uv, output) + plan.up_ints + w_state[1] + out_key[1][:2],
+               plan.up_constexprs, plan.up_num_warps, 2)
+
+
+@dataclass
+class MLAAbsorbPlan:
+    """One batch's query absorption launch (:func:`plan_mla_absorb`): grid, the planned output buffers and their
+    strides, constexprs and the batch's part of the compiled-kernel key."""
+
+    grid: tuple[int, int, int]
+    buffers: tuple  # (ql [T, H, Lkv], q_pe [T, H, R])
+    num_tokens: int
+    buffer_strides: tuple
+    constexprs: tuple
+    key: tuple
+    num_warps: int = 4
+
+
+def plan_mla_absorb(*, num_tokens: int, num_heads: int, nope: int, rope: int, kv_lora: int, ql: torch.Tensor,
+                    q_pe: torch.Tensor) -> MLAAbsorbPlan:
+    """The launch of :func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel` for ``num_tokens`` decode
+    tokens: ql [T, H, Lkv] receives q_nope @ W_UK_T per head and q_pe [T, H, R] a copy of the rotary queries (any
+    strides with a unit last one; the builder's buffers). Host facts only."""
+    if ql.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("the MLA absorption writes ql and q_pe with unit stride in the last dimension")
+    block_t, block_p, block_l = absorb_blocks(num_tokens, nope, kv_lora)
+    strides = (ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1))
+    constexprs = (nope, rope, kv_lora, block_t, block_p, block_l, next_power_of_2(rope), True,
+                  is_triton_interpreted())
+    return MLAAbsorbPlan(
+        grid=(num_heads, cdiv(num_tokens, block_t), cdiv(kv_lora, block_l)), buffers=(ql, q_pe),
+        num_tokens=num_tokens, buffer_strides=strides, constexprs=constexprs,
+        key=(constexprs, _ptr_key(ql, q_pe), _int_key(num_tokens, *strides)))
+
+
+def launch_mla_absorb(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple) -> None:
+    """The planned absorption: ql[t, h] = q[t, h, :P] @ w_uk_t[h] and q_pe[t, h] = q[t, h, P:] for the plan's T
+    tokens. q : [>= T, H, P + R] in the model dtype, any strides with a unit last one (rows past T are not read);
+    w_uk_t : [H, P, Lkv] the layer's weight; w_state : its :func:`weight_launch_state`."""
+    q_key = tensor_key(q)
+    q_strides = q_key[1]
+    if q_strides[-1] != 1:
+        raise ValueError(f"the MLA absorption needs queries with unit last stride, got strides {q_strides}")
+    _ABSORB((plan.key, w_state[0], q_key), plan.grid,
+            (q, w_uk_t) + plan.buffers + (plan.num_tokens, q_strides[0], q_strides[1]) + plan.buffer_strides
+            + w_state[1], plan.constexprs, plan.num_warps, 2)
 
 
 def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
@@ -282,14 +401,14 @@ def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
 
 
 def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
-                       qk_scale_log2: float, v_scale: float,
-                       q_nope_key: Optional[tuple] = None) -> tuple[DescriptorLauncher, tuple, tuple, MLADecodePlan]:
+                       qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None,
+                       q_pe_key: Optional[tuple] = None) -> tuple[DescriptorLauncher, tuple, tuple, MLADecodePlan]:
     """(launcher, compiled-kernel key, runtime arguments, plan) of the decode kernel's launch for these queries and
     this cache (arguments as :func:`launch_mla_decode`; the plan is ``plan`` or its portable-kernel fallback)."""
     if plan.kernel != "pointer" and not cache.rows_contiguous:
         plan = _pointer_fallback(plan)
     qn_key = q_nope_key if q_nope_key is not None else tensor_key(q_nope)
-    qp_key = tensor_key(q_pe)
+    qp_key = q_pe_key if q_pe_key is not None else tensor_key(q_pe)
     if qn_key[1][-1] != 1 or qp_key[1][-1] != 1:
         raise ValueError("the MLA decode needs queries with unit stride in the last dimension")
     key = (plan.key, qn_key, qp_key, cache.key)
@@ -314,17 +433,30 @@ def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Te
 
 
 def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
-                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None) -> torch.Tensor:
+                      qk_scale_log2: float, v_scale: float, q_nope_key: Optional[tuple] = None,
+                      q_pe_key: Optional[tuple] = None) -> torch.Tensor:
     """Run ``plan`` (no checks beyond the unit last strides: see :func:`plan_mla_decode`).
 
     q_nope : [T, H, Lkv] absorbed queries, any strides with a unit last one; q_pe : [T, H, R] likewise.
     cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
     cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
-    caller knows it (a buffer the builder owns). Returns ``plan.output``.
+    caller knows it (a buffer the builder owns); q_pe_key likewise for ``q_pe``. With both keys given the queries
+    are taken for planned buffers: the launch's arguments are worked out once per cache (the same query tensors
+    and scales). Returns ``plan.output``.
     """
     if plan.grid[1] == 0:
         return plan.output
-    launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key)
+    if q_nope_key is not None and q_pe_key is not None:
+        # every argument is planned or the cache's: the launch is worked out once per cache and batch
+        hit = plan._launches.get(id(cache))
+        if (hit is None or hit[0] is not cache or hit[1] is not q_nope or hit[2] is not q_pe
+                or hit[3] != (qk_scale_log2, v_scale)):
+            hit = plan._launches[id(cache)] = (cache, q_nope, q_pe, (qk_scale_log2, v_scale), decode_launch_args(
+                plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key))
+        launcher, key, args, plan = hit[4]
+    else:
+        launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale,
+                                                       q_nope_key, q_pe_key)
     launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
         _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)

@@ -84,10 +84,14 @@ def test_triton_mla_matches_oracle_with_context_chunks(dtype, kv_cache_dtype, pr
 
 @needs_triton
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_mla_decode_only_batches(num_splits):
+@pytest.mark.parametrize("up_projection,absorb", [("fused", "triton"), ("bmm", "bmm")])
+def test_triton_mla_decode_only_batches(num_splits, up_projection, absorb):
     spec = tiny_spec("bfloat16", block_size=16)
-    batch = make_random_mla_batch(spec, [S(1, c) for c in (0, 15, 16, 47, 70)], seed=3)
-    check(TritonMLABackend, batch, builder_kwargs=dict(num_splits=num_splits))
+    batch = make_random_mla_batch(spec, [S(1, c) for c in (0, 15, 16, 47, 70)], seed=3, pad_tokens=2)
+    kw = dict(num_splits=num_splits, up_projection=up_projection, absorb=absorb)
+    extra = TritonMLAMetadataBuilder(spec, "cpu", **kw).build(batch.common).decode.extra
+    assert extra["up_fused"] == (up_projection == "fused") and (extra["absorb"] is not None) == (absorb == "triton")
+    check(TritonMLABackend, batch, builder_kwargs=kw)
 
 
 @needs_triton

@@ -83,6 +83,33 @@ def test_triton_mla_at_128_heads_on_gpu(num_splits):
     assert torch.isnan(out[n:].float()).all()
 
 
+@pytest.mark.parametrize("shapes,num_splits", [
+    ([S(1, 4095)], 16),  # the host-bound B=1 step
+    ([S(1, c) for c in (0, 63, 700, 3001)], None),  # the builder's split count, a request without context
+    ([S(4, 500), S(2, 2000), S(1, 63)], 4),  # multi-token decodes
+    ([S(1, c) for c in range(40, 40 * 41, 40)], 1),  # unsplit: the fused kernel on a 16-bit latent, 40 tokens
+])
+def test_fused_up_projection_equals_two_step_on_gpu(shapes, num_splits):
+    """DeepSeek-V3 dims (128 heads, Lkv 512, R 64, page 64, bf16): the Triton absorption and the fused split
+    reduction + up-projection against the matmuls and the two-step path (reduction kernel, torch.bmm) on the same
+    decode, and both against the oracle."""
+    batch = make_random_mla_batch(v3_spec(num_heads=128), shapes, seed=13, device="cuda", pad_tokens=3)
+    kw = {"num_splits": num_splits} if num_splits else {}
+    outs = {}
+    for up, absorb in (("fused", "triton"), ("bmm", "bmm")):
+        outs[up], _ = run_mla_backend(TritonMLABackend, batch,
+                                      builder_kwargs=dict(up_projection=up, absorb=absorb, **kw))
+    torch.cuda.synchronize()
+    n = batch.num_actual_tokens
+    want = mla_oracle(batch)
+    for up, out in outs.items():
+        assert_close_to_oracle(out[:n], want, tolerance_for(torch.bfloat16), what=f"triton_mla up_projection={up}")
+        assert torch.isnan(out[n:].float()).all()
+    # the same numerics up to the matmuls' summation order (and a latent or ql rounded the other way where the
+    # float32 sums differ in their last bit)
+    torch.testing.assert_close(outs["fused"][:n].float(), outs["bmm"][:n].float(), rtol=1.6e-2, atol=2e-3)
+
+
 def test_reference_mla_on_gpu(batches, oracles):
     batch = batches["fp8_e4m3"]
     out, _ = run_mla_backend(ReferenceMLABackend, batch)

@@ -6,6 +6,9 @@
   descriptor-encoding wrapper does (checked against Triton's wrapper itself, with a recording launcher).
 - The decode writes the absorbed queries and the latent output through the planned buffers and ``output``'s own
   strides (no copies), and matches the oracle.
+- The Triton absorption equals the matmul and copies the rotary queries; the fused split reduction + up-projection
+  equals the two-step path (reduction kernel, then ``torch.bmm``), LSE
+  included, for single and multi-token decodes, and leaves the output's other rows alone.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def test_forward_decides_nothing(monkeypatch):
     states = _Counter(decode_launch.MLACacheState)
     monkeypatch.setattr(decode_launch, "MLACacheState", states)
     keys: list = []
-    for name in ("_POINTER", "_REDUCE"):
+    for name in ("_ABSORB", "_POINTER", "_REDUCE", "_REDUCE_UP"):
         real = getattr(decode_launch, name)
 
         def record(key, *rest, _real=real):
@@ -81,7 +84,7 @@ def test_forward_decides_nothing(monkeypatch):
         outs.append(out)
     assert all(c.calls == 0 for c in counters.values()), {n: c.calls for n, c in counters.items()}
     assert states.calls == 1  # one cache, its state built once
-    assert len(keys) == 4 and keys[:2] == keys[2:]  # decode + reduce, twice, same keys
+    assert len(keys) == 6 and keys[:3] == keys[3:]  # absorption, decode, reduction + up-projection: twice, same keys
     assert hash(tuple(keys)) is not None
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     want = mla_oracle(batch)
@@ -140,3 +143,190 @@ def test_mla_modules_use_the_platform_interpreted_check():
     for mod in (cache, decode_kernel, decode_hopper, decode_launch, prefill, mla_backends):
         src = inspect.getsource(mod)
         assert not re.search(r"INTERPRET\s*=\s*not\s+\w+\.is_cuda|interpreted\s*=\s*not\s+[\w.]+\.is_cuda", src), mod
+
+
+class _AtenOps:
+    """Records the torch ops (views included) run while it is active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("absorb,up_projection,num_splits", [
+    ("bmm", "bmm", 1), ("bmm", "fused", 1), ("bmm", "fused", 2), ("triton", "bmm", 2), ("triton", "fused", 2)])
+def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_projection, num_splits):
+    """A decode-only forward whose q and output have exactly the decode rows: no slices, no transposes; each view
+    the matmuls and the decode kernel need is one as_strided; the Triton absorption replaces the first matmul and
+    both query views, the fused up-projection the second matmul and its output view: with both, a decode forward
+    runs no torch op at all (launches replaced by recorders)."""
+    from attnbackends.mla import common as mla_common
+
+    batch = _batch(2)
+    meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=num_splits, up_projection=up_projection,
+                                              absorb=absorb).build(batch.common)
+    impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
+    impl.process_weights_after_loading()
+    launches: list = []
+    for name in ("_ABSORB", "_POINTER", "_REDUCE", "_REDUCE_UP"):
+        monkeypatch.setattr(decode_launch, name, lambda key, *rest, _n=name: launches.append(_n))
+    monkeypatch.setattr(mla_common, "concat_and_cache_mla", lambda *a, **k: launches.append("write"))
+    kv_cache, out = batch.kv_cache.clone(), batch.new_output()
+    impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)  # first call: full validation
+    launches.clear()
+    with _AtenOps() as rec:
+        impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)
+    fused, triton_absorb = up_projection == "fused", absorb == "triton"
+    assert launches == (["write"] + (["_ABSORB"] if triton_absorb else []) + ["_POINTER"]
+                        + (["_REDUCE_UP"] if fused else ["_REDUCE"] if num_splits > 1 else [])), launches
+    want = ([] if triton_absorb else ["as_strided", "bmm", "as_strided"]) + ([] if fused else ["as_strided", "bmm"])
+    assert rec.ops == want, rec.ops
+
+
+def test_decode_reads_strided_queries_and_leaves_padding_rows_alone():
+    """q a view into a wider buffer (storage offset, row stride != N * (P + R)) with padding rows behind the
+    decodes; the output's padding rows keep their poison."""
+    shapes = [SequenceShape(query_len=1, context_len=c) for c in (5, 33, 18)]
+    batch = make_random_mla_batch(SPEC, shapes, seed=7, pad_tokens=2)
+    wide = torch.randn(batch.q.shape[0], SPEC.num_heads, batch.q.shape[2] + 24, dtype=batch.q.dtype)
+    q = wide[:, :, 8: 8 + batch.q.shape[2]]
+    q.copy_(batch.q)
+    for splits in (1, 2):
+        meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=splits).build(batch.common)
+        impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
+        impl.process_weights_after_loading()
+        out = batch.new_output()
+        impl.forward(q, batch.kv_c, batch.k_pe, batch.kv_cache.clone(), meta, out)
+        n = batch.num_actual_tokens
+        torch.testing.assert_close(out[:n].double(), mla_oracle(batch), rtol=3e-2, atol=3e-2)
+        assert torch.isnan(out[n:].float()).all()
+
+
+def _fused_case(num_tokens, num_heads, kv_lora, v_dim, seed):
+    """Single-token decodes over random pages: (inputs of mla_decode, W_UV)."""
+    g = torch.Generator().manual_seed(seed)
+    rope, page = 16, 16
+    seq_lens = torch.randint(1, 30, (num_tokens,), generator=g, dtype=torch.int32)
+    seq_lens[0] = 1  # every split but the first holds no key: LSE -inf partials
+    pages = 2 * num_tokens
+    table = torch.randperm(pages, generator=g).view(num_tokens, 2).int()
+    cache = torch.randn(pages, page, kv_lora + rope, generator=g).bfloat16()
+    ql = torch.randn(num_tokens, num_heads, kv_lora, generator=g).bfloat16()
+    qpe = torch.randn(num_tokens, num_heads, rope, generator=g).bfloat16()
+    w_uv = (torch.randn(num_heads, kv_lora, v_dim, generator=g) / kv_lora ** 0.5).bfloat16()
+    return ql, qpe, cache, table, seq_lens, w_uv
+
+
+@pytest.mark.parametrize("num_tokens,num_splits", [(3, 3), (70, 2), (5, 1)])
+def test_fused_reduce_up_projection_kernel(num_tokens, num_splits):
+    """The planned fused launch against the two-step path's numerics in torch (the partials merged by their LSE in
+    float64, rounded to bf16, then the matmul) and against the float32 decode oracle: several token blocks (70
+    tokens), ignored splits whose partials hold NaN, the merged LSE, a strided output whose other rows and columns
+    keep their poison."""
+    from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode_torch
+    from attnbackends.mla.decode_launch import (
+        LOG2E, MLACacheState, launch_mla_decode, launch_mla_up_projection, plan_mla_decode, weight_launch_state,
+    )
+
+    heads, kv_lora, v_dim, scale = 2, 48, 24, 0.1  # Lkv and V not powers of two: masked columns
+    ql, qpe, cache, table, seq_lens, w_uv = _fused_case(num_tokens, heads, kv_lora, v_dim, seed=num_tokens)
+    latent = torch.full((num_tokens, heads, kv_lora), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((num_tokens, heads), float("nan"))
+    plan = plan_mla_decode(
+        num_tokens=num_tokens, num_heads=heads, kv_lora=kv_lora, rope=qpe.shape[-1], page=cache.shape[1],
+        cache_dtype=cache.dtype, q_dtype=ql.dtype, block_table=table, seq_lens=seq_lens, output=latent,
+        num_splits=num_splits, config=MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1),
+        compute_capability=None, lse=lse, kernel="pointer", fuse_up_projection=True, v_dim=v_dim)
+    assert plan.reduce_grid is None and plan.up_grid is not None
+    launch_mla_decode(plan, ql, qpe, MLACacheState(cache), scale * LOG2E, 1.0)
+    if num_splits > 1:
+        parts, part_lse = plan.out.double(), plan.lse.double()  # [T, H, S, Lkv], [T, H, S]
+        weights = torch.softmax(part_lse, dim=-1)
+        two_step = torch.where(weights[..., None] > 0, parts * weights[..., None], 0.0).sum(2).bfloat16()
+        want_lse = torch.logsumexp(part_lse, dim=-1).float()
+        empty = plan.lse == float("-inf")
+        assert empty.any()
+        plan.out[empty] = float("nan")  # an ignored split's partial must not leak
+    else:
+        two_step, want_lse = latent.clone(), lse.clone()
+    wide = torch.full((num_tokens + 2, heads, v_dim + 8), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, :, 4: 4 + v_dim]
+    launch_mla_up_projection(plan, w_uv, weight_launch_state(w_uv), out)
+    want = torch.einsum("thc,hcv->thv", two_step.double(), w_uv.double())
+    torch.testing.assert_close(out[:num_tokens].double(), want, rtol=1e-2, atol=4e-3)
+    oracle = torch.empty(num_tokens, heads, kv_lora)
+    mla_decode_torch(ql, qpe, cache, table, seq_lens, oracle, scale=scale)
+    torch.testing.assert_close(out[:num_tokens].double(), torch.einsum("thc,hcv->thv", oracle.double(),
+                                                                       w_uv.double()), rtol=3e-2, atol=2e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(wide[num_tokens:].float()).all() and torch.isnan(wide[:, :, :4].float()).all()
+    assert torch.isnan(wide[:, :, 4 + v_dim:].float()).all()
+    if num_splits > 1:
+        assert torch.isnan(latent.float()).all()  # the merged latent is never stored
+
+
+def test_up_projection_rejects_bad_arguments():
+    from attnbackends.mla.decode_launch import weight_launch_state
+
+    with pytest.raises(ValueError, match="up_projection"):
+        TritonMLABackend.get_builder_cls()(SPEC, "cpu", up_projection="cublas")
+    with pytest.raises(ValueError, match="absorb"):
+        TritonMLABackend.get_builder_cls()(SPEC, "cpu", absorb="cublas")
+    with pytest.raises(ValueError, match="W_UK_T"):
+        weight_launch_state(torch.zeros(2, 8, 4).transpose(1, 2), "W_UK_T")
+
+
+@pytest.mark.parametrize("num_tokens", [3, 70])
+def test_absorb_kernel_matches_matmul(num_tokens):
+    """The planned absorption against q_nope @ W_UK_T in float64 (rounded once to bf16): queries read through a
+    storage offset and wider rows, rows past T ignored, several token blocks (70 tokens), Lkv not a power of two;
+    the rotary queries copied exactly; the buffers poisoned first."""
+    from attnbackends.mla.decode_launch import launch_mla_absorb, plan_mla_absorb, weight_launch_state
+
+    g = torch.Generator().manual_seed(num_tokens)
+    heads, nope, rope, kv_lora = 3, 16, 16, 48
+    wide = torch.randn(num_tokens + 4, heads, nope + rope + 8, generator=g).bfloat16()
+    q = wide[:, :, 8:]  # [T + 4, H, P + R], storage offset 8, row stride H * (P + R + 8)
+    w_uk_t = (torch.randn(heads, nope, kv_lora, generator=g) / nope ** 0.5).bfloat16()
+    ql = torch.full((num_tokens, heads, kv_lora), float("nan"), dtype=torch.bfloat16)
+    q_pe = torch.full((num_tokens, heads, rope), float("nan"), dtype=torch.bfloat16)
+    plan = plan_mla_absorb(num_tokens=num_tokens, num_heads=heads, nope=nope, rope=rope, kv_lora=kv_lora, ql=ql,
+                           q_pe=q_pe)
+    launch_mla_absorb(plan, q, w_uk_t, weight_launch_state(w_uk_t, "W_UK_T"))
+    want = torch.einsum("thp,hpl->thl", q[:num_tokens, :, :nope].double(), w_uk_t.double()).bfloat16()
+    torch.testing.assert_close(ql.float(), want.float(), rtol=8e-3, atol=1e-3)
+    assert torch.equal(q_pe, q[:num_tokens, :, nope:])
+
+
+def test_one_plan_serves_several_caches():
+    """One batch's plan over two layers' caches, alternately: each forward reads its own cache (the launch worked
+    out per cache), as a fresh plan does."""
+    batch = _batch(4)
+    builder = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=2)
+    meta = builder.build(batch.common)
+    impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
+    impl.process_weights_after_loading()
+    caches = [batch.kv_cache.clone(), (batch.kv_cache.float() * 0.5).to(batch.kv_cache.dtype)]
+    outs = []
+    for i in (0, 1, 0):
+        out = batch.new_output()
+        impl.forward(batch.q, None, None, caches[i], meta, out)
+        outs.append(out)
+    fresh = batch.new_output()
+    impl.forward(batch.q, None, None, caches[1], builder.build(batch.common), fresh)
+    torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1], fresh, rtol=0, atol=0)
+    assert not torch.equal(outs[0], outs[1])

@@ -69,6 +69,23 @@ def test_triton_mla_uniform_multi_token_decode(num_splits, use_tma):
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fused_up_projection_equals_two_step_on_tree_verify(num_splits):
+    """Varlen multi-token decodes with a tree: the Triton absorption with the fused split reduction +
+    up-projection, and the matmuls with the two-step path (reduction kernel, torch.bmm), both match the oracle and
+    each other."""
+    spec = spec_of("bfloat16", depth=7)
+    shapes = [S(8, 7), S(1, 20), S(4, 33)]
+    batch = make_random_mla_batch(spec, shapes, seed=9, pad_tokens=2, tree_parents=[TREES[0], None, TREES[3]])
+    outs = {}
+    for up, absorb in (("fused", "triton"), ("bmm", "bmm")):
+        outs[up], _ = check(TritonMLABackend, batch, builder_kwargs=dict(num_splits=num_splits, up_projection=up,
+                                                                         absorb=absorb))
+    n = batch.num_actual_tokens
+    torch.testing.assert_close(outs["fused"][:n].float(), outs["bmm"][:n].float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_triton
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_triton_mla_varlen_decodes_with_a_prefill_behind(kv_cache_dtype):
     spec = spec_of("float16", kv_cache_dtype, depth=5, tree=False)

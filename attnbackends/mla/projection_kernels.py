@@ -1,0 +1,173 @@
+"""Triton kernels for the per-head projections around the MLA decode: the query absorption
+(ql = q_nope @ W_UK_T per head) and the split-KV reduction fused with the up-projection
+(o = merge_by_lse(partials) @ W_UV per head).
+
+The absorption kernel serves small token counts (a cuBLAS call costs more host time than a cached Triton launch,
+and both read the whole W_UK_T): it reads the queries through their strides and writes the absorbed queries and a
+copy of the rotary queries into the builder's buffers, so the decode launch reads planned tensors only.
+
+The up-projection kernel replaces two launches of the decode path (the split reduction, then a batched matmul over
+the heads) by one: each program merges one head's split partials for a block of query tokens into the latent
+[BLOCK_T, Lkv], rounds it to the model dtype exactly as the reduction stores its latent output, and multiplies it
+by that head's W_UV [Lkv, V] on tensor cores. With one split it reads the decode kernel's 16-bit latent output
+instead (no merge).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..ops.launch_math import next_power_of_2
+
+__all__ = ["absorb_blocks", "reduce_up_blocks"]
+
+
+def absorb_blocks(num_tokens: int, nope: int, kv_lora: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_P, BLOCK_L) of :func:`_mla_absorb_kernel`: query tokens per program (16 to 64, padded rows
+    masked), the nope width per step of the matmul, latent columns per program."""
+    block_t = max(16, min(next_power_of_2(num_tokens), 64))
+    return block_t, max(16, min(next_power_of_2(nope), 64)), max(16, min(next_power_of_2(kv_lora), 128))
+
+
+def reduce_up_blocks(num_tokens: int, kv_lora: int, v_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, BLOCK_V) of :func:`_mla_reduce_up_kernel`: query tokens per program (16 to 64: tl.dot
+    needs 16 rows, padded ones are masked), latent columns per step of the matmul, and the whole value width."""
+    block_t = max(16, min(next_power_of_2(num_tokens), 64))
+    block_c = max(16, min(next_power_of_2(kv_lora), 64))
+    return block_t, block_c, max(16, next_power_of_2(v_dim))
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 ``x`` rounded to ``DTYPE`` to nearest even, as a GPU converts it (the interpreter truncates to
+    bfloat16: it is rounded here first, so that the truncation is exact)."""
+    if INTERPRET:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _mla_reduce_up_kernel(
+    O_PART,  # NUM_SPLITS > 1: [T, H, S, KV_LORA] float32 partials; NUM_SPLITS == 1: [T, H, KV_LORA] latent
+    LSE_PART,  # [T, H, S] float32 split LSEs (read when NUM_SPLITS > 1)
+    LSE,  # [T, H] float32 merged LSE (written when STORE_LSE)
+    W_UV,  # [H, KV_LORA, V_DIM] model dtype, unit last stride
+    OUT,  # [T, H, V_DIM] model dtype, unit last stride
+    num_tokens,
+    stride_p_t, stride_p_h, stride_p_s, stride_lp_t, stride_lp_h, stride_lse_t, stride_lse_h,
+    stride_w_h, stride_w_c,
+    stride_out_t, stride_out_h,
+    KV_LORA: tl.constexpr,
+    V_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two of NUM_SPLITS
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Grid (H, cdiv(T, BLOCK_T)): head h, query tokens [t0, t0 + BLOCK_T). The merge weights are those of
+    :func:`~attnbackends.ops.lse_merge.merge_by_lse` (a split whose LSE is -inf contributes nothing, NaN included;
+    a token without keys gets a zero latent and LSE -inf)."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V_DIM
+    offs_c0 = tl.arange(0, BLOCK_C)
+    if NUM_SPLITS > 1:
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_rows = LSE_PART + offs_t * stride_lp_t + h * stride_lp_h
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=t_mask[:, None] & (offs_s < NUM_SPLITS)[None, :],
+                      other=float("-inf"))  # [BLOCK_T, BLOCK_S]
+        m = tl.max(lse, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # no keys at all: keep exp's arguments finite
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe[:, None]))
+        total = tl.sum(w, 1)
+        safe_total = tl.where(total > 0.0, total, 1.0)
+        inv_total = tl.where(total > 0.0, 1.0 / safe_total, 0.0)
+        if STORE_LSE:
+            merged = tl.where(total > 0.0, m_safe + tl.log(safe_total), float("-inf"))
+            tl.store(LSE + offs_t * stride_lse_t + h * stride_lse_h, merged, mask=t_mask)
+    part_rows = O_PART + offs_t * stride_p_t + h * stride_p_h
+    w_head = W_UV + h * stride_w_h
+    acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+    for c0 in range(0, KV_LORA, BLOCK_C):
+        offs_c = c0 + offs_c0
+        c_mask = offs_c < KV_LORA
+        tc_mask = t_mask[:, None] & c_mask[None, :]
+        if NUM_SPLITS > 1:
+            latent = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for s in range(NUM_SPLITS):
+                lse_s = tl.load(lse_rows + s, mask=t_mask, other=float("-inf"))
+                w_s = tl.where(lse_s == float("-inf"), 0.0, tl.exp(lse_s - m_safe)) * inv_total
+                part = tl.load(part_rows[:, None] + s * stride_p_s + offs_c[None, :], mask=tc_mask, other=0.0)
+                # where(), not a multiply, so a NaN in an ignored partial cannot leak through 0 * NaN
+                latent += tl.where(w_s[:, None] > 0.0, part * w_s[:, None], 0.0)
+            # the latent in the model dtype, as the two-step path stores it before its matmul
+            latent = _round_to(latent, W_UV.dtype.element_ty, INTERPRET)
+        else:
+            latent = tl.load(part_rows[:, None] + offs_c[None, :], mask=tc_mask, other=0.0).to(W_UV.dtype.element_ty)
+        w_tile = tl.load(w_head + offs_c[:, None] * stride_w_c + offs_v[None, :], mask=c_mask[:, None] & v_mask[None, :],
+                         other=0.0)  # [BLOCK_C, BLOCK_V]
+        if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: the same products in float32
+            acc += tl.dot(latent.to(tl.float32), w_tile.to(tl.float32))
+        else:
+            acc += tl.dot(latent, w_tile)
+    out_ptr = OUT + offs_t[:, None] * stride_out_t + h * stride_out_h + offs_v[None, :]
+    tl.store(out_ptr, _round_to(acc, OUT.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & v_mask[None, :])
+
+
+@triton.jit
+def _mla_absorb_kernel(
+    Q,  # [T, H, NOPE + ROPE] queries, unit last stride
+    W_UK_T,  # [H, NOPE, KV_LORA] model dtype, unit last stride
+    QL,  # [T, H, KV_LORA] absorbed queries (any strides with a unit last one)
+    Q_PE,  # [T, H, ROPE] copy of the rotary queries (written when COPY_PE)
+    num_tokens,
+    stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h,
+    stride_w_h, stride_w_p,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    COPY_PE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Grid (H, cdiv(T, BLOCK_T), cdiv(KV_LORA, BLOCK_L)): head h, query tokens [t0, t0 + BLOCK_T), latent columns
+    [l0, l0 + BLOCK_L). ql is accumulated in float32 and rounded once to the model dtype (as cuBLAS does)."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_mask = offs_l < KV_LORA
+    q_rows = Q + offs_t * stride_q_t + h * stride_q_h
+    w_head = W_UK_T + h * stride_w_h
+    offs_p0 = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_T, BLOCK_L], dtype=tl.float32)
+    for p0 in range(0, NOPE, BLOCK_P):
+        offs_p = p0 + offs_p0
+        p_mask = offs_p < NOPE
+        q = tl.load(q_rows[:, None] + offs_p[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0)
+        w = tl.load(w_head + offs_p[:, None] * stride_w_p + offs_l[None, :], mask=p_mask[:, None] & l_mask[None, :],
+                    other=0.0)
+        if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: the same products in float32
+            acc += tl.dot(q.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(q, w)
+    tl.store(QL + offs_t[:, None] * stride_ql_t + h * stride_ql_h + offs_l[None, :],
+             _round_to(acc, QL.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & l_mask[None, :])
+    if COPY_PE:
+        if tl.program_id(2) == 0:
+            offs_r = tl.arange(0, BLOCK_R)
+            tr_mask = t_mask[:, None] & (offs_r < ROPE)[None, :]
+            pe = tl.load(q_rows[:, None] + NOPE + offs_r[None, :], mask=tr_mask, other=0.0)
+            tl.store(Q_PE + offs_t[:, None] * stride_qpe_t + h * stride_qpe_h + offs_r[None, :], pe, mask=tr_mask)
