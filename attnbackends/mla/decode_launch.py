@@ -304,8 +304,8 @@ def _plan_up_projection(plan: MLADecodePlan, num_tokens: int, num_heads: int, kv
                         lse: Optional[torch.Tensor]) -> None:
     """The fused reduction + up-projection's launch (``plan.up_*``): it reads the split partials, or with one
     split the latent output the decode kernel writes."""
-    block_t, block_c, block_v = reduce_up_blocks(num_tokens, kv_lora, v_dim)
     splits = plan.num_splits
+    block_t, block_c, block_v = reduce_up_blocks(num_tokens, kv_lora, v_dim, splits)
     store_lse = splits > 1 and lse is not None  # with one split the decode kernel writes the LSE itself
     if splits > 1:
         part, part_lse = plan.out, plan.lse

@@ -30,11 +30,12 @@ def absorb_blocks(num_tokens: int, nope: int, kv_lora: int) -> tuple[int, int, i
     return block_t, max(16, min(next_power_of_2(nope), 64)), max(16, min(next_power_of_2(kv_lora), 128))
 
 
-def reduce_up_blocks(num_tokens: int, kv_lora: int, v_dim: int) -> tuple[int, int, int]:
+def reduce_up_blocks(num_tokens: int, kv_lora: int, v_dim: int, num_splits: int = 1) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, BLOCK_V) of :func:`_mla_reduce_up_kernel`: query tokens per program (16 to 64: tl.dot
-    needs 16 rows, padded ones are masked), latent columns per step of the matmul, and the whole value width."""
+    needs 16 rows, padded ones are masked), latent columns per step of the matmul (a token's [splits, columns]
+    float32 partials held at once stay at most 4096 values), and the whole value width."""
     block_t = max(16, min(next_power_of_2(num_tokens), 64))
-    block_c = max(16, min(next_power_of_2(kv_lora), 64))
+    block_c = max(16, min(next_power_of_2(kv_lora), 64, 4096 // next_power_of_2(max(1, num_splits))))
     return block_t, block_c, max(16, next_power_of_2(v_dim))
 
 
@@ -80,20 +81,19 @@ def _mla_reduce_up_kernel(
     offs_v = tl.arange(0, BLOCK_V)
     v_mask = offs_v < V_DIM
     offs_c0 = tl.arange(0, BLOCK_C)
-    if NUM_SPLITS > 1:
-        offs_s = tl.arange(0, BLOCK_S)
-        lse_rows = LSE_PART + offs_t * stride_lp_t + h * stride_lp_h
-        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=t_mask[:, None] & (offs_s < NUM_SPLITS)[None, :],
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    lse_rows = LSE_PART + offs_t * stride_lp_t + h * stride_lp_h
+    if NUM_SPLITS > 1 and STORE_LSE:
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=t_mask[:, None] & s_mask[None, :],
                       other=float("-inf"))  # [BLOCK_T, BLOCK_S]
         m = tl.max(lse, 1)
         m_safe = tl.where(m == float("-inf"), 0.0, m)  # no keys at all: keep exp's arguments finite
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe[:, None]))
-        total = tl.sum(w, 1)
-        safe_total = tl.where(total > 0.0, total, 1.0)
-        inv_total = tl.where(total > 0.0, 1.0 / safe_total, 0.0)
-        if STORE_LSE:
-            merged = tl.where(total > 0.0, m_safe + tl.log(safe_total), float("-inf"))
-            tl.store(LSE + offs_t * stride_lse_t + h * stride_lse_h, merged, mask=t_mask)
+        total = tl.sum(tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe[:, None])), 1)
+        merged = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        tl.store(LSE + offs_t * stride_lse_t + h * stride_lse_h, merged, mask=t_mask)
+    t0 = tl.program_id(1) * BLOCK_T
+    rows = tl.arange(0, BLOCK_T)
     part_rows = O_PART + offs_t * stride_p_t + h * stride_p_h
     w_head = W_UV + h * stride_w_h
     acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
@@ -102,13 +102,24 @@ def _mla_reduce_up_kernel(
         c_mask = offs_c < KV_LORA
         tc_mask = t_mask[:, None] & c_mask[None, :]
         if NUM_SPLITS > 1:
+            # one token at a time, all its splits in one [BLOCK_S, BLOCK_C] load: the loads of a program are few
+            # and wide (a loop over the splits would chain NUM_SPLITS narrow loads per column block)
             latent = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                lse_s = tl.load(lse_rows + s, mask=t_mask, other=float("-inf"))
-                w_s = tl.where(lse_s == float("-inf"), 0.0, tl.exp(lse_s - m_safe)) * inv_total
-                part = tl.load(part_rows[:, None] + s * stride_p_s + offs_c[None, :], mask=tc_mask, other=0.0)
-                # where(), not a multiply, so a NaN in an ignored partial cannot leak through 0 * NaN
-                latent += tl.where(w_s[:, None] > 0.0, part * w_s[:, None], 0.0)
+            for i in range(0, BLOCK_T):
+                t = t0 + i
+                if t < num_tokens:
+                    lse_t = tl.load(LSE_PART + t * stride_lp_t + h * stride_lp_h + offs_s, mask=s_mask,
+                                    other=float("-inf"))
+                    m_t = tl.max(lse_t, 0)
+                    m_t = tl.where(m_t == float("-inf"), 0.0, m_t)
+                    w_t = tl.where(lse_t == float("-inf"), 0.0, tl.exp(lse_t - m_t))
+                    total_t = tl.sum(w_t, 0)
+                    w_t = w_t * tl.where(total_t > 0.0, 1.0 / tl.where(total_t > 0.0, total_t, 1.0), 0.0)
+                    parts = tl.load(O_PART + t * stride_p_t + h * stride_p_h + offs_s[:, None] * stride_p_s
+                                    + offs_c[None, :], mask=s_mask[:, None] & c_mask[None, :], other=0.0)
+                    # where(), not a multiply, so a NaN in an ignored partial cannot leak through 0 * NaN
+                    row = tl.sum(tl.where(w_t[:, None] > 0.0, parts * w_t[:, None], 0.0), 0)  # [BLOCK_C]
+                    latent = tl.where(rows[:, None] == i, row[None, :], latent)
             # the latent in the model dtype, as the two-step path stores it before its matmul
             latent = _round_to(latent, W_UV.dtype.element_ty, INTERPRET)
         else:
