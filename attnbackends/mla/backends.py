@@ -61,9 +61,11 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
 
     The up-projection (latent -> V per head) is planned here too (``up_projection``): "fused" runs it as one Triton
     launch that also merges the KV splits (:mod:`~attnbackends.mla.projection_kernels`), "bmm" as the split
-    reduction's launch (if any) then ``torch.bmm``; "auto" fuses whenever the decode is split, and unsplit decodes
-    of at most :attr:`FUSED_UP_MAX_TOKENS` query tokens (a few host microseconds per torch op and cuBLAS call
-    saved; larger unsplit batches keep cuBLAS).
+    reduction's launch (if any) then ``torch.bmm``; "auto" fuses split decodes of at most
+    :attr:`FUSED_SPLIT_MAX_TOKENS` query tokens and unsplit decodes of at most :attr:`FUSED_UP_MAX_TOKENS` (a few
+    host microseconds per torch op and cuBLAS call saved). The fused kernel merges a program's tokens one after
+    another (a head and a block of tokens per program), so a split decode of several tokens runs faster as the
+    parallel reduction and a cuBLAS matmul.
 
     Speculative decoding: decodes of up to ``max_decode_query_len`` tokens (any mix of lengths) run on the decode
     kernel, a request's query tokens x heads as the rows of its programs (the cache is read once per request), with
@@ -75,6 +77,8 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     supports_tree_mask = True
     #: Unsplit decodes of at most this many query tokens run the fused Triton up-projection under "auto".
     FUSED_UP_MAX_TOKENS = 16
+    #: Split decodes of at most this many query tokens run the fused Triton up-projection under "auto".
+    FUSED_SPLIT_MAX_TOKENS = 1
     UP_PROJECTIONS = ("auto", "fused", "bmm")
     #: Decodes of at most this many query tokens run the Triton absorption under "auto".
     TRITON_ABSORB_MAX_TOKENS = 16
@@ -148,7 +152,7 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
         """Whether the decode's up-projection is the fused Triton launch (see the class docstring)."""
         if self.up_projection != "auto":
             return self.up_projection == "fused"
-        return splits > 1 or num_tokens <= self.FUSED_UP_MAX_TOKENS
+        return num_tokens <= (self.FUSED_SPLIT_MAX_TOKENS if splits > 1 else self.FUSED_UP_MAX_TOKENS)
 
 
 class TritonMLAImpl(MLAImpl):
@@ -218,8 +222,9 @@ class TritonMLABackend(_MLABackendBase):
     PROJECTION_NOTE = (f"projections: up to {TritonMLAMetadataBuilder.TRITON_ABSORB_MAX_TOKENS} decode tokens "
                        "absorb their queries in one Triton launch (else torch.bmm); the up-projection is one Triton "
                        "launch that merges the KV splits by their LSE and multiplies each head's latent by W_UV "
-                       "(split decodes and unsplit ones of at most "
-                       f"{TritonMLAMetadataBuilder.FUSED_UP_MAX_TOKENS} query tokens; else torch.bmm)")
+                       f"(split decodes of at most {TritonMLAMetadataBuilder.FUSED_SPLIT_MAX_TOKENS} query token "
+                       f"and unsplit ones of at most {TritonMLAMetadataBuilder.FUSED_UP_MAX_TOKENS}; else the split "
+                       "reduction and torch.bmm)")
 
     @classmethod
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:

@@ -93,7 +93,11 @@ def test_fused_up_projection_equals_two_step_on_gpu(shapes, num_splits):
     """DeepSeek-V3 dims (128 heads, Lkv 512, R 64, page 64, bf16): the Triton absorption and the fused split
     reduction + up-projection against the matmuls and the two-step path (reduction kernel, torch.bmm) on the same
     decode, and both against the oracle."""
-    batch = make_random_mla_batch(v3_spec(num_heads=128), shapes, seed=13, device="cuda", pad_tokens=3)
+    depth = max(s.query_len for s in shapes) - 1  # multi-token decodes: a speculative spec reorders them first
+    spec = v3_spec(num_heads=128)
+    if depth:
+        spec = spec.model_copy(update={"num_speculative_tokens": depth})
+    batch = make_random_mla_batch(spec, shapes, seed=13, device="cuda", pad_tokens=3)
     kw = {"num_splits": num_splits} if num_splits else {}
     outs = {}
     for up, absorb in (("fused", "triton"), ("bmm", "bmm")):
