@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional
 __all__ = [
     "RESULT_NAME",
     "gpu_slug",
+    "library_versions",
     "result_stem",
     "target_for",
     "write_json",
@@ -93,6 +94,27 @@ def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
     if rule is None or (case == "host_overhead" and backend != "triton"):
         return None
     return _time_target(row, *rule)
+
+
+def library_versions() -> dict[str, Any]:
+    """The versions a result depends on (torch, triton, flashinfer; None where one is not installed), for a
+    result file's header."""
+    import torch
+
+    versions: dict[str, Any] = {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    try:
+        import flashinfer
+
+        versions["flashinfer"] = getattr(flashinfer, "__version__", "installed")
+    except Exception:  # not installed, or its import fails on this host: the suites say which
+        versions["flashinfer"] = None
+    return versions
 
 
 def write_json(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from benchmarks import gpu_tests
 from benchmarks.report import (
+    library_versions,
     RESULT_NAME,
     gpu_slug,
     result_stem,
@@ -89,25 +90,6 @@ def _logged(path: Path) -> Iterator[None]:
         yield
 
 
-def _versions() -> dict[str, Any]:
-    import torch
-
-    versions: dict[str, Any] = {"torch": torch.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
-    try:
-        import flashinfer
-
-        versions["flashinfer"] = getattr(flashinfer, "__version__", "installed")
-    except Exception:  # not installed, or its import fails on this host: the suites say which
-        versions["flashinfer"] = None
-    return versions
-
-
 def _remove_older(outdir: Path, gpu: str, suite: str, date: str) -> None:
     """Delete the suite's files of other dates for this GPU: the directory keeps the latest run."""
     for path in outdir.iterdir():
@@ -143,7 +125,7 @@ def run_suite(name: str, outdir: Path, extra_args: Sequence[str] = (), plot: boo
         return False, f"{name}: no rows (exit status {status}); see {outdir / stem}.log"
     rows += fp8_speedup_rows(rows)
     command = " ".join(["python -m benchmarks.run --suite", name, *(["--", *extra_args] if extra_args else [])])
-    header = {"gpu": gpu_name, "date": date, "suite": name, "command": command, **_versions(),
+    header = {"gpu": gpu_name, "date": date, "suite": name, "command": command, **library_versions(),
               "complete": not status}
     write_json(outdir / f"{stem}.json", header, rows)
     write_markdown(outdir / f"{stem}.md", header, rows)

@@ -89,6 +89,7 @@ from attnbackends import (
     group_layers,
 )
 from attnbackends.flashinfer.cascade import CascadePolicy
+from benchmarks.report import library_versions
 
 __all__ = [
     "FULL_LIMITS",
@@ -1132,7 +1133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def write(complete: bool) -> list[dict[str, Any]]:
         """The rows so far (a run cut short still leaves the numbers it measured)."""
         rows = _rows(models, traces, backends, results, args)
-        header = {"suite": "serving_trace", "device": info.describe(), "torch": torch.__version__,
+        header = {"gpu": info.name, "suite": "serving_trace", "device": info.describe(), **library_versions(),
                   "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.serving_trace "
                   + " ".join(argv if argv is not None else sys.argv[1:]), "complete": complete,
                   "seconds": round(time.perf_counter() - wall, 1), "tune": tune_status}
