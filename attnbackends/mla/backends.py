@@ -157,9 +157,10 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
 
 class TritonMLAImpl(MLAImpl):
     """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`: per decode, the absorption
-    (the planned Triton launch or a matmul) into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
-    up-projection straight into ``output``: the planned fused launch (split reduction + per-head matmul) or, where
-    the builder planned none, the split reduction (inside the decode launch) and a batched matmul."""
+    (the planned Triton launch or a matmul) into the planned query buffer, the planned decode launch (its TMA
+    descriptors built once per cache), the up-projection straight into ``output``: the planned fused launch (split
+    reduction + per-head matmul) or, where the builder planned none, the split reduction (inside the decode launch)
+    and a batched matmul."""
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
