@@ -107,3 +107,21 @@ def test_kept_results_follow_the_naming_and_format():
             assert data["suite"] == match["suite"] and data["date"] == match["date"] and data["rows"], path.name
             assert gpu_slug(data["gpu"], data.get("world_size", 1)) == match["gpu"], path.name
             assert all({"case", "backend", "peer"} <= set(r) for r in data["rows"]), path.name
+
+
+def test_the_cascade_suite_shares_the_prefix_pages_it_reports():
+    """flashinfer_cascade's steps: every request starts on the same prefix pages, the rest are its own, and the
+    common metadata says how long the prefix is (what cascade attention needs to be planned at all)."""
+    from benchmarks.flashinfer_cascade import SPEC, _cases, shared_prefix_step
+
+    bs = SPEC.block_size
+    for qlens, clens, prefix in _cases().values():
+        assert prefix % bs == 0 and all(c >= prefix for c in clens)
+    common, cache, q, k, v = shared_prefix_step([1, 1, 300], [700, 500, 100 + 96], 96, device="cpu")
+    table = common.block_table_cpu if common.block_table_cpu is not None else common.block_table.cpu()
+    shared = 96 // bs
+    assert common.common_prefix_len == 96
+    assert (table[:, :shared] == table[0, :shared]).all()
+    own = [table[i, shared: -(-(common.seq_lens_cpu[i].item()) // bs)].tolist() for i in range(3)]
+    assert len(set(sum(own, []))) == sum(map(len, own))  # private pages are not shared
+    assert q.shape[0] == k.shape[0] == v.shape[0] == 302 and cache.shape[0] > int(table.max())

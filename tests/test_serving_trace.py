@@ -173,6 +173,29 @@ def test_tiny_cpu_run_writes_rows_and_a_plot(tmp_path):
     assert (tmp_path / "st.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("drop", [False, True])
+def test_no_common_prefix_hides_the_shared_prefix_from_the_builders(tmp_path, monkeypatch, drop):
+    """Chat steps carry their common prefix to build() (FlashInfer may serve them with cascade attention); with
+    --no-common-prefix every step reaches the builders with none. The result file names the GPU and versions."""
+    import benchmarks.serving_trace as st
+
+    seen = []
+    step = st.BackendReplay.step
+
+    def recording_step(self, common, marks=None):
+        seen.append(common.common_prefix_len)
+        return step(self, common, marks)
+
+    monkeypatch.setattr(st.BackendReplay, "step", recording_step)
+    out = tmp_path / "st.json"
+    argv = ["--device", "cpu", "--backends", "reference", "--tiny", "--repeats", "1", "--models", "llama-3-8b",
+            "--traces", "chat", "--out", str(out)] + (["--no-common-prefix"] if drop else [])
+    assert main(argv) == 0
+    assert seen and (max(seen) == 0) == drop
+    header = json.loads(out.read_text())
+    assert {"gpu", "torch", "triton", "flashinfer", "date", "command"} <= set(header)
+
+
 def test_a_backend_that_cannot_serve_is_reported_with_its_reasons(tmp_path):
     out = tmp_path / "st.json"
     argv = ["--device", "cpu", "--backends", "reference,flashinfer", "--tiny", "--repeats", "1",
