@@ -67,8 +67,8 @@ class TuneShape:
 LAYERS_PER_STEP = 32
 
 #: The shapes a profile is measured on: decode-only and prefill-only steps, and the mixed steps of serving traffic
-#: (decodes beside prompt chunks on cached context: chat turns on a shared prefix, a long document's chunk, a few new
-#: prompts in a decode-heavy stream).
+#: (decodes beside prompt chunks on cached context: a chat turn's short chunk on a long conversation, a long
+#: document's chunk, a few new prompts in a decode-heavy stream).
 GRIDS: dict[str, tuple[TuneShape, ...]] = {
     "small": (
         TuneShape("decode", num_decodes=1, decode_context=4096),
