@@ -174,6 +174,10 @@ class TritonMLAImpl(MLAImpl):
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()
+        self._weights_launch_state()
+
+    def _weights_launch_state(self) -> None:
+        """The launch state of W_UV and W_UK_T (:func:`~attnbackends.mla.decode_launch.weight_launch_state`)."""
         self._w_uv_state = weight_launch_state(self.W_UV, "W_UV")
         self._w_uk_state = weight_launch_state(self.W_UK_T, "W_UK_T")
 
@@ -183,8 +187,7 @@ class TritonMLAImpl(MLAImpl):
         # sizes (it slices the first T rows and transposes in one torch op)
         extra = decode.extra
         if self._w_uv_state is None:  # the weights were set without process_weights_after_loading
-            self._w_uv_state = weight_launch_state(self.W_UV, "W_UV")
-            self._w_uk_state = weight_launch_state(self.W_UK_T, "W_UK_T")
+            self._weights_launch_state()
         absorb = extra["absorb"]
         if absorb is not None:
             launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state)

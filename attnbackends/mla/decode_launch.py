@@ -53,6 +53,7 @@ POINTER_CONSTEXPRS = ("KV_LORA", "ROPE", "BLOCK_C", "BLOCK_R", "PAGE_SIZE", "BLO
 TMA_CONSTEXPRS = ("KV_LORA", "HALF", "ROPE", "PAGE_SIZE", "BLOCK_H", "BLOCK_N", "STORE_LSE", "MAX_Q", "USE_TREE",
                   "INTERPRET")
 REDUCE_CONSTEXPRS = ("KV_LORA", "BLOCK_C", "NUM_SPLITS", "BLOCK_S", "STORE_LSE")
+ABSORB_CONSTEXPRS = ("NOPE", "ROPE", "KV_LORA", "BLOCK_T", "BLOCK_P", "BLOCK_L", "BLOCK_R", "INTERPRET")
 REDUCE_UP_CONSTEXPRS = ("KV_LORA", "V_DIM", "NUM_SPLITS", "BLOCK_S", "BLOCK_T", "BLOCK_C", "BLOCK_V", "STORE_LSE",
                         "INTERPRET")
 
@@ -60,7 +61,6 @@ _POINTER = DescriptorLauncher(_mla_decode_kernel, POINTER_CONSTEXPRS)
 _TMA = DescriptorLauncher(_mla_decode_tma_kernel, TMA_CONSTEXPRS, (2, 3))
 _REDUCE = DescriptorLauncher(_mla_decode_reduce_kernel, REDUCE_CONSTEXPRS)
 _REDUCE_UP = DescriptorLauncher(_mla_reduce_up_kernel, REDUCE_UP_CONSTEXPRS)
-ABSORB_CONSTEXPRS = ("NOPE", "ROPE", "KV_LORA", "BLOCK_T", "BLOCK_P", "BLOCK_L", "BLOCK_R", "COPY_PE", "INTERPRET")
 _ABSORB = DescriptorLauncher(_mla_absorb_kernel, ABSORB_CONSTEXPRS)
 
 
@@ -370,8 +370,7 @@ def plan_mla_absorb(*, num_tokens: int, num_heads: int, nope: int, rope: int, kv
         raise ValueError("the MLA absorption writes ql and q_pe with unit stride in the last dimension")
     block_t, block_p, block_l = absorb_blocks(num_tokens, nope, kv_lora)
     strides = (ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1))
-    constexprs = (nope, rope, kv_lora, block_t, block_p, block_l, next_power_of_2(rope), True,
-                  is_triton_interpreted())
+    constexprs = (nope, rope, kv_lora, block_t, block_p, block_l, next_power_of_2(rope), is_triton_interpreted())
     return MLAAbsorbPlan(
         grid=(num_heads, cdiv(num_tokens, block_t), cdiv(kv_lora, block_l)), buffers=(ql, q_pe),
         num_tokens=num_tokens, buffer_strides=strides, constexprs=constexprs,

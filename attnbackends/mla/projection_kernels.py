@@ -139,7 +139,7 @@ def _mla_absorb_kernel(
     Q,  # [T, H, NOPE + ROPE] queries, unit last stride
     W_UK_T,  # [H, NOPE, KV_LORA] model dtype, unit last stride
     QL,  # [T, H, KV_LORA] absorbed queries (any strides with a unit last one)
-    Q_PE,  # [T, H, ROPE] copy of the rotary queries (written when COPY_PE)
+    Q_PE,  # [T, H, ROPE] copy of the rotary queries (written by the programs of the first latent block)
     num_tokens,
     stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h,
     stride_w_h, stride_w_p,
@@ -150,7 +150,6 @@ def _mla_absorb_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    COPY_PE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Grid (H, cdiv(T, BLOCK_T), cdiv(KV_LORA, BLOCK_L)): head h, query tokens [t0, t0 + BLOCK_T), latent columns
@@ -176,9 +175,8 @@ def _mla_absorb_kernel(
             acc += tl.dot(q, w)
     tl.store(QL + offs_t[:, None] * stride_ql_t + h * stride_ql_h + offs_l[None, :],
              _round_to(acc, QL.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & l_mask[None, :])
-    if COPY_PE:
-        if tl.program_id(2) == 0:
-            offs_r = tl.arange(0, BLOCK_R)
-            tr_mask = t_mask[:, None] & (offs_r < ROPE)[None, :]
-            pe = tl.load(q_rows[:, None] + NOPE + offs_r[None, :], mask=tr_mask, other=0.0)
-            tl.store(Q_PE + offs_t[:, None] * stride_qpe_t + h * stride_qpe_h + offs_r[None, :], pe, mask=tr_mask)
+    if tl.program_id(2) == 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        tr_mask = t_mask[:, None] & (offs_r < ROPE)[None, :]
+        pe = tl.load(q_rows[:, None] + NOPE + offs_r[None, :], mask=tr_mask, other=0.0)
+        tl.store(Q_PE + offs_t[:, None] * stride_qpe_t + h * stride_qpe_h + offs_r[None, :], pe, mask=tr_mask)
