@@ -267,11 +267,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             num_decodes = 0  # too many rows for one decode tile: the generic path takes these verify requests
         tree = common.spec_tree_mask
         num_kv_splits = 1
-        if self.workspace is not None and split.num_decodes and split.num_prefills == 0:
-            num_kv_splits = choose_num_kv_splits(
-                split.num_decodes, self.spec.num_kv_heads, self.spec.num_heads, self.num_sms, common.max_seq_len,
-                max_query_len=common.max_query_len,
-            )
+        if split.num_decodes and split.num_prefills == 0:
+            num_kv_splits = self.decode_kv_splits(split.num_decodes, common.max_seq_len, common.max_query_len)
         plan = plan_attention(
             num_tokens=common.num_actual_tokens, block_size=self.spec.block_size, num_seqs=common.num_reqs,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
@@ -287,6 +284,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         else:
             step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged)
         return TritonMetadata(common, plan, step, self.runner, self.debug)
+
+    def decode_kv_splits(self, num_decodes: int, max_seq_len: int, max_query_len: int) -> int:
+        """KV segments for ``num_decodes`` decodes that have the GPU to themselves
+        (:func:`.heuristics.choose_num_kv_splits`); 1 where this builder has no split-KV workspace."""
+        if self.workspace is None:
+            return 1
+        return choose_num_kv_splits(num_decodes, self.spec.num_kv_heads, self.spec.num_heads, self.num_sms,
+                                    max_seq_len, max_query_len=max_query_len)
 
     def _todo_flags(self) -> torch.Tensor:
         """The to-do flags of the Gluon kernel's own cache write ([max_num_tokens] int8, zero between forwards:

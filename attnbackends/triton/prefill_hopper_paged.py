@@ -595,20 +595,15 @@ def plan_paged_split(builder, common, num_decodes: int, num_decode_tokens: int, 
     :class:`.backend.TritonMetadataBuilder` (its spec, SM count, split-KV workspace and unified-plan arguments).
 
     The decodes run before the paged kernel on the same stream, so they have the GPU to themselves: their keys are
-    split as a decode-only batch's are (:func:`.heuristics.choose_num_kv_splits` over the decodes' longest
-    sequence), where the builder has a workspace; a few decodes over long contexts beside a prompt chunk would
-    otherwise run on a handful of SMs."""
-    from .heuristics import choose_num_kv_splits
+    split as a decode-only batch's are (the builder's ``decode_kv_splits`` over the decodes' longest sequence); a
+    few decodes over long contexts beside a prompt chunk would otherwise run on a handful of SMs."""
     from .launch import plan_attention
 
     decode_plan = None
     if num_decodes:
         spec = builder.spec
         decode_max_seq_len = int(common.seq_lens_cpu[:num_decodes].max())
-        num_kv_splits = 1
-        if builder.workspace is not None:
-            num_kv_splits = choose_num_kv_splits(num_decodes, spec.num_kv_heads, spec.num_heads, builder.num_sms,
-                                                 decode_max_seq_len, max_query_len=builder.reorder_batch_threshold)
+        num_kv_splits = builder.decode_kv_splits(num_decodes, decode_max_seq_len, builder.reorder_batch_threshold)
         decode_plan = plan_attention(
             num_tokens=num_decode_tokens, block_size=spec.block_size, num_seqs=num_decodes,
             max_query_len=builder.reorder_batch_threshold, max_seq_len=decode_max_seq_len, causal=causal,

@@ -133,14 +133,12 @@ def test_builder_plans_the_paged_kernel(fake_h100, shapes, decodes):
 def test_decodes_beside_the_paged_kernel_split_their_keys():
     """The decodes run before the paged kernel with the GPU to themselves: a few over long contexts get their keys
     split as a decode-only batch's would (where the builder has a workspace), many short ones stay unsplit."""
-    from types import SimpleNamespace
-
     from attnbackends.triton.heuristics import choose_num_kv_splits
     from attnbackends.triton.launch import SplitKVWorkspace
 
-    builder = _builder()
-    fake = SimpleNamespace(spec=SPEC, num_sms=132, reorder_batch_threshold=1, _plan_args=builder._plan_args,
-                           workspace=SplitKVWorkspace.allocate(64, SPEC.num_heads, SPEC.head_size, device="cpu"))
+    fake = _builder()  # a CPU builder given an H100's SM count and a workspace
+    fake.num_sms = 132
+    fake.workspace = SplitKVWorkspace.allocate(64, SPEC.num_heads, SPEC.head_size, device="cpu")
     common = _common([(1, 30000), (1, 9000), (2048, 14336)])
     decode_plan, plan = paged.plan_paged_split(fake, common, 2, 2, True)
     splits = choose_num_kv_splits(2, SPEC.num_kv_heads, SPEC.num_heads, 132, 30001)
