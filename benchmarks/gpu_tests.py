@@ -76,7 +76,8 @@ class GroupResult:
 def summarise(name: str, log: Path, returncode: Optional[int]) -> GroupResult:
     """Counts of a verbose pytest log (and memcheck's error summary when present)."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    errors = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    # the summary line itself ("N errors" at its end), not "N errors were not printed" that may follow it
+    errors = re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, flags=re.MULTILINE)
     outcomes = re.findall(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED)\b", text, flags=re.MULTILINE)
     outcomes += re.findall(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED) \S+::", text, flags=re.MULTILINE)
     return GroupResult(

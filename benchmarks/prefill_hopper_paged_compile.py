@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--regs", nargs=2, type=int, help="consumer and loader registers (else the backend's)")
     ap.add_argument("--nbuf", type=int)
     ap.add_argument("--no-epi-tma", action="store_true", help="O by masked stores, no staging in shared memory")
+    ap.add_argument("--softcap-tanh", help="how soft-capped variants compute tanh (SOFTCAP_TANH; else the backend's)")
     ns = ap.parse_args()
     config = {}
     if ns.regs:
@@ -113,6 +114,8 @@ def main() -> None:
         config["nbuf"] = ns.nbuf
     if ns.no_epi_tma:
         config["epi_tma"] = False
+    if ns.softcap_tanh:
+        config["softcap_tanh"] = ns.softcap_tanh
     for name in ns.variants:
         rep = compile_variant(name, **config)
         rep["problems"] = problems(rep)

@@ -103,7 +103,8 @@ class Batch:
     """One batch on one random cache (pages shuffled), through the public API and as FlashInfer's page table."""
 
     def __init__(self, shapes, kv_cache_dtype="auto", seed=0, max_num_reqs=256, head_size=D, num_heads=HQ,
-                 num_kv_heads=HKV, **builder_kw):
+                 num_kv_heads=HKV, layer=None, **builder_kw):
+        """``layer``: further AttentionSpec fields (a window, a soft-cap, sinks: random sink logits)."""
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.shapes = shapes
         q_lens = [q for q, _ in shapes]
@@ -112,7 +113,7 @@ class Batch:
         pages = [triton.cdiv(s, PAGE) for s in seq_lens]
         total = sum(pages)
         self.spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype="bfloat16",
-                                  kv_cache_dtype=kv_cache_dtype, block_size=PAGE)
+                                  kv_cache_dtype=kv_cache_dtype, block_size=PAGE, **(layer or {}))
         cache = TritonAttentionBackend.allocate_kv_cache(total, self.spec, DEV)
         dense = torch.randn(cache.shape, device=DEV, dtype=torch.bfloat16, generator=g)
         self.kv_scale = 1.0
@@ -137,11 +138,15 @@ class Batch:
         self.new_v = torch.randn_like(self.new_k)
         self.kv_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * cache.element_size()
         visible = sum(sum(c + i + 1 for i in range(q)) for q, c in shapes)
-        self.flops = 4.0 * HQ * D * visible
+        if self.spec.sliding_window:
+            visible = _visible_keys(shapes, self.spec.sliding_window)
+        self.flops = 4.0 * num_heads * head_size * visible
         self.builder = TritonAttentionBackend.get_builder_cls()(
             self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192),
             prefill_kernel=PREFILL_KERNEL, hopper_prefill=HOPPER_PREFILL, **builder_kw)
-        self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale)
+        sinks = torch.randn(num_heads, device=DEV, generator=g) if self.spec.has_sinks else None
+        self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale,
+                                                          sinks=sinks)
         self.metadata = self.builder.build(self.common)
         self.out = torch.full_like(self.query, float("nan"))
 
@@ -219,12 +224,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON rows to write (PERF.md format)")
     ap.add_argument("--quick", action="store_true", help="host overhead and eager decode rows only")
+    ap.add_argument("--mixed", action="store_true", help="the mixed-step rows only")
     ap.add_argument("--profile", action="store_true", help="print where the host time of one forward goes")
     ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
     ap.add_argument("--paged-rows", action="store_true",
                     help="the paged Gluon prefill's rows only (prefill_chunk, prefill_cached, prefill, prefill_shape)")
     ap.add_argument("--paged-shapes", nargs="*", default=None,
-                    help=f"with --paged-rows: the prefill_shape rows to run (of {', '.join(SHAPE_ROWS)}; default all)")
+                    help=f"with --paged-rows: only these prefill_shape rows (of {', '.join(SHAPE_ROWS)}); default: "
+                         "every paged row")
     ap.add_argument("--write-sweep", action="store_true",
                     help="time the cache write alone (tokens per program) and beside the prefill (SMs left to it)")
     ap.add_argument("--no-prefill-kernel", action="store_true",
@@ -265,6 +272,8 @@ def main(argv=None) -> int:
         return paged_rows(row, diff, args.paged_shapes)
     if args.write_sweep:
         return write_sweep(row, diff)
+    if args.mixed:
+        return mixed_rows(row, diff)
 
     # Host time per call, GPU idle (tiny decode).
     b = Batch([(1, 15)])
@@ -364,7 +373,13 @@ def main(argv=None) -> int:
                 max_abs_diff=diff(b.out, fi_out), prefill_kernel=prefill_kernel_name(b.metadata))
         del b
 
-    # Mixed: 60 decodes at 4096 + 4 x 512 new on 2048 context, one batch.
+    return mixed_rows(row, diff)
+
+
+def mixed_rows(row, diff) -> int:
+    """The mixed step (60 decodes at 4096 + 4 x 512 new tokens on 2048 of context, one batch) against FlashInfer's
+    decode and prefill wrappers run one after the other; then the same batch with the builder's split choice
+    (``prefill_kernel_pays``) forced the other way (``mixed_other_split``)."""
     b = Batch([(1, 4095)] * 60 + [(512, 2048)] * 4)
     d_fn, d_out = flashinfer_decode(b, 0, 60)
     p_fn, p_out = flashinfer_prefill(b, 60, 64)
@@ -513,6 +528,7 @@ SHAPE_ROWS = {
     "h256_win1024": (dict(num_heads=16, num_kv_heads=8, head_size=256, sliding_window=1024)),
     "win4096": (dict(num_heads=32, num_kv_heads=8, head_size=128, sliding_window=4096)),
     "softcap30": (dict(num_heads=32, num_kv_heads=8, head_size=128, logits_soft_cap=30.0)),
+    "fp8_e4m3": (dict(num_heads=32, num_kv_heads=8, head_size=128, kv_cache_dtype="fp8_e4m3")),
 }
 
 
@@ -534,19 +550,21 @@ def paged_rows(row, diff, shape_names=None) -> int:
     ``prefill_cached`` (``forward(q, None, None)``, every key already in the cache), ``prefill`` (fresh prompts with
     keys: the default's fresh-prompt kernel and the paged one with the write first) and ``prefill_shape`` (the
     common layer shapes: head 64 with sinks and a 128-token window, head 256 with a 1024-token window, a 4096-token
-    window, a soft-cap; FlashInfer with the same window / soft-cap where it serves the shape, none for sinks)."""
+    window, a soft-cap, an fp8 e4m3 cache; FlashInfer with the same window / soft-cap / fp8 pages where it serves
+    the shape, none for sinks). ``shape_names``: only those ``prefill_shape`` rows."""
     import flashinfer
 
     def case(shapes, spec_kw=None, write=True, paged_kw=None):
         spec_kw = dict(spec_kw or {})
         hq, hkv, d = spec_kw.pop("num_heads", HQ), spec_kw.pop("num_kv_heads", HKV), spec_kw.pop("head_size", D)
-        b = Batch(shapes, head_size=d, num_heads=hq, num_kv_heads=hkv)
+        kv_dtype = spec_kw.pop("kv_cache_dtype", "auto")
+        b = Batch(shapes, kv_cache_dtype=kv_dtype, head_size=d, num_heads=hq, num_kv_heads=hkv)
         if not write:
             b.triton(write=True)()  # the step's keys into the cache first
         b.spec = AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_size=d, dtype="bfloat16", block_size=PAGE,
-                               **spec_kw)
+                               kv_cache_dtype=kv_dtype, **spec_kw)
         sinks = torch.randn(hq, device=DEV) if b.spec.has_sinks else None
-        impl = TritonAttentionBackend.get_impl_cls()(b.spec, sinks=sinks)
+        impl = TritonAttentionBackend.get_impl_cls()(b.spec, sinks=sinks, k_scale=b.kv_scale, v_scale=b.kv_scale)
         out = {}
         for name, paged in (("paged", True), ("default", False)):
             builder = TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256,
@@ -580,7 +598,8 @@ def paged_rows(row, diff, shape_names=None) -> int:
             w.plan(qsl, indptr, indices, last, hq, hkv, d, PAGE, causal=True, q_data_type=torch.bfloat16,
                    kv_data_type=b.kv.dtype, sm_scale=1.0 / math.sqrt(d), **fi_kw)
             fi_out = torch.empty_like(query)
-            fi = lambda: w.run(query, b.kv, out=fi_out)  # noqa: E731
+            scales = dict(k_scale=b.kv_scale, v_scale=b.kv_scale) if b.spec.is_fp8_kv_cache else {}
+            fi = lambda: w.run(query, b.kv, out=fi_out, **scales)  # noqa: E731
             fi()
             peer = do_bench_us(fi)
         flops = 4.0 * hq * d * _visible_keys(shapes, b.spec.sliding_window or 0)
@@ -600,13 +619,14 @@ def paged_rows(row, diff, shape_names=None) -> int:
             max_abs_diff_vs_peer=diff(o, fi_out) if fi_out is not None else None,
             max_abs_diff_vs_default=diff(o, base_o), keys_in_forward=write, **extra)
 
-    for B, new, cached in CHUNK_SHAPES:
-        emit_case("prefill_chunk", B, new + cached, [(new, cached)] * B, new=new, cached=cached)
-    for B, L in PREFILL_SHAPES:
-        emit_case("prefill_cached", B, L, [(L, 0)] * B, write=False)
-    for B, L in PREFILL_SHAPES:
-        emit_case("prefill", B, L, [(L, 0)] * B)
-        emit_case("prefill_paged_fresh", B, L, [(L, 0)] * B, paged_kw=dict(hopper_prefill=False))
+    if shape_names is None:
+        for B, new, cached in CHUNK_SHAPES:
+            emit_case("prefill_chunk", B, new + cached, [(new, cached)] * B, new=new, cached=cached)
+        for B, L in PREFILL_SHAPES:
+            emit_case("prefill_cached", B, L, [(L, 0)] * B, write=False)
+        for B, L in PREFILL_SHAPES:
+            emit_case("prefill", B, L, [(L, 0)] * B)
+            emit_case("prefill_paged_fresh", B, L, [(L, 0)] * B, paged_kw=dict(hopper_prefill=False))
     for name, kw in SHAPE_ROWS.items():
         if shape_names is not None and name not in shape_names:
             continue

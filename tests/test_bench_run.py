@@ -85,7 +85,8 @@ def test_gpu_test_groups(tmp_path):
     log = tmp_path / "g.log"
     log.write_text("tests/a.py::t1 PASSED [ 50%]\ntests/a.py::t2 FAILED [100%]\ntests/b.py::t3 SKIPPED\n"
                    "[gw3] [ 75%] PASSED tests/b.py::t4 \n"
-                   "FAILED tests/a.py::t2 - AssertionError\n========= ERROR SUMMARY: 2 errors\n")
+                   "FAILED tests/a.py::t2 - AssertionError\n========= ERROR SUMMARY: 2 errors\n"
+                   "========= ERROR SUMMARY: 1 error was not printed. Use --print-limit option to adjust\n")
     r = gpu_tests.summarise("mla", log, 1)
     assert (r.passed, r.failed, r.skipped, r.memcheck_errors) == (2, 1, 1, 2)
     spread = gpu_tests.pytest_command("mla", workers=8)

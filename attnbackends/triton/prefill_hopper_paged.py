@@ -25,7 +25,8 @@ turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring
 - **Options** (constexpr, off for the plain causal layer): a sliding window (``WINDOW`` keys: key n visible from
   position p iff p - WINDOW < n <= p; tiles left of the item's first row's window skipped, the left edge masked,
   the running max guarded while a row has seen no key), a logit soft-cap (``cap * tanh(s * scale / cap)`` before
-  masking, in the log2 domain: the loop's scale is then 1), attention sinks (one extra logit per query head, in the
+  masking: the loop's scores are the tanh, its exponent scale ``cap * log2(e)``; the tanh computed as the
+  config's ``softcap_tanh`` says, :data:`SOFTCAP_TANH`), attention sinks (one extra logit per query head, in the
   final normalisation only, with the max taken over it so nothing overflows).
 - **Shapes**: head 64, 128 or 256 (:func:`default_paged_config`: head 256 uses 64-key tiles and no O staging so
   that Q and two K/V stages fit shared memory); any number of query heads per KV head (the item's KV head is
@@ -74,6 +75,13 @@ if gluon_available():
     from .prefill_hopper import _rows_descriptor, _smem_layout, _turn_pass, _turn_wait
 
 
+#: How the soft-cap's tanh is computed (the kernel's SOFTCAP constexpr; 0 is no cap): "approx", the hardware's
+#: ``tanh.approx.f32`` (one multi-function-unit operation per score beside the softmax's exp2, relative error
+#: about 5e-4, as FlashInfer computes it), or "exact", ``1 - 2 / (2^(2x log2 e) + 1)`` (float32 rounding; an exp2
+#: and a reciprocal on that unit, which then limits the consumer warpgroups).
+SOFTCAP_TANH = {"approx": 1, "exact": 2}
+
+
 @dataclass(frozen=True)
 class PagedPrefillConfig:
     """Tile and schedule options (fields as :class:`.prefill_hopper.HopperPrefillConfig`)."""
@@ -84,8 +92,11 @@ class PagedPrefillConfig:
     persistent: bool = True
     epi_tma: bool = True
     regs: tuple[int, int] = (240, 24)
+    softcap_tanh: str = "approx"  # how a soft-capped layer computes tanh (:data:`SOFTCAP_TANH`)
 
     def __post_init__(self) -> None:
+        if self.softcap_tanh not in SOFTCAP_TANH:
+            raise ValueError(f"softcap_tanh must be one of {tuple(SOFTCAP_TANH)}, got {self.softcap_tanh!r}")
         if self.block_n not in (64, 128) or self.nbuf < 2:
             raise ValueError(f"block_n must be 64 or 128 and nbuf >= 2, got block_n {self.block_n}, nbuf {self.nbuf}")
         regs = tuple(self.regs)
@@ -209,20 +220,27 @@ def paged_prefill_args(plan: PagedPrefillPlan, query: torch.Tensor, output: torc
     qsl = query_start_loc[f:] if f else query_start_loc
     lens = seq_lens[f:] if f else seq_lens
     table = block_table[f:] if f else block_table
-    if plan.use_softcap:  # s2 = cap * log2(e) * tanh(s * scale / cap); the loop's exponent scale is then 1
-        qk_scale, cap_in, cap_out = 1.0, softmax_scale / soft_cap, soft_cap * _LOG2E
+    softcap = SOFTCAP_TANH[cfg.softcap_tanh] if plan.use_softcap else 0
+    if softcap:  # the loop's scores are tanh(s * scale / cap), its exponent scale cap * log2(e)
+        qk_scale, cap_in = soft_cap * _LOG2E, softmax_scale / soft_cap * _tanh_input_scale(softcap)
     else:
-        qk_scale, cap_in, cap_out = softmax_scale * _LOG2E, 0.0, 0.0
+        qk_scale, cap_in = softmax_scale * _LOG2E, 0.0
     epi = cfg.epi_tma
     o_desc = _rows_descriptor(output, n, ROWS_PER_WG) if epi else c_desc
     args = (_rows_descriptor(query, n, BLOCK_M), c_desc, o_desc, output, kv_cache, qsl, lens, table,
             sinks if plan.use_sinks else output, table.stride(0), output.stride(0), plan.num_seqs, plan.num_q_blocks,
-            qk_scale, cap_in, cap_out)
+            qk_scale, cap_in)
     kwargs = dict(HQ=plan.num_heads, HKV=plan.num_kv_heads, HEAD=head, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
                   NBUF=cfg.nbuf, PAGE=page, PINGPONG=cfg.pingpong, EPI_TMA=epi, WINDOW=plan.sliding_window,
-                  SOFTCAP=plan.use_softcap, SINKS=plan.use_sinks,
+                  SOFTCAP=softcap, SINKS=plan.use_sinks,
                   REGS_CONSUMER=cfg.regs[0], REGS_LOAD=cfg.regs[1], num_warps=CONSUMER_WARPS)
     return plan.grid, args, kwargs
+
+
+def _tanh_input_scale(softcap: int) -> float:
+    """What the kernel's tanh (SOFTCAP mode ``softcap``) takes its argument multiplied by: 1 for the hardware
+    tanh, ``2 log2(e)`` for the exp2-based one (its exponent is then the argument itself)."""
+    return 1.0 if softcap == SOFTCAP_TANH["approx"] else 2.0 * _LOG2E
 
 
 def launch_paged_prefill(plan: PagedPrefillPlan, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
@@ -349,17 +367,23 @@ if gluon_available():
                 i += 1
 
     @gluon.jit
-    def _tanh(x):
-        # exp-based: accurate to float32 rounding (tanh.approx is not, at the caps models use); saturates at +-inf.
-        return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
+    def _tanh(x, MODE: gl.constexpr):
+        """tanh(x / k) for the SOFTCAP mode ``MODE`` (:data:`SOFTCAP_TANH`; k = 1 for the hardware tanh, 2 log2(e)
+        for the exp2-based one: :func:`_tanh_input_scale`); +-1 at +-inf."""
+        if MODE == 1:
+            return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return 1.0 - 2.0 / (gl.exp2(x) + 1.0)
 
     @gluon.jit
-    def _scores(s, j, pos0, n_unmasked, n_left, cap_in, cap_out, s_layout: gl.constexpr, ROWS: gl.constexpr,
+    def _scores(s, j, pos0, n_unmasked, n_left, cap_in, s_layout: gl.constexpr, ROWS: gl.constexpr,
                 BLOCK_N: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
-        """The score tile j of rows at positions pos0 .. pos0 + ROWS - 1: soft-capped (log2 domain), keys above
+        """The score tile j of rows at positions pos0 .. pos0 + ROWS - 1: soft-capped (tanh of the scaled score: the
+        exponent scale holds the cap), keys above
         the diagonal or left of the window at -inf (tiles j < n_unmasked and >= n_left pass unmasked)."""
         if SOFTCAP:
-            s = cap_out * _tanh(s * cap_in)
+            s = _tanh(s * cap_in, SOFTCAP)
         masked = j >= n_unmasked
         if WINDOW > 0:
             masked = masked | (j < n_left)
@@ -408,7 +432,7 @@ if gluon_available():
 
     @gluon.jit
     def _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, pos0, j0, nt, it, t,
-                      seq_len, qk_scale, cap_in, cap_out, WG: gl.constexpr, HEAD: gl.constexpr,
+                      seq_len, qk_scale, cap_in, WG: gl.constexpr, HEAD: gl.constexpr,
                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr, WINDOW: gl.constexpr,
                       SOFTCAP: gl.constexpr):
         """One warpgroup's 64 query rows at positions pos0 .. pos0 + 63 against key tiles j0 .. j0 + nt - 1 of a
@@ -437,7 +461,7 @@ if gluon_available():
         _turn_pass(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(s0), count=1)
-        s = _scores(s, j0, pos0, n_unmasked, n_left, cap_in, cap_out, s_layout, ROWS, BLOCK_N, WINDOW, SOFTCAP)
+        s = _scores(s, j0, pos0, n_unmasked, n_left, cap_in, s_layout, ROWS, BLOCK_N, WINDOW, SOFTCAP)
         p, l_i, m_i, alpha = _softmax(s, l_i, m_i, qk_scale, p_layout, dtype, WINDOW)
         for jj in range(1, nt):
             g = it + jj
@@ -451,7 +475,7 @@ if gluon_available():
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(buf), count=1)
-            s = _scores(s, j0 + jj, pos0, n_unmasked, n_left, cap_in, cap_out, s_layout, ROWS, BLOCK_N, WINDOW,
+            s = _scores(s, j0 + jj, pos0, n_unmasked, n_left, cap_in, s_layout, ROWS, BLOCK_N, WINDOW,
                         SOFTCAP)
             p_next, l_i, m_i, alpha = _softmax(s, l_i, m_i, qk_scale, p_layout, dtype, WINDOW)
             o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
@@ -474,7 +498,7 @@ if gluon_available():
     @gluon.jit
     def _paged_consumer(q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                         o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items, qk_scale,
-                        cap_in, cap_out, WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr,
+                        cap_in, WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
                         EPI_TMA: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr):
         """One consumer warpgroup: rows m0 + 64 * WG .. + 63 of each item's query tile; normalises (with the head's
@@ -495,7 +519,7 @@ if gluon_available():
                 nt = j_end - j0
                 mbarrier.wait(q_ready, i & 1)
                 o, l_i, m_i = _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                                            ctx + r0, j0, nt, it, it + i, ctx + q_len, qk_scale, cap_in, cap_out,
+                                            ctx + r0, j0, nt, it, it + i, ctx + q_len, qk_scale, cap_in,
                                             WG, HEAD, BLOCK_N, NBUF, PINGPONG, WINDOW, SOFTCAP)
                 it += nt
                 i += 1
@@ -523,7 +547,7 @@ if gluon_available():
                             + gl.expand_dims(cols, 0))
                     gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
 
-    @gluon.jit(do_not_specialize=["stride_bt", "num_seqs", "num_q_blocks", "cap_in", "cap_out"],
+    @gluon.jit(do_not_specialize=["stride_bt", "num_seqs", "num_q_blocks", "cap_in"],
                do_not_specialize_on_alignment=["QSL", "SEQ_LENS", "BT", "SINK"])
     def _paged_prefill_kernel(
         q_desc, c_desc, o_desc,  # TMA over Q [T, HQ * HEAD] (box BLOCK_M x HEAD), the cache [num_blocks * 2 * PAGE,
@@ -531,8 +555,8 @@ if gluon_available():
         O, CACHE, QSL, SEQ_LENS, BT, SINK,  # output rows; the cache; the planned sequences' offsets [num_seqs + 1],
                                             # lengths [num_seqs] and block-table rows (int32); sinks [HQ] float32
         stride_bt, stride_o_t, num_seqs, num_q_blocks,
-        qk_scale, cap_in, cap_out,  # exponent scale (softmax scale * log2(e), or 1 with SOFTCAP); scale / cap;
-                                    # cap * log2(e)
+        qk_scale, cap_in,  # exponent scale: softmax scale * log2(e), or cap * log2(e) with SOFTCAP; with SOFTCAP
+                           # scale / cap times the tanh's input scale (_tanh_input_scale)
         HQ: gl.constexpr, HKV: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NBUF: gl.constexpr, PAGE: gl.constexpr, PINGPONG: gl.constexpr, EPI_TMA: gl.constexpr, WINDOW: gl.constexpr,
         SOFTCAP: gl.constexpr, SINKS: gl.constexpr, REGS_CONSUMER: gl.constexpr,
@@ -577,11 +601,11 @@ if gluon_available():
         gl.warp_specialize([
             (_paged_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items,
-                               qk_scale, cap_in, cap_out, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
+                               qk_scale, cap_in, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
                                WINDOW, SOFTCAP, SINKS)),
             (_paged_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items,
-                               qk_scale, cap_in, cap_out, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
+                               qk_scale, cap_in, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
                                WINDOW, SOFTCAP, SINKS)),
             (_paged_loader, (q_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ,

@@ -10,6 +10,7 @@ on pages of 16 / 32 / 64 / 128 tokens, GQA 1 / 4 / 5 / 8, heads 64 / 128 / 256, 
 float16 and bfloat16, decodes before the prefills, and a CUDA-graph replay.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,6 +33,7 @@ from attnbackends.triton import prefill_hopper_paged as paged  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
 from attnbackends.triton.prefill_hopper import HopperPrefillPlan  # noqa: E402
 from attnbackends.triton.prefill_hopper_paged import (  # noqa: E402
+    SOFTCAP_TANH,
     PagedPrefillPlan,
     default_paged_config,
     paged_prefill_reason,
@@ -374,3 +376,18 @@ def test_graph_replay_is_bitwise_gpu():
     _finish()
     assert torch.equal(graph_out, outs[0])
     assert_same_bits(cache, after_eager, "the cache after the graph replay")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mode", sorted(SOFTCAP_TANH))
+@pytest.mark.parametrize("kw", [dict(logits_soft_cap=30.0), dict(logits_soft_cap=50.0, dtype="float16"),
+                                dict(logits_soft_cap=5.0, head_size=256, num_heads=16)],
+                         ids=["cap30", "cap50-fp16", "cap5-h256"])
+def test_softcap_tanh_modes_gpu(mode, kw, monkeypatch):
+    """Every way of computing the soft-cap's tanh against the float64 oracle (a small cap drives the tanh into
+    saturation, a large one keeps it near linear)."""
+    default = paged.default_paged_config
+    monkeypatch.setattr(paged, "default_paged_config",
+                        lambda head_size: dataclasses.replace(default(head_size), softcap_tanh=mode))
+    run_paged(_spec(**kw), [S(300, 1000), S(5, 700), S(200, 0)], seed=7)
