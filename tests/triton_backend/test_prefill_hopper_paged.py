@@ -202,11 +202,13 @@ def test_builder_off_the_hopper():
 
 @needs_gluon
 def test_every_variant_compiles_for_sm90():
-    """Offline sm_90 compile (a fresh process: the interpreter patches triton.language in this one) of every layer
+    """Offline sm_90 compile (a fresh process without TRITON_INTERPRET: the interpreter patches triton.language in
+    this one, and a Gluon kernel compiled beside interpreted functions fails) of every layer
     shape in ``benchmarks.prefill_hopper_paged_compile.VARIANTS``: shared memory within the limit, no serialised
     wgmma, no partition over its register limit, no spill in the consumers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     res = subprocess.run([sys.executable, "-m", "benchmarks.prefill_hopper_paged_compile"], capture_output=True,
-                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
+                         text=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, timeout=900)
     errors = [line for line in res.stderr.splitlines() if line.strip() and not line.startswith(" ")]
     assert res.returncode == 0, "\n".join(errors[-30:])[-3000:]
     reps = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
