@@ -2,6 +2,10 @@
 
 Each slot holds c = [kv_c (Lkv) ; k_pe (R)] in the cache dtype; fp8 caches store saturate(c / k_scale) and read
 stored * k_scale (one per-tensor scale for the whole latent vector).
+
+New tokens are written by :func:`write_latent_token`, one token per call, from :func:`concat_and_cache_mla`'s
+kernel and from the query absorption's launch of a decode-only ``triton_mla`` batch
+(:func:`~attnbackends.mla.projection_kernels._mla_absorb_write_kernel`), which saves that batch the separate write.
 """
 
 from __future__ import annotations
