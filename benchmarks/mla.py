@@ -40,7 +40,9 @@ from attnbackends import DeviceInfo
 from attnbackends.compat import cuda_sleep
 from attnbackends.metadata import build_common_metadata
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
-from attnbackends.mla.decode_launch import launch_mla_absorb, launch_mla_decode, launch_mla_up_projection
+from attnbackends.mla.decode_launch import (
+    launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode, launch_mla_up_projection,
+)
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.platform import package_available
 from attnbackends.spec import AttentionSpec
@@ -304,11 +306,14 @@ def run_host(rows: list, log) -> None:
 def run_host_parts(rows: list, log) -> None:
     """Where ``triton_mla.forward``'s host time goes at B=1 (each stage timed alone, the GPU kept busy): row
     ``mla_host_parts`` with one field per stage (microseconds per call), in the order ``forward`` runs them:
-    ``check_inputs``, ``cache_write``, ``absorb_launch`` (the Triton absorption; ``absorb_bmm``, its input view
-    included, where the builder planned cuBLAS), ``decode_launch`` (the decode kernel, with the rotary queries'
-    view after ``absorb_bmm``; the split reduction too when the up-projection is not fused),
+    ``check_inputs``, ``absorb_write_launch`` (the Triton absorption writing the new tokens into the cache, where
+    the builder folded the write into it; else ``cache_write``, then ``absorb_launch``, the Triton absorption alone,
+    or ``absorb_bmm``, its input view included, where the builder planned cuBLAS), ``decode_launch`` (the decode
+    kernel, with the rotary queries' view after ``absorb_bmm``; the split reduction too when the up-projection is
+    not fused),
     ``reduce_up_launch`` (the fused split reduction + up-projection; ``up_bmm``, its output view included, where
-    the builder planned no fused launch). Beside them, for scale: ``cache_state_lookup``, ``up_bmm_unfused``
+    the builder planned no fused launch). Beside them, for scale: ``cache_write`` and ``absorb_launch`` where the
+    write is folded (what the folded launch replaces), ``cache_state_lookup``, ``up_bmm_unfused``
     (what the fused launch replaces: the reduction's launch is part of ``decode_launch`` on that path),
     ``as_strided_view`` and ``empty_torch_op``."""
     batch, seq_len = HOST_SHAPE
@@ -329,6 +334,9 @@ def run_host_parts(rows: list, log) -> None:
         "check_inputs": lambda: impl.check_inputs(step.q, step.kv_c, step.k_pe, cache, meta, step.out),
         "cache_write": lambda: impl.update_kv_cache(step.kv_c, step.k_pe, cache, meta.slot_mapping),
     }
+    if meta.decode.writes_cache:
+        parts["absorb_write_launch"] = lambda: launch_mla_absorb_and_write(
+            extra["absorb"], q, impl.W_UK_T, impl._w_uk_state, step.kv_c, step.k_pe, state, impl.k_scale)
     if extra["absorb"] is not None:
         parts["absorb_launch"] = lambda: launch_mla_absorb(extra["absorb"], q, impl.W_UK_T, impl._w_uk_state)
         parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, extra["q_pe"], state, impl._qk_scale_log2,
@@ -350,7 +358,7 @@ def run_host_parts(rows: list, log) -> None:
     })
     row = {"case": "mla_host_parts", "backend": "triton_mla", "peer": None, "B": batch, "L": seq_len, "H": H,
            "splits": plan.num_splits, "kernel": plan.kernel, "up_fused": extra["up_fused"],
-           "triton_absorb": extra["absorb"] is not None}
+           "triton_absorb": extra["absorb"] is not None, "write_folded": meta.decode.writes_cache}
     for name, fn in parts.items():
         row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
     rows.append(row)

@@ -21,8 +21,8 @@ from .decode_hopper import hopper_reason
 from ..ops.quant import FP8_DTYPES
 from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config
 from .decode_launch import (
-    LOG2E, CacheStates, launch_mla_absorb, launch_mla_decode, launch_mla_up_projection, plan_mla_absorb,
-    plan_mla_decode, tensor_key, weight_launch_state,
+    LOG2E, CacheStates, launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode, launch_mla_up_projection,
+    plan_mla_absorb, plan_mla_decode, tensor_key, weight_launch_state,
 )
 
 __all__ = [
@@ -57,7 +57,10 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     The query absorption (q_nope -> Lkv per head) is planned here (``absorb``): "triton" runs it as one cached
     Triton launch (:func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel`) that also copies the rotary
     queries into a planned buffer, "bmm" as ``torch.bmm``; "auto" takes Triton for at most
-    :attr:`TRITON_ABSORB_MAX_TOKENS` decode tokens (cuBLAS for more).
+    :attr:`TRITON_ABSORB_MAX_TOKENS` decode tokens (cuBLAS for more). In a decode-only batch the Triton absorption's
+    launch also writes the new tokens into the latent cache (``decode.writes_cache``,
+    :func:`~attnbackends.mla.decode_launch.launch_mla_absorb_and_write`), so ``forward`` issues no separate
+    cache-write launch; batches with prefills, and the bmm absorption, write through ``update_kv_cache``.
 
     The up-projection (latent -> V per head) is planned here too (``up_projection``): "fused" runs it as one Triton
     launch that also merges the KV splits (:mod:`~attnbackends.mla.projection_kernels`), "bmm" as the split
@@ -133,9 +136,14 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             tree_indptr=decode.tree_indptr, fuse_up_projection=self._fuse_up(splits, t), v_dim=spec.v_head_dim,
         )
         ql_t = ql.transpose(0, 1)
-        # the Triton absorption writes ql and a copy of the rotary queries: the decode launch reads planned buffers
-        absorb = plan_mla_absorb(num_tokens=t, num_heads=n, nope=p, rope=r, kv_lora=lkv, ql=ql_t, q_pe=q_pe) \
-            if self._triton_absorb(t) else None
+        # the Triton absorption writes ql and a copy of the rotary queries: the decode launch reads planned buffers;
+        # in a decode-only batch its launch writes the new tokens into the cache too
+        absorb = None
+        if self._triton_absorb(t):
+            decode_only = t == common.num_actual_tokens
+            absorb = plan_mla_absorb(num_tokens=t, num_heads=n, nope=p, rope=r, kv_lora=lkv, ql=ql_t, q_pe=q_pe,
+                                     slot_mapping=common.slot_mapping if decode_only else None)
+            decode.writes_cache = decode_only
         # the per-call views of q and output, as (size, dim order): one as_strided each, whatever rows they have
         decode.extra.update(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
                             ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
@@ -157,10 +165,10 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
 
 class TritonMLAImpl(MLAImpl):
     """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`: per decode, the absorption
-    (the planned Triton launch or a matmul) into the planned query buffer, the planned decode launch (its TMA
-    descriptors built once per cache), the up-projection straight into ``output``: the planned fused launch (split
-    reduction + per-head matmul) or, where the builder planned none, the split reduction (inside the decode launch)
-    and a batched matmul."""
+    (the planned Triton launch, which in a decode-only batch also writes the new tokens into the cache, or a matmul)
+    into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
+    up-projection straight into ``output``: the planned fused launch (split reduction + per-head matmul) or, where
+    the builder planned none, the split reduction (inside the decode launch) and a batched matmul."""
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -181,15 +189,20 @@ class TritonMLAImpl(MLAImpl):
         self._w_uv_state = weight_launch_state(self.W_UV, "W_UV")
         self._w_uk_state = weight_launch_state(self.W_UK_T, "W_UK_T")
 
-    def _forward_decode(self, q, kv_cache, decode, output) -> None:
-        # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them: the Triton launches read them
-        # through their strides (the first T rows); each view the matmuls need is one as_strided over the planned
-        # sizes (it slices the first T rows and transposes in one torch op)
+    def _forward_decode(self, q, kv_cache, decode, output, new_tokens=None) -> None:
+        # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them (new_tokens' kv_c and k_pe too): the
+        # Triton launches read them through their strides (the first T rows); each view the matmuls need is one
+        # as_strided over the planned sizes (it slices the first T rows and transposes in one torch op)
         extra = decode.extra
         if self._w_uv_state is None:  # the weights were set without process_weights_after_loading
             self._weights_launch_state()
+        cache = self._caches.get(kv_cache)
         absorb = extra["absorb"]
-        if absorb is not None:
+        if new_tokens is not None:  # the builder planned the write into the absorption's launch
+            launch_mla_absorb_and_write(absorb, q, self.W_UK_T, self._w_uk_state, new_tokens[0], new_tokens[1],
+                                        cache, self.k_scale)
+            q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
+        elif absorb is not None:
             launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state)
             q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
         else:
@@ -199,8 +212,8 @@ class TritonMLAImpl(MLAImpl):
             torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=extra["ql"])
             q_pe, q_pe_key = q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q_at + self._nope * qs_d), None
         plan = extra["plan"]
-        launch_mla_decode(plan, extra["ql_t"], q_pe, self._caches.get(kv_cache), self._qk_scale_log2,
-                          self._v_scale, extra["ql_key"], q_pe_key)
+        launch_mla_decode(plan, extra["ql_t"], q_pe, cache, self._qk_scale_log2, self._v_scale, extra["ql_key"],
+                          q_pe_key)
         if extra["up_fused"]:
             launch_mla_up_projection(plan, self.W_UV, self._w_uv_state, output)
             return
@@ -224,8 +237,10 @@ class TritonMLABackend(_MLABackendBase):
 
     #: How the decode's projections run (see :class:`TritonMLAMetadataBuilder`).
     PROJECTION_NOTE = (f"projections: up to {TritonMLAMetadataBuilder.TRITON_ABSORB_MAX_TOKENS} decode tokens "
-                       "absorb their queries in one Triton launch (else torch.bmm); the up-projection is one Triton "
-                       "launch that merges the KV splits by their LSE and multiplies each head's latent by W_UV "
+                       "absorb their queries in one Triton launch (else torch.bmm), which in a decode-only batch "
+                       "also writes the new tokens into the latent cache (no separate cache-write launch); the "
+                       "up-projection is one Triton launch that merges the KV splits by their LSE and multiplies "
+                       "each head's latent by W_UV "
                        f"(split decodes of at most {TritonMLAMetadataBuilder.FUSED_SPLIT_MAX_TOKENS} query token "
                        f"and unsplit ones of at most {TritonMLAMetadataBuilder.FUSED_UP_MAX_TOKENS}; else the split "
                        "reduction and torch.bmm)")

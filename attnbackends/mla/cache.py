@@ -2,6 +2,10 @@
 
 Each slot holds c = [kv_c (Lkv) ; k_pe (R)] in the cache dtype; fp8 caches store saturate(c / k_scale) and read
 stored * k_scale (one per-tensor scale for the whole latent vector).
+
+New tokens are written by :func:`write_latent_token`, one token per call, from :func:`concat_and_cache_mla`'s
+kernel and from the query absorption's launch of a decode-only ``triton_mla`` batch
+(:func:`~attnbackends.mla.projection_kernels._mla_absorb_write_kernel`), which saves that batch the separate write.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from ..platform import is_triton_interpreted
 __all__ = [
     "MLA_KV_CACHE_LAYOUT",
     "mla_kv_cache_shape",
+    "cache_dtype_constexprs",
     "concat_and_cache_mla",
     "concat_and_cache_mla_torch",
     "context_slots",
     "gather_mla_cache",
+    "write_latent_token",
 ]
 
 MLA_KV_CACHE_LAYOUT = "[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]"
@@ -38,6 +44,33 @@ MLA_KV_CACHE_LAYOUT = "[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
 def mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> tuple[int, int, int]:
     """Shape of one layer's latent cache."""
     return (num_blocks, block_size, head_size)
+
+
+@triton.jit
+def write_latent_token(
+    t, KV_C, K_PE, CACHE, SLOTS, stride_kvc_t, stride_kpe_t, stride_cache_blk, stride_cache_tok, scale, block_size,
+    num_slots, fault_ptr, fault_flag_ptr,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Token ``t``'s latent vector [KV_C[t] (KV_LORA) ; K_PE[t] (ROPE)] into cache slot ``s = SLOTS[t]`` (page
+    ``s // block_size``, row ``s % block_size``), as saturate(x / scale) in an fp8 cache (IS_FP8). ``s == -1`` is
+    padding and skipped; a slot outside ``[-1, num_slots)`` is skipped and recorded in the fault record
+    (:mod:`~attnbackends.ops.page_guard`). Every kernel that writes new latent tokens calls this."""
+    slot = tl.load(SLOTS + t)
+    if (slot < -1) | (slot >= num_slots):
+        record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, t, slot, num_slots)
+    elif slot >= 0:
+        base = CACHE + (slot // block_size) * stride_cache_blk + (slot % block_size) * stride_cache_tok
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_r = tl.arange(0, BLOCK_R)
+        c = tl.load(KV_C + t * stride_kvc_t + offs_c, mask=offs_c < KV_LORA, other=0.0).to(tl.float32)
+        r = tl.load(K_PE + t * stride_kpe_t + offs_r, mask=offs_r < ROPE, other=0.0).to(tl.float32)
+        if IS_FP8:
+            c = saturate_to_fp8(c, scale, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
+            r = saturate_to_fp8(r, scale, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
+        tl.store(base + offs_c, c.to(CACHE.dtype.element_ty), mask=offs_c < KV_LORA)
+        tl.store(base + KV_LORA + offs_r, r.to(CACHE.dtype.element_ty), mask=offs_r < ROPE)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -65,23 +98,10 @@ def _concat_and_cache_mla_kernel(
     FP8_MIN_EXP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    slot = tl.load(SLOTS + t)
-    if (slot < -1) | (slot >= num_slots):  # outside the cache: skipped and reported (ops.page_guard)
-        record_fault(fault_ptr, fault_flag_ptr, FAULT_SLOT, t, slot, num_slots)
-        return
-    if slot < 0:  # padding
-        return
-    base = CACHE + (slot // block_size) * stride_cache_blk + (slot % block_size) * stride_cache_tok
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, BLOCK_R)
-    c = tl.load(KV_C + t * stride_kvc_t + offs_c, mask=offs_c < KV_LORA, other=0.0).to(tl.float32)
-    r = tl.load(K_PE + t * stride_kpe_t + offs_r, mask=offs_r < ROPE, other=0.0).to(tl.float32)
-    if IS_FP8:
-        c = saturate_to_fp8(c, scale, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
-        r = saturate_to_fp8(r, scale, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
-    tl.store(base + offs_c, c.to(CACHE.dtype.element_ty), mask=offs_c < KV_LORA)
-    tl.store(base + KV_LORA + offs_r, r.to(CACHE.dtype.element_ty), mask=offs_r < ROPE)
+    """Grid (T,): program t writes token t (:func:`write_latent_token`)."""
+    write_latent_token(tl.program_id(0), KV_C, K_PE, CACHE, SLOTS, stride_kvc_t, stride_kpe_t, stride_cache_blk,
+                       stride_cache_tok, scale, block_size, num_slots, fault_ptr, fault_flag_ptr, KV_LORA, ROPE,
+                       BLOCK_C, BLOCK_R, IS_FP8, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP, INTERPRET)
 
 
 def concat_and_cache_mla_torch(
@@ -143,12 +163,17 @@ def concat_and_cache_mla(
         raise_pending_faults(kv_cache.device)
 
 
+def cache_dtype_constexprs(cache_dtype: torch.dtype) -> tuple:
+    """(IS_FP8, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP) of :func:`write_latent_token` for a cache of ``cache_dtype``."""
+    is_fp8 = cache_dtype in FP8_DTYPES
+    return (is_fp8, fp8_max(cache_dtype) if is_fp8 else 0.0, *fp8_grid(cache_dtype))
+
+
 @lru_cache(maxsize=None)
 def _write_constexprs(kv_lora: int, rope: int, cache_dtype: torch.dtype) -> tuple:
     """The write kernel's constexprs for one layer."""
-    is_fp8 = cache_dtype in FP8_DTYPES
-    return (kv_lora, rope, next_power_of_2(kv_lora), next_power_of_2(rope), is_fp8,
-            fp8_max(cache_dtype) if is_fp8 else 0.0, *fp8_grid(cache_dtype), is_triton_interpreted())
+    return (kv_lora, rope, next_power_of_2(kv_lora), next_power_of_2(rope), *cache_dtype_constexprs(cache_dtype),
+            is_triton_interpreted())
 
 
 _WRITE = DirectLauncher(_concat_and_cache_mla_kernel, (

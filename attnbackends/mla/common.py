@@ -68,6 +68,10 @@ class MLADecodeMetadata:
     Speculative decoding: query_start_loc [B + 1] int32 (device and host copies) places each request's query tokens
     (``max_query_len`` the longest, 1 without speculation); tree_mask [sum n_i^2] bool and tree_indptr [B + 1] int32
     are the batch's packed tree mask (:attr:`CommonAttentionMetadata.spec_tree_mask`) when it has one.
+
+    writes_cache : the builder folded the cache write into the decode's launches (decode-only batches of builders
+    that can): a ``forward`` given kv_c_normed and k_pe hands them to the decode instead of calling
+    ``update_kv_cache``.
     """
 
     num_decodes: int
@@ -81,6 +85,7 @@ class MLADecodeMetadata:
     max_query_len: int = 1
     tree_mask: Optional[torch.Tensor] = None
     tree_indptr: Optional[torch.Tensor] = None
+    writes_cache: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (split count, planned wrappers)
 
 
@@ -287,16 +292,21 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
         if self.W_UK_T is None:
             self.process_weights_after_loading()
         n_tokens = metadata.num_actual_tokens
-        if kv_c_normed is not None:
-            # a slice is a torch op even when it keeps every row: compare lengths first
-            if kv_c_normed.shape[0] != n_tokens:
-                kv_c_normed = kv_c_normed[:n_tokens]
-            if k_pe.shape[0] != n_tokens:
-                k_pe = k_pe[:n_tokens]
-            self.update_kv_cache(kv_c_normed, k_pe, kv_cache, metadata.slot_mapping)
         decode = metadata.decode
+        new_tokens = None
+        if kv_c_normed is not None:
+            if decode is not None and decode.writes_cache:
+                # the decode's first launch writes them, reading their first T rows through their strides
+                new_tokens = (kv_c_normed, k_pe)
+            else:
+                # a slice is a torch op even when it keeps every row: compare lengths first
+                if kv_c_normed.shape[0] != n_tokens:
+                    kv_c_normed = kv_c_normed[:n_tokens]
+                if k_pe.shape[0] != n_tokens:
+                    k_pe = k_pe[:n_tokens]
+                self.update_kv_cache(kv_c_normed, k_pe, kv_cache, metadata.slot_mapping)
         if decode is not None:
-            self._forward_decode(q, kv_cache, decode, output)
+            self._forward_decode(q, kv_cache, decode, output, new_tokens)
         if metadata.prefill is not None:
             if kv_c_normed is None:
                 raise ValueError("prefill tokens need kv_c_normed and k_pe")
@@ -307,10 +317,17 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
         return output
 
     def _forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, decode: MLADecodeMetadata,
-                        output: torch.Tensor) -> None:
+                        output: torch.Tensor,
+                        new_tokens: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """The decode requests: q [>= T, N, P + R] -> output [>= T, N, V], T = ``decode.num_decode_tokens``, the
         decodes being the first T rows of both (absorbed queries, :meth:`_decode_latent`, the up-projection of the
-        latent output). Rows past T are neither read nor written."""
+        latent output). Rows past T are neither read nor written. new_tokens: the batch's new tokens (kv_c
+        [>= T, Lkv] and k_pe [>= T, R], their first T rows), given only where ``decode.writes_cache`` (the decode's
+        first launch writes them into the cache at the batch's slots); impls whose builders never fold the write
+        take none."""
+        if new_tokens is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not write the cache in its decode launches; its "
+                                      "builder must not set MLADecodeMetadata.writes_cache")
         nd = decode.num_decode_tokens
         if q.shape[0] != nd:
             q = q[:nd]

@@ -6,14 +6,17 @@ constexprs and the output buffers (the latent output, or the split partials and 
 works out the part of the compiled-kernel key that depends on the batch. Asked to (``fuse_up_projection``), it
 plans the up-projection too, fused with the split reduction (:mod:`.projection_kernels`): one launch from the
 partials (or the one-split latent) to the layer's [T, H, V] output, run by :func:`launch_mla_up_projection` with
-the layer's W_UV and the call's output. :class:`MLACacheState` holds what depends
-on one cache tensor only (its TMA descriptors, its page count and its part of the key), built once per cache.
+the layer's W_UV and the call's output. :func:`plan_mla_absorb` plans the query absorption's launch, and for a
+decode-only batch the same launch writing the batch's new tokens into the cache
+(:func:`launch_mla_absorb_and_write`: one launch instead of the cache write's and the absorption's).
+:class:`MLACacheState` holds what depends on one cache tensor only (its TMA descriptors, its page count, its part
+of the key, what a launch that writes into it needs), built once per cache.
 :func:`launch_mla_decode` then adds the queries and launches through the kernels' cached launchers
 (:class:`~attnbackends.compat.DescriptorLauncher`): no argument binding, no descriptor encoding, no decisions.
 
 A compiled kernel is specialised on its integer arguments (== 1, multiple of 16) and on its pointers' 16-byte
 alignment, so its key holds those properties of every argument: the batch's (planned), the cache's (per cache) and
-the queries' (per call: their strides and alignment).
+the queries' and the new tokens' (per call: their strides and alignment).
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ import torch
 
 from ..compat import DescriptorLauncher
 from ..ops.launch_math import cdiv, next_power_of_2
+from ..ops.page_guard import fault_record, raise_pending_faults
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted
+from .cache import cache_dtype_constexprs
 from .decode_hopper import (
     HOPPER_BLOCK_H, HOPPER_NUM_WARPS, hopper_args, hopper_constexprs, hopper_descriptors, hopper_launcher,
     hopper_reason,
 )
-from .projection_kernels import _mla_absorb_kernel, _mla_reduce_up_kernel, absorb_blocks, reduce_up_blocks
+from .projection_kernels import (
+    _mla_absorb_kernel, _mla_absorb_write_kernel, _mla_reduce_up_kernel, absorb_blocks, reduce_up_blocks,
+)
 from .decode_kernel import (
     MLADecodeConfig, _mla_decode_kernel, _mla_decode_reduce_kernel, _mla_decode_tma_kernel, decode_kernel_name,
     default_decode_config, reduce_block_c,
@@ -41,8 +48,8 @@ from .decode_kernel import (
 )
 
 __all__ = ["CacheStates", "LOG2E", "MLACacheState", "MLADecodePlan", "choose_decode_kernel", "decode_launch_args",
-           "launch_mla_absorb", "launch_mla_decode", "launch_mla_up_projection", "MLAAbsorbPlan", "mla_decode",
-           "plan_mla_absorb", "plan_mla_decode", "tensor_key", "weight_launch_state"]
+           "launch_mla_absorb", "launch_mla_absorb_and_write", "launch_mla_decode", "launch_mla_up_projection",
+           "MLAAbsorbPlan", "mla_decode", "plan_mla_absorb", "plan_mla_decode", "tensor_key", "weight_launch_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ TMA_CONSTEXPRS = ("KV_LORA", "HALF", "ROPE", "PAGE_SIZE", "BLOCK_H", "BLOCK_N", 
                   "INTERPRET")
 REDUCE_CONSTEXPRS = ("KV_LORA", "BLOCK_C", "NUM_SPLITS", "BLOCK_S", "STORE_LSE")
 ABSORB_CONSTEXPRS = ("NOPE", "ROPE", "KV_LORA", "BLOCK_T", "BLOCK_P", "BLOCK_L", "BLOCK_R", "INTERPRET")
+ABSORB_WRITE_CONSTEXPRS = ABSORB_CONSTEXPRS + ("BLOCK_C", "IS_FP8", "FP8_MAX", "FP8_MANT_BITS", "FP8_MIN_EXP")
 REDUCE_UP_CONSTEXPRS = ("KV_LORA", "V_DIM", "NUM_SPLITS", "BLOCK_S", "BLOCK_T", "BLOCK_C", "BLOCK_V", "STORE_LSE",
                         "INTERPRET")
 
@@ -62,6 +70,7 @@ _TMA = DescriptorLauncher(_mla_decode_tma_kernel, TMA_CONSTEXPRS, (2, 3))
 _REDUCE = DescriptorLauncher(_mla_decode_reduce_kernel, REDUCE_CONSTEXPRS)
 _REDUCE_UP = DescriptorLauncher(_mla_reduce_up_kernel, REDUCE_UP_CONSTEXPRS)
 _ABSORB = DescriptorLauncher(_mla_absorb_kernel, ABSORB_CONSTEXPRS)
+_ABSORB_WRITE = DescriptorLauncher(_mla_absorb_write_kernel, ABSORB_WRITE_CONSTEXPRS)
 
 
 def _int_key(*values: int) -> tuple:
@@ -103,10 +112,11 @@ def choose_decode_kernel(*, num_heads: int, kv_lora: int, rope: int, page: int, 
 class MLACacheState:
     """What the decode launch needs of one latent cache [num_blocks, block_size, Lkv + R], built once per cache:
     its page count and strides, whether its pages are contiguous rows (the TMA kernels read them so), its TMA
-    descriptors (per kernel and tile), and its part of the compiled-kernel key."""
+    descriptors (per kernel and tile), and its part of the compiled-kernel key; and what a launch that writes new
+    tokens into it needs (:meth:`writer`)."""
 
     __slots__ = ("cache", "num_blocks", "stride_blk", "stride_tok", "rows_contiguous", "key", "_descriptors",
-                 "__weakref__")
+                 "_writer", "__weakref__")
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
         num_blocks, page, width = kv_cache.shape
@@ -117,6 +127,25 @@ class MLACacheState:
         self.key = (kv_cache.dtype, tuple(kv_cache.shape[1:]), kv_cache.stride(), kv_cache.data_ptr() % 16 == 0,
                     _int_key(num_blocks))
         self._descriptors: dict[tuple, Any] = {}
+        self._writer: Optional[tuple] = None
+
+    def writer(self) -> tuple:
+        """(key, args, constexprs) of this cache in a launch that writes new tokens into it
+        (:func:`launch_mla_absorb_and_write`), built on first use: its part of the compiled-kernel key, its runtime
+        arguments (the cache, its page and row strides, block size, slot count, its device's fault record) and the
+        constexprs of its dtype (:func:`~attnbackends.mla.cache.cache_dtype_constexprs`)."""
+        w = self._writer
+        if w is None:
+            cache = self.cache
+            faults = fault_record(cache.device)
+            block_size = cache.shape[1]
+            num_slots = self.num_blocks * block_size
+            w = self._writer = (  # num_slots is not specialised on its value, only on its integer width
+                (self.key, num_slots >= 2 ** 31, _ptr_key(faults.record, faults.host_flag)),
+                (cache, self.stride_blk, self.stride_tok, block_size, num_slots, faults.record, faults.host_flag),
+                cache_dtype_constexprs(cache.dtype),
+            )
+        return w
 
     def descriptors(self, kernel: str, kv_lora: int, config: MLADecodeConfig) -> Optional[tuple[Any, Any]]:
         """The TMA descriptors ``kernel`` reads this cache through (None for the pointer kernel), built once."""
@@ -350,7 +379,12 @@ def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: t
 @dataclass
 class MLAAbsorbPlan:
     """One batch's query absorption launch (:func:`plan_mla_absorb`): grid, the planned output buffers and their
-    strides, constexprs and the batch's part of the compiled-kernel key."""
+    strides, constexprs and the batch's part of the compiled-kernel key.
+
+    write_grid, write_slots, write_constexprs, write_key : the same launch writing the T new tokens into the cache
+    too (:func:`launch_mla_absorb_and_write`): its grid, ``(slot_mapping,)``, the batch's constexprs and part of
+    the key (grid None: not planned).
+    """
 
     grid: tuple[int, int, int]
     buffers: tuple  # (ql [T, H, Lkv], q_pe [T, H, R])
@@ -359,35 +393,77 @@ class MLAAbsorbPlan:
     constexprs: tuple
     key: tuple
     num_warps: int = 4
+    write_grid: Optional[tuple[int, int, int]] = None
+    write_slots: tuple = ()
+    write_constexprs: tuple = ()
+    write_key: tuple = ()
 
 
 def plan_mla_absorb(*, num_tokens: int, num_heads: int, nope: int, rope: int, kv_lora: int, ql: torch.Tensor,
-                    q_pe: torch.Tensor) -> MLAAbsorbPlan:
+                    q_pe: torch.Tensor, slot_mapping: Optional[torch.Tensor] = None) -> MLAAbsorbPlan:
     """The launch of :func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel` for ``num_tokens`` decode
     tokens: ql [T, H, Lkv] receives q_nope @ W_UK_T per head and q_pe [T, H, R] a copy of the rotary queries (any
-    strides with a unit last one; the builder's buffers). Host facts only."""
+    strides with a unit last one; the builder's buffers). ``slot_mapping`` ([>= T] int64, the batch's slots):
+    plan the launch that also writes the T new tokens into the cache at these slots
+    (:func:`~attnbackends.mla.projection_kernels._mla_absorb_write_kernel`) too. Host facts only."""
     if ql.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("the MLA absorption writes ql and q_pe with unit stride in the last dimension")
     block_t, block_p, block_l = absorb_blocks(num_tokens, nope, kv_lora)
     strides = (ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1))
     constexprs = (nope, rope, kv_lora, block_t, block_p, block_l, next_power_of_2(rope), is_triton_interpreted())
-    return MLAAbsorbPlan(
-        grid=(num_heads, cdiv(num_tokens, block_t), cdiv(kv_lora, block_l)), buffers=(ql, q_pe),
-        num_tokens=num_tokens, buffer_strides=strides, constexprs=constexprs,
+    grid = (num_heads, cdiv(num_tokens, block_t), cdiv(kv_lora, block_l))
+    plan = MLAAbsorbPlan(
+        grid=grid, buffers=(ql, q_pe), num_tokens=num_tokens, buffer_strides=strides, constexprs=constexprs,
         key=(constexprs, _ptr_key(ql, q_pe), _int_key(num_tokens, *strides)))
+    if slot_mapping is not None:
+        plan.write_grid = (num_heads + 1, grid[1], grid[2])  # the last row of axis 0 writes the tokens
+        plan.write_slots = (slot_mapping,)
+        plan.write_constexprs = constexprs + (next_power_of_2(kv_lora),)
+        plan.write_key = (plan.write_constexprs, _ptr_key(ql, q_pe, slot_mapping), _int_key(num_tokens, *strides))
+    return plan
+
+
+def _absorb_args(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple) -> tuple[tuple, tuple]:
+    """(the queries' part of the key, the absorption's runtime arguments) of a launch of ``plan``."""
+    q_key = tensor_key(q)
+    q_strides = q_key[1]
+    if q_strides[-1] != 1:
+        raise ValueError(f"the MLA absorption needs queries with unit last stride, got strides {q_strides}")
+    return q_key, ((q, w_uk_t) + plan.buffers + (plan.num_tokens, q_strides[0], q_strides[1]) + plan.buffer_strides
+                   + w_state[1])
 
 
 def launch_mla_absorb(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple) -> None:
     """The planned absorption: ql[t, h] = q[t, h, :P] @ w_uk_t[h] and q_pe[t, h] = q[t, h, P:] for the plan's T
     tokens. q : [>= T, H, P + R] in the model dtype, any strides with a unit last one (rows past T are not read);
     w_uk_t : [H, P, Lkv] the layer's weight; w_state : its :func:`weight_launch_state`."""
-    q_key = tensor_key(q)
-    q_strides = q_key[1]
-    if q_strides[-1] != 1:
-        raise ValueError(f"the MLA absorption needs queries with unit last stride, got strides {q_strides}")
-    _ABSORB((plan.key, w_state[0], q_key), plan.grid,
-            (q, w_uk_t) + plan.buffers + (plan.num_tokens, q_strides[0], q_strides[1]) + plan.buffer_strides
-            + w_state[1], plan.constexprs, plan.num_warps, 2)
+    q_key, args = _absorb_args(plan, q, w_uk_t, w_state)
+    _ABSORB((plan.key, w_state[0], q_key), plan.grid, args, plan.constexprs, plan.num_warps, 2)
+
+
+def launch_mla_absorb_and_write(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple,
+                                kv_c: torch.Tensor, k_pe: torch.Tensor, cache: MLACacheState,
+                                k_scale: float) -> None:
+    """:func:`launch_mla_absorb` and, in the same launch, the cache write of the plan's T new tokens (a plan made
+    with ``slot_mapping``): [kv_c[t] ; k_pe[t]] into cache slot ``slot_mapping[t]``, exactly as
+    :func:`~attnbackends.mla.cache.concat_and_cache_mla` writes it (-1 is padding, skipped; a slot outside the
+    cache is skipped and recorded by the page guard, raised here under the interpreter and at the next check point
+    on CUDA).
+
+    kv_c : [>= T, Lkv], k_pe : [>= T, R] in the model dtype, any row strides with a unit last one (rows past T are
+    not read); cache : the :class:`MLACacheState` of the latent cache; k_scale : its fp8 scale (stored =
+    saturate(x / k_scale)), ignored for other cache dtypes.
+    """
+    q_key, args = _absorb_args(plan, q, w_uk_t, w_state)
+    kvc_key, kpe_key = tensor_key(kv_c), tensor_key(k_pe)
+    if kvc_key[1][-1] != 1 or kpe_key[1][-1] != 1:
+        raise ValueError("the MLA cache write needs unit stride in the last dimension of kv_c and k_pe")
+    cache_key, cache_args, cache_constexprs = cache.writer()
+    _ABSORB_WRITE((plan.write_key, w_state[0], q_key, kvc_key, kpe_key, cache_key), plan.write_grid,
+                  args + (kv_c, k_pe, kvc_key[1][0], kpe_key[1][0]) + plan.write_slots + cache_args + (k_scale,),
+                  plan.write_constexprs + cache_constexprs, plan.num_warps, 2)
+    if plan.constexprs[-1]:  # interpreted: the fault record is already written, and reading it costs no sync
+        raise_pending_faults(cache.cache.device)
 
 
 def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:

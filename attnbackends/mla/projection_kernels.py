@@ -4,7 +4,9 @@
 
 The absorption kernel serves small token counts (a cuBLAS call costs more host time than a cached Triton launch,
 and both read the whole W_UK_T): it reads the queries through their strides and writes the absorbed queries and a
-copy of the rotary queries into the builder's buffers, so the decode launch reads planned tensors only.
+copy of the rotary queries into the builder's buffers, so the decode launch reads planned tensors only. In a
+decode-only batch its launch also writes the new tokens' latent vectors into the cache
+(:func:`_mla_absorb_write_kernel`, a slice of programs of its own), which saves the separate cache-write launch.
 
 The up-projection kernel replaces two launches of the decode path (the split reduction, then a batched matmul over
 the heads) by one: each program merges one head's split partials for a block of query tokens into the latent
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..ops.launch_math import next_power_of_2
+from .cache import write_latent_token
 
 __all__ = ["absorb_blocks", "reduce_up_blocks"]
 
@@ -135,6 +138,43 @@ def _mla_reduce_up_kernel(
 
 
 @triton.jit
+def _absorb_tile(
+    h, t_block, l_block, Q, W_UK_T, QL, Q_PE, num_tokens,
+    stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h, stride_w_h, stride_w_p,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, KV_LORA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Head h, query tokens [t_block * BLOCK_T, + BLOCK_T), latent columns [l_block * BLOCK_L, + BLOCK_L) of the
+    absorption (arguments as :func:`_mla_absorb_kernel`); the tiles of latent block 0 also copy the rotary
+    queries. ql is accumulated in float32 and rounded once to the model dtype (as cuBLAS does)."""
+    offs_t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    offs_l = l_block * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_mask = offs_l < KV_LORA
+    q_rows = Q + offs_t * stride_q_t + h * stride_q_h
+    w_head = W_UK_T + h * stride_w_h
+    offs_p0 = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_T, BLOCK_L], dtype=tl.float32)
+    for p0 in range(0, NOPE, BLOCK_P):
+        offs_p = p0 + offs_p0
+        p_mask = offs_p < NOPE
+        q = tl.load(q_rows[:, None] + offs_p[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0)
+        w = tl.load(w_head + offs_p[:, None] * stride_w_p + offs_l[None, :], mask=p_mask[:, None] & l_mask[None, :],
+                    other=0.0)
+        if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: the same products in float32
+            acc += tl.dot(q.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(q, w)
+    tl.store(QL + offs_t[:, None] * stride_ql_t + h * stride_ql_h + offs_l[None, :],
+             _round_to(acc, QL.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & l_mask[None, :])
+    if l_block == 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        tr_mask = t_mask[:, None] & (offs_r < ROPE)[None, :]
+        pe = tl.load(q_rows[:, None] + NOPE + offs_r[None, :], mask=tr_mask, other=0.0)
+        tl.store(Q_PE + offs_t[:, None] * stride_qpe_t + h * stride_qpe_h + offs_r[None, :], pe, mask=tr_mask)
+
+
+@triton.jit
 def _mla_absorb_kernel(
     Q,  # [T, H, NOPE + ROPE] queries, unit last stride
     W_UK_T,  # [H, NOPE, KV_LORA] model dtype, unit last stride
@@ -153,30 +193,63 @@ def _mla_absorb_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Grid (H, cdiv(T, BLOCK_T), cdiv(KV_LORA, BLOCK_L)): head h, query tokens [t0, t0 + BLOCK_T), latent columns
-    [l0, l0 + BLOCK_L). ql is accumulated in float32 and rounded once to the model dtype (as cuBLAS does)."""
+    [l0, l0 + BLOCK_L) (:func:`_absorb_tile`)."""
+    _absorb_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, W_UK_T, QL, Q_PE, num_tokens,
+                 stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h, stride_w_h, stride_w_p,
+                 NOPE, ROPE, KV_LORA, BLOCK_T, BLOCK_P, BLOCK_L, BLOCK_R, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _mla_absorb_write_kernel(
+    Q, W_UK_T, QL, Q_PE,  # as _mla_absorb_kernel
+    num_tokens,
+    stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h,
+    stride_w_h, stride_w_p,
+    KV_C,  # [T, KV_LORA] the new tokens' latent KV (model dtype, unit last stride)
+    K_PE,  # [T, ROPE] their rotary keys
+    stride_kvc_t, stride_kpe_t,
+    SLOTS,  # [>= T] int64 cache slot per token (-1: padding)
+    CACHE,  # [num_blocks, block_size, KV_LORA + ROPE] the latent cache (model dtype or fp8), unit last stride
+    stride_cache_blk, stride_cache_tok, block_size, num_slots,
+    fault_ptr, fault_flag_ptr,  # the device's fault record (ops.page_guard)
+    scale,  # k_scale of an fp8 cache
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+):
+    """The absorption of :func:`_mla_absorb_kernel` and, in the same launch, the cache write of the T new tokens
+    (:func:`~attnbackends.mla.cache.write_latent_token`: the semantics of ``concat_and_cache_mla``).
+
+    Grid (H + 1, cdiv(T, BLOCK_T), cdiv(KV_LORA, BLOCK_L)). Programs (h < H, tb, lb) are the absorption's tiles,
+    unchanged: a head program's only extra work is one scalar comparison. The last row of axis 0 is a slice of
+    programs of its own that only write tokens: program (H, tb, lb) writes the tokens ``tb * BLOCK_T + i`` with
+    ``i`` = lb, lb + cdiv(KV_LORA, BLOCK_L), ... below BLOCK_T and T, so the tokens of a block are spread over the
+    slice's latent-block programs and no head program waits on a write. The write touches only the cache and the
+    absorption only QL and Q_PE: the two parts need no ordering inside the launch, and the decode launch that
+    follows on the stream reads the written tokens."""
     h = tl.program_id(0)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < num_tokens
-    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
-    l_mask = offs_l < KV_LORA
-    q_rows = Q + offs_t * stride_q_t + h * stride_q_h
-    w_head = W_UK_T + h * stride_w_h
-    offs_p0 = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_T, BLOCK_L], dtype=tl.float32)
-    for p0 in range(0, NOPE, BLOCK_P):
-        offs_p = p0 + offs_p0
-        p_mask = offs_p < NOPE
-        q = tl.load(q_rows[:, None] + offs_p[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0)
-        w = tl.load(w_head + offs_p[:, None] * stride_w_p + offs_l[None, :], mask=p_mask[:, None] & l_mask[None, :],
-                    other=0.0)
-        if INTERPRET:  # the interpreter's tl.dot on 16-bit inputs is wrong: the same products in float32
-            acc += tl.dot(q.to(tl.float32), w.to(tl.float32))
-        else:
-            acc += tl.dot(q, w)
-    tl.store(QL + offs_t[:, None] * stride_ql_t + h * stride_ql_h + offs_l[None, :],
-             _round_to(acc, QL.dtype.element_ty, INTERPRET), mask=t_mask[:, None] & l_mask[None, :])
-    if tl.program_id(2) == 0:
-        offs_r = tl.arange(0, BLOCK_R)
-        tr_mask = t_mask[:, None] & (offs_r < ROPE)[None, :]
-        pe = tl.load(q_rows[:, None] + NOPE + offs_r[None, :], mask=tr_mask, other=0.0)
-        tl.store(Q_PE + offs_t[:, None] * stride_qpe_t + h * stride_qpe_h + offs_r[None, :], pe, mask=tr_mask)
+    if h == tl.num_programs(0) - 1:
+        L_BLOCKS: tl.constexpr = (KV_LORA + BLOCK_L - 1) // BLOCK_L
+        t0 = tl.program_id(1) * BLOCK_T
+        for j in range(0, (BLOCK_T + L_BLOCKS - 1) // L_BLOCKS):
+            i = tl.program_id(2) + j * L_BLOCKS
+            t = t0 + i
+            if (i < BLOCK_T) & (t < num_tokens):
+                write_latent_token(t, KV_C, K_PE, CACHE, SLOTS, stride_kvc_t, stride_kpe_t, stride_cache_blk,
+                                   stride_cache_tok, scale, block_size, num_slots, fault_ptr, fault_flag_ptr,
+                                   KV_LORA, ROPE, BLOCK_C, BLOCK_R, IS_FP8, FP8_MAX, FP8_MANT_BITS, FP8_MIN_EXP,
+                                   INTERPRET)
+    else:
+        _absorb_tile(h, tl.program_id(1), tl.program_id(2), Q, W_UK_T, QL, Q_PE, num_tokens,
+                     stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h, stride_w_h,
+                     stride_w_p, NOPE, ROPE, KV_LORA, BLOCK_T, BLOCK_P, BLOCK_L, BLOCK_R, INTERPRET)

@@ -18,7 +18,7 @@ from ..speculative.tree_mask import with_tree_mask
 from .cases import SequenceShape
 from .oracle import draft_visibility
 
-__all__ = ["MLABatch", "make_random_mla_batch", "mla_oracle", "run_mla_backend"]
+__all__ = ["MLABatch", "make_random_mla_batch", "mla_oracle", "poison_unread_slots", "run_mla_backend"]
 
 
 @dataclass
@@ -153,6 +153,21 @@ def mla_oracle(batch: MLABatch) -> torch.Tensor:
         s = s.masked_fill(~visible, float("-inf"))
         outs.append((torch.softmax(s, dim=-1) @ kv[..., p:]).transpose(0, 1))
     return torch.cat(outs)
+
+
+def poison_unread_slots(kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
+    """A copy of ``kv_cache`` [num_blocks, block_size, Lkv + R] with every slot that no request of ``common`` reads
+    (positions at or past its seq_len) set to all-ones bytes: NaN in 16-bit and both fp8 dtypes. A write that lands
+    outside its slots changes them; compare caches bytewise (``.view(torch.uint8)``), NaN being unequal to itself."""
+    num_blocks, block_size, _ = kv_cache.shape
+    table = common.block_table.tolist()
+    read = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for r, n in enumerate(common.seq_lens_cpu[: common.num_reqs].tolist()):
+        for pos in range(n):
+            read[table[r][pos // block_size] * block_size + pos % block_size] = True
+    poisoned = kv_cache.clone()
+    poisoned.view(torch.uint8).view(num_blocks * block_size, -1)[(~read).to(kv_cache.device)] = 0xFF
+    return poisoned
 
 
 def run_mla_backend(

@@ -225,3 +225,66 @@ def test_hopper_kernel_on_nan_slots_and_bad_pages(max_q, num_splits):
     mla_decode_torch(ql, qpe, cache, substituted.cuda(), seq_lens, want, scale=0.0722,
                      query_lens_cpu=torch.full((batch,), max_q, dtype=torch.int32))
     torch.testing.assert_close(out.float(), want, atol=6e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_folded_cache_write_on_gpu(kv_cache_dtype, query_len):
+    """A decode-only triton_mla forward, eager, its cache write folded into the absorption's launch (Lkv 512: four
+    write programs per token block): the cache afterwards bit for bit what ``concat_and_cache_mla`` writes (a token
+    with slot -1 skipped, every slot no request reads keeps its poison), the same cache as the reference backend's,
+    and the output the reference's within the oracle tolerance."""
+    from attnbackends.ops.page_guard import raise_pending_faults
+    from attnbackends.testing.mla import poison_unread_slots
+
+    spec = v3_spec(num_heads=16, kv_cache_dtype=kv_cache_dtype)
+    shapes = [S(query_len, c) for c in (0, 63, 64, 1000, 3001)]
+    batch = make_random_mla_batch(spec, shapes, seed=17 + query_len, device="cuda", pad_tokens=3)
+    n = batch.num_actual_tokens
+    batch.common.slot_mapping[3] = -1
+    batch.kv_cache = poison_unread_slots(batch.kv_cache, batch.common)
+    builder = TritonMLABackend.get_builder_cls()(spec, "cuda")
+    builder.decode_threshold = query_len
+    assert builder.build(batch.common).decode.writes_cache
+    out, cache = run_mla_backend(TritonMLABackend, batch, decode_threshold=query_len)
+    want = batch.kv_cache.clone()
+    concat_and_cache_mla(batch.kv_c[:n], batch.k_pe[:n], want, batch.common.slot_mapping, batch.k_scale)
+    torch.cuda.synchronize()
+    raise_pending_faults("cuda")
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    ref, ref_cache = run_mla_backend(ReferenceMLABackend, batch, decode_threshold=query_len)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    assert_close_to_oracle(out[:n], ref[:n].double(), tolerance_for(spec.torch_dtype, kv_cache_dtype),
+                           what="folded triton_mla against reference_mla")
+    assert torch.isnan(out[n:].float()).all()
+
+
+def test_folded_cache_write_reports_a_bad_slot_on_gpu():
+    """An out-of-range slot in a folded decode-only forward: skipped (the other tokens written, no memory error) and
+    raised at the next check point with the message of the separate write."""
+    from attnbackends.ops.page_guard import PageTableError, raise_pending_faults
+
+    spec = v3_spec(num_heads=16)
+    batch = make_random_mla_batch(spec, [S(1, c) for c in (5, 300, 2000)], seed=19, device="cuda")
+    meta = TritonMLABackend.get_builder_cls()(spec, "cuda").build(batch.common)
+    assert meta.decode.writes_cache
+    num_slots = batch.kv_cache.shape[0] * spec.block_size
+    skipped = batch.common.slot_mapping.clone()
+    skipped[1] = -1
+    meta.slot_mapping[1] = num_slots + 3
+    impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=batch.kv_b_proj)
+    impl.process_weights_after_loading()
+    cache = batch.kv_cache.clone()
+    impl.forward(batch.q, batch.kv_c, batch.k_pe, cache, meta, batch.new_output())
+    torch.cuda.synchronize()
+    with pytest.raises(PageTableError) as folded:
+        raise_pending_faults("cuda")
+    assert f"slot_mapping[1] = {num_slots + 3} is outside the KV cache's {num_slots} slots" in str(folded.value)
+    want = batch.kv_cache.clone()
+    concat_and_cache_mla(batch.kv_c, batch.k_pe, want, skipped)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    concat_and_cache_mla(batch.kv_c, batch.k_pe, batch.kv_cache.clone(), meta.slot_mapping)
+    torch.cuda.synchronize()
+    with pytest.raises(PageTableError) as separate:
+        raise_pending_faults("cuda")
+    assert str(separate.value) == str(folded.value)

@@ -2,6 +2,10 @@
 
 - A forward re-derives nothing: after the first forward of a batch, later forwards plan nothing, choose no kernel
   and build no cache state or descriptor; they launch the write and the decode with the same compiled-kernel keys.
+- A decode-only batch with the Triton absorption writes its new tokens in the absorption's launch (no separate
+  cache-write launch), exactly as ``concat_and_cache_mla`` does: 16-bit and fp8 caches, padding slots skipped, the
+  other slots untouched, an out-of-range slot skipped and raised as the same ``PageTableError``; a batch with
+  prefills, and the bmm absorption, still write through ``concat_and_cache_mla``.
 - :class:`attnbackends.compat.DescriptorLauncher` hands Triton's C launcher the same arguments as Triton's own
   descriptor-encoding wrapper does (checked against Triton's wrapper itself, with a recording launcher).
 - The decode writes the absorbed queries and the latent output through the planned buffers and ``output``'s own
@@ -20,11 +24,12 @@ import torch
 
 from attnbackends import compat
 from attnbackends.mla import backends as mla_backends
+from attnbackends.mla import cache as mla_cache
 from attnbackends.mla import decode_launch
 from attnbackends.mla.backends import TritonMLABackend
 from attnbackends.spec import AttentionSpec
 from attnbackends.testing.cases import SequenceShape
-from attnbackends.testing.mla import make_random_mla_batch, mla_oracle
+from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, poison_unread_slots
 
 pytestmark = pytest.mark.usefixtures("interpret")
 
@@ -56,7 +61,8 @@ class _Counter:
 
 
 def test_forward_decides_nothing(monkeypatch):
-    """Two forwards of one batch: the second plans nothing, builds no cache state and launches the same keys."""
+    """Two forwards of one batch: the second plans nothing, builds no cache state and launches the same keys (the
+    cache write folded into the absorption's launch)."""
     batch = _batch()
     builder = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=2)
     meta = builder.build(batch.common)
@@ -68,14 +74,16 @@ def test_forward_decides_nothing(monkeypatch):
     states = _Counter(decode_launch.MLACacheState)
     monkeypatch.setattr(decode_launch, "MLACacheState", states)
     keys: list = []
-    for name in ("_ABSORB", "_POINTER", "_REDUCE", "_REDUCE_UP"):
+    for name in ("_ABSORB", "_ABSORB_WRITE", "_POINTER", "_REDUCE", "_REDUCE_UP"):
         real = getattr(decode_launch, name)
 
-        def record(key, *rest, _real=real):
-            keys.append(key)
+        def record(key, *rest, _real=real, _name=name):
+            keys.append((_name, key))
             return _real(key, *rest)
 
         monkeypatch.setattr(decode_launch, name, record)
+    writes = _Counter(mla_cache._WRITE)
+    monkeypatch.setattr(mla_cache, "_WRITE", writes)
     kv_cache = batch.kv_cache.clone()
     outs = []
     for _ in range(2):
@@ -84,8 +92,10 @@ def test_forward_decides_nothing(monkeypatch):
         outs.append(out)
     assert all(c.calls == 0 for c in counters.values()), {n: c.calls for n, c in counters.items()}
     assert states.calls == 1  # one cache, its state built once
-    assert len(keys) == 6 and keys[:3] == keys[3:]  # absorption, decode, reduction + up-projection: twice, same keys
+    # absorption with the cache write, decode, split reduction: twice, same keys
+    assert [name for name, _ in keys[:3]] == ["_ABSORB_WRITE", "_POINTER", "_REDUCE"] and keys[:3] == keys[3:]
     assert hash(tuple(keys)) is not None
+    assert writes.calls == 0
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     want = mla_oracle(batch)
     torch.testing.assert_close(outs[1].double(), want, rtol=3e-2, atol=3e-2)
@@ -171,8 +181,9 @@ class _AtenOps:
 def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_projection, num_splits):
     """A decode-only forward whose q and output have exactly the decode rows: no slices, no transposes; each view
     the matmuls and the decode kernel need is one as_strided; the Triton absorption replaces the first matmul and
-    both query views, the fused up-projection the second matmul and its output view: with both, a decode forward
-    runs no torch op at all (launches replaced by recorders)."""
+    both query views and its launch writes the new tokens (no separate cache write), the fused up-projection the
+    second matmul and its output view: with both, a decode forward runs no torch op at all and three launches
+    (launches replaced by recorders)."""
     from attnbackends.mla import common as mla_common
 
     batch = _batch(2)
@@ -181,7 +192,7 @@ def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_proje
     impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
     impl.process_weights_after_loading()
     launches: list = []
-    for name in ("_ABSORB", "_POINTER", "_REDUCE", "_REDUCE_UP"):
+    for name in ("_ABSORB", "_ABSORB_WRITE", "_POINTER", "_REDUCE", "_REDUCE_UP"):
         monkeypatch.setattr(decode_launch, name, lambda key, *rest, _n=name: launches.append(_n))
     monkeypatch.setattr(mla_common, "concat_and_cache_mla", lambda *a, **k: launches.append("write"))
     kv_cache, out = batch.kv_cache.clone(), batch.new_output()
@@ -190,7 +201,8 @@ def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_proje
     with _AtenOps() as rec:
         impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)
     fused, triton_absorb = up_projection == "fused", absorb == "triton"
-    assert launches == (["write"] + (["_ABSORB"] if triton_absorb else []) + ["_POINTER"]
+    # the Triton absorption's launch writes the decode-only batch's new tokens: no separate write
+    assert launches == ((["_ABSORB_WRITE"] if triton_absorb else ["write"]) + ["_POINTER"]
                         + (["_REDUCE_UP"] if fused else ["_REDUCE"] if num_splits > 1 else [])), launches
     want = ([] if triton_absorb else ["as_strided", "bmm", "as_strided"]) + ([] if fused else ["as_strided", "bmm"])
     assert rec.ops == want, rec.ops
@@ -330,3 +342,178 @@ def test_one_plan_serves_several_caches():
     torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=0)
     torch.testing.assert_close(outs[1], fresh, rtol=0, atol=0)
     assert not torch.equal(outs[0], outs[1])
+
+
+# ------------------------------------------------------------------ the cache write folded into the absorption
+
+
+def _same_bytes(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _fold_spec(kv_cache_dtype):
+    return AttentionSpec.mla(4, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                             dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, block_size=16)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_folded_cache_write_equals_concat_and_cache_mla(kv_cache_dtype, query_len):
+    """A decode-only forward whose write is folded into the absorption's launch: the cache afterwards is bit for bit
+    the one ``concat_and_cache_mla`` (its Triton kernel and its torch path) writes, a token with slot -1 is skipped,
+    every slot no request reads keeps its poison, padding rows past T are ignored; the output matches the reference
+    backend's on the same cache."""
+    from attnbackends.mla.cache import concat_and_cache_mla
+    from attnbackends.mla.reference import ReferenceMLABackend
+    from attnbackends.ops.page_guard import raise_pending_faults
+    from attnbackends.testing import assert_close_to_oracle, tolerance_for
+    from attnbackends.testing.mla import run_mla_backend
+
+    spec = _fold_spec(kv_cache_dtype)
+    shapes = [SequenceShape(query_len=query_len, context_len=c) for c in (0, 15, 16, 37)]
+    batch = make_random_mla_batch(spec, shapes, seed=21 + query_len, pad_tokens=2)
+    n = batch.num_actual_tokens
+    batch.common.slot_mapping[2] = -1  # this token's slot is skipped: the decode reads what the cache held there
+    batch.kv_cache = poison_unread_slots(batch.kv_cache, batch.common)
+    kw = dict(builder_kwargs=dict(absorb="triton"), decode_threshold=query_len)
+    meta = TritonMLABackend.get_builder_cls()(spec, "cpu", absorb="triton")
+    meta.decode_threshold = query_len
+    meta = meta.build(batch.common)
+    assert meta.decode.writes_cache and meta.decode.extra["absorb"].write_grid is not None
+    out, cache = run_mla_backend(TritonMLABackend, batch, **kw)
+    for impl in ("triton", "torch"):
+        want = batch.kv_cache.clone()
+        concat_and_cache_mla(batch.kv_c[:n], batch.k_pe[:n], want, batch.common.slot_mapping, batch.k_scale,
+                             impl=impl)
+        assert _same_bytes(cache, want), impl
+    assert not _same_bytes(cache, batch.kv_cache)  # the new tokens were written
+    raise_pending_faults("cpu")  # nothing recorded
+    ref, ref_cache = run_mla_backend(ReferenceMLABackend, batch, decode_threshold=query_len)
+    assert _same_bytes(cache, ref_cache)
+    assert_close_to_oracle(out[:n], ref[:n].double(), tolerance_for(spec.torch_dtype, kv_cache_dtype),
+                           what="folded triton_mla against reference_mla")
+    assert torch.isnan(out[n:].float()).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_tokens", [3, 70])
+def test_absorb_write_kernel_matches_concat_and_cache_mla(cache_dtype, num_tokens):
+    """The absorption launch with the write, on its own: several latent blocks (Lkv 160: the write slice has two
+    programs per token block) and token blocks (70 tokens), kv_c and k_pe read through wider rows, slots -1 and
+    unused slots poisoned; ql and q_pe bit for bit those of the absorption alone, the cache those of
+    ``concat_and_cache_mla``."""
+    from attnbackends.mla.cache import concat_and_cache_mla
+    from attnbackends.mla.decode_launch import (
+        MLACacheState, launch_mla_absorb, launch_mla_absorb_and_write, plan_mla_absorb, weight_launch_state,
+    )
+
+    g = torch.Generator().manual_seed(num_tokens)
+    heads, nope, rope, kv_lora, block_size, k_scale = 2, 16, 16, 160, 8, 0.03
+    q = torch.randn(num_tokens + 2, heads, nope + rope, generator=g).bfloat16()
+    w_uk_t = (torch.randn(heads, nope, kv_lora, generator=g) / nope ** 0.5).bfloat16()
+    wide = torch.randn(num_tokens + 2, kv_lora + rope + 8, generator=g).bfloat16()
+    kv_c, k_pe = wide[:, :kv_lora], wide[:, kv_lora + 8:]  # row stride Lkv + R + 8
+    num_blocks = num_tokens // block_size + 4
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::5] = -1
+    cache = torch.randn(num_blocks, block_size, kv_lora + rope, generator=g).to(cache_dtype)
+    cache.view(torch.uint8).view(num_blocks * block_size, -1)[num_blocks * block_size // 2:] = 0xFF
+    outs = {}
+    for write in (False, True):
+        ql = torch.full((num_tokens, heads, kv_lora), float("nan"), dtype=torch.bfloat16)
+        q_pe = torch.full((num_tokens, heads, rope), float("nan"), dtype=torch.bfloat16)
+        plan = plan_mla_absorb(num_tokens=num_tokens, num_heads=heads, nope=nope, rope=rope, kv_lora=kv_lora, ql=ql,
+                               q_pe=q_pe, slot_mapping=slots)
+        assert plan.write_grid == (heads + 1,) + plan.grid[1:] and plan.grid[2] == 2
+        got = cache.clone()
+        if write:
+            launch_mla_absorb_and_write(plan, q, w_uk_t, weight_launch_state(w_uk_t), kv_c, k_pe,
+                                        MLACacheState(got), k_scale)
+        else:
+            launch_mla_absorb(plan, q, w_uk_t, weight_launch_state(w_uk_t))
+        outs[write] = (ql, q_pe, got)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    assert _same_bytes(outs[False][2], cache)
+    for impl in ("triton", "torch"):
+        want = cache.clone()
+        concat_and_cache_mla(kv_c[:num_tokens], k_pe[:num_tokens], want, slots, k_scale, impl=impl)
+        assert _same_bytes(outs[True][2], want), impl
+
+
+@pytest.mark.parametrize("bad", [-7, "past_the_end"])
+def test_folded_write_raises_a_slot_outside_the_cache(bad):
+    """An out-of-range slot in a folded forward: the same PageTableError as the separate write raises (its Triton
+    kernel and its torch path), the other tokens written, nothing written for the bad one, the fault cleared."""
+    from attnbackends.mla.cache import concat_and_cache_mla
+    from attnbackends.ops.page_guard import PageTableError, raise_pending_faults
+
+    spec = _fold_spec("auto")
+    batch = make_random_mla_batch(spec, [SequenceShape(query_len=1, context_len=c) for c in (5, 30, 17)], seed=31)
+    num_slots = batch.kv_cache.shape[0] * spec.block_size
+    bad_slot = num_slots + 3 if bad == "past_the_end" else bad
+    meta = TritonMLABackend.get_builder_cls()(spec, "cpu").build(batch.common)
+    assert meta.decode.writes_cache
+    good_slots = batch.common.slot_mapping.clone()
+    meta.slot_mapping[1] = bad_slot  # the planned slot mapping, changed after the build (a device-side mistake)
+    impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=batch.kv_b_proj)
+    impl.process_weights_after_loading()
+    cache = batch.kv_cache.clone()
+    with pytest.raises(PageTableError) as folded:
+        impl.forward(batch.q, batch.kv_c, batch.k_pe, cache, meta, batch.new_output())
+    assert f"slot_mapping[1] = {bad_slot} is outside the KV cache's {num_slots} slots" in str(folded.value)
+    raise_pending_faults("cpu")  # raised once
+    for way in ("triton", "torch"):
+        separate = batch.kv_cache.clone()
+        with pytest.raises(PageTableError) as err:
+            concat_and_cache_mla(batch.kv_c, batch.k_pe, separate, meta.slot_mapping, impl=way)
+        assert str(err.value) == str(folded.value), way
+    want = batch.kv_cache.clone()
+    skipped = good_slots.clone()
+    skipped[1] = -1
+    concat_and_cache_mla(batch.kv_c, batch.k_pe, want, skipped, impl="torch")
+    assert _same_bytes(cache, want)
+    # the unfolded forward (bmm absorption) raises the same error
+    unfolded = TritonMLABackend.get_builder_cls()(spec, "cpu", absorb="bmm").build(batch.common)
+    assert not unfolded.decode.writes_cache
+    with pytest.raises(PageTableError) as err:
+        impl.forward(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache.clone(), unfolded, batch.new_output())
+    assert str(err.value) == str(folded.value)
+    batch.common.slot_mapping.copy_(good_slots)
+
+
+def test_cache_write_launch_only_where_not_folded(monkeypatch):
+    """The separate cache write (``concat_and_cache_mla``) runs for a mixed batch, for the bmm absorption and for
+    ``update_kv_cache``, and never in a folded decode-only forward; a decode-only forward without new tokens
+    launches the absorption alone."""
+    from attnbackends.mla import common as mla_common
+
+    launches: list = []
+    for name in ("_ABSORB", "_ABSORB_WRITE"):
+        real = getattr(decode_launch, name)
+        monkeypatch.setattr(decode_launch, name,
+                            lambda key, *rest, _n=name, _real=real: (launches.append(_n), _real(key, *rest)))
+    real_write = mla_common.concat_and_cache_mla
+    monkeypatch.setattr(mla_common, "concat_and_cache_mla",
+                        lambda *a, **k: (launches.append("write"), real_write(*a, **k)))
+    spec = _fold_spec("auto")
+    decodes = [SequenceShape(query_len=1, context_len=c) for c in (4, 20)]
+    cases = [
+        ("decode-only", decodes, {}, True, ["_ABSORB_WRITE"]),
+        ("decode-only, no new tokens", decodes, {}, False, ["_ABSORB"]),
+        ("decode-only, bmm absorption", decodes, dict(absorb="bmm"), True, ["write"]),
+        ("mixed", decodes + [SequenceShape(query_len=5, context_len=3)], dict(prefill_backend="sdpa"), True,
+         ["write", "_ABSORB"]),
+    ]
+    for what, shapes, kw, new_tokens, want in cases:
+        batch = make_random_mla_batch(spec, shapes, seed=41)
+        meta = TritonMLABackend.get_builder_cls()(spec, "cpu", **kw).build(batch.common)
+        assert meta.decode.writes_cache == (want == ["_ABSORB_WRITE"] or want == ["_ABSORB"]), what
+        impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=batch.kv_b_proj)
+        impl.process_weights_after_loading()
+        launches.clear()
+        args = (batch.kv_c, batch.k_pe) if new_tokens else (None, None)
+        impl.forward(batch.q, *args, batch.kv_cache.clone(), meta, batch.new_output())
+        assert launches == want, (what, launches)
+    launches.clear()
+    impl.update_kv_cache(batch.kv_c, batch.k_pe, batch.kv_cache.clone(), batch.common.slot_mapping)
+    assert launches == ["write"]
