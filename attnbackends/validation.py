@@ -570,6 +570,10 @@ def check_unified_attention_args(query, key_cache, value_cache, output, query_st
             raise ValueError(f"workspace must be a SplitKVWorkspace, got {type(workspace).__name__}")
         if partial_out.device != query.device:
             raise ValueError(f"workspace is on {partial_out.device}, expected {query.device}")
+        counters = getattr(workspace, "counters", None)
+        if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+                                     or counters.dim() != 1 or counters.device != query.device):
+            raise ValueError("workspace.counters must be None or a 1-D int32 tensor of zeros on the query's device")
 
 
 def check_varlen_attention_args(query, key, value, output, query_start_loc, max_seq_len, softmax_scale, *,

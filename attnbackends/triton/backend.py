@@ -8,8 +8,9 @@ once and carries it in the metadata as one step plan (:mod:`.step_plan`: which k
 cache is written); :meth:`TritonImpl.forward` checks its inputs and hands the plan to the builder's runner
 (:mod:`.runner`), which issues the launches (:mod:`.launch`, :mod:`.prefill_launch`, :mod:`.prefill_hopper`).
 
-Split-KV decode buffers live in the builder (allocated once), so a pure-decode step can be captured in a CUDA graph
-and replayed with new sequence lengths.
+Split-KV decode buffers (the partials and the segment counters of launches that merge their own segments) live in
+the builder (allocated once), so a pure-decode step can be captured in a CUDA graph and replayed with new sequence
+lengths.
 """
 
 from __future__ import annotations
@@ -363,7 +364,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
     """Runs the batch's step plan (:mod:`.step_plan`, made by the builder) through the builder's runner: the cache
-    write and one unified-attention launch (plus a reduction for split-KV), or the split the builder planned (the
+    write and one unified-attention launch (plus a reduction launch for split-KV beside prefill programs; a
+    decode-only split merges in its own launch), or the split the builder planned (the
     decodes' launch and a prefill kernel, the cache write first, beside or in the kernel) where the forward brings
     the step's keys and values in a layout the prefill kernels' descriptors take."""
 

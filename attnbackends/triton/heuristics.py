@@ -5,7 +5,8 @@ evaluates it in ``build`` (or at CUDA-graph capture) and tests check it on a CPU
 are in ``benchmarks/NOTES.md``.
 
 - unified kernel: :func:`choose_num_kv_splits` (split-KV decode), :func:`pick_kernel_config` (tiles, warps,
-  stages), :func:`deterministic_kernel_config` (the batch-invariant mode's fixed tiles), :data:`MAX_DECODE_TILE_ROWS`;
+  stages), :func:`fused_merge_rows` (the rows a fused split-KV merge takes at once),
+  :func:`deterministic_kernel_config` (the batch-invariant mode's fixed tiles), :data:`MAX_DECODE_TILE_ROWS`;
 - Triton prefill kernel: :func:`default_prefill_config`, :func:`prefill_kernel_pays` (split a batch or not);
 - the device: :func:`device_sm_count`.
 
@@ -30,11 +31,13 @@ __all__ = [
     "KernelConfig",
     "MAX_DECODE_TILE_ROWS",
     "MAX_KV_SPLITS",
+    "MERGE_TILE_VALUES",
     "PrefillConfig",
     "choose_num_kv_splits",
     "default_prefill_config",
     "deterministic_kernel_config",
     "device_sm_count",
+    "fused_merge_rows",
     "pick_kernel_config",
     "prefill_kernel_pays",
 ]
@@ -44,6 +47,9 @@ MAX_KV_SPLITS = 32
 
 #: Most rows (decode query tokens x query heads per KV head) one decode program holds.
 MAX_DECODE_TILE_ROWS = 128
+
+#: Most float32 partial values the fused split-KV merge loads at once (32 registers a thread at 4 warps).
+MERGE_TILE_VALUES = 4096
 
 #: The query length the deterministic mode's fixed tile config is picked for (any batch then uses that config).
 DETERMINISTIC_QUERY_LEN = 64
@@ -157,6 +163,15 @@ def pick_kernel_config(head_size: int, queries_per_kv: int, max_query_len: int, 
     else:
         num_warps, num_stages = 4, (2 if big_head else 3)
     return KernelConfig(decode_block_m, decode_tile_n, block_m, tile_n, num_warps, num_stages)
+
+
+def fused_merge_rows(tile_rows: int, seg_pad: int, head_pad: int) -> int:
+    """Query rows the fused split-KV merge (the last segment program of a decode) merges at once: a power of two, at
+    most ``tile_rows`` (the decode tile's rows, rounded up to a power of two), and as many as keep a step's partials
+    (rows x ``seg_pad`` segments x ``head_pad`` values) within :data:`MERGE_TILE_VALUES`, one row at least."""
+    rows = max(1, MERGE_TILE_VALUES // (seg_pad * head_pad))
+    rows = 1 << (rows.bit_length() - 1)
+    return min(next_power_of_2(tile_rows), rows)
 
 
 def deterministic_kernel_config(spec: AttentionSpec) -> KernelConfig:

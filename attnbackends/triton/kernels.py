@@ -10,8 +10,12 @@ softmax in the log2 domain. Tiles that no mask can touch run without masks; only
 diagonal, sliding-window start, the sequence's last partial tile) pay for them.
 
 Split-KV: with ``NUM_SEGMENTS > 1`` the key range of each program is cut into segments (grid axis 2); each
-writes its normalised partial output and log2-sum-exp to a workspace, and ``_reduce_segments_kernel`` merges
-them. The grid depends only on shapes and host ints, never on ``seq_lens`` values (CUDA-graph safe).
+writes its normalised partial output and log2-sum-exp to a workspace, and the segments are merged either by a
+second launch (``_reduce_segments_kernel``, one program per query row) or, where every program of the launch is a
+decode program (``FUSED_REDUCE``), in the same launch: each (decode, KV head, segment) program takes a ticket from
+a per-(decode, KV head) counter after writing its partials, and the program that draws the last ticket merges the
+segments of its request's rows and resets the counter to 0 (:func:`_merge_when_last`). The grid depends only on
+shapes and host ints, never on ``seq_lens`` values (CUDA-graph safe).
 """
 
 import triton
@@ -280,18 +284,90 @@ def _attend(
             tl.store(partial_lse_ptr + tok_glob * stride_lt + head * stride_lh + segm, lse, mask=row_ok)
 
 
+@triton.jit
+def _merge_rows(
+    output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tok, head, row_ok,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """Merge the ``NUM_SEGMENTS`` (output, log2-sum-exp) partials of a block of query rows and write the rows.
+
+    tok [R] int64: the rows' tokens (batch index); head [R] int32: their query heads; row_ok [R]: rows to write.
+    The partials are read through L2 (``.cg``): in a fused launch other programs wrote them, and this SM's L1 may
+    hold stale lines of them."""
+    offs_s = tl.arange(0, SEG_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_ok = offs_s < NUM_SEGMENTS
+    d_ok = offs_d < HEAD_SIZE
+    lse_ptrs = partial_lse_ptr + (tok * stride_lt + head * stride_lh)[:, None] + offs_s[None, :]
+    lse = tl.load(lse_ptrs, mask=row_ok[:, None] & s_ok[None, :], other=float("-inf"),
+                  cache_modifier=".cg")  # [R, SEG_PAD]
+    p_ptrs = (partial_out_ptr + (tok * stride_pt + head * stride_ph)[:, None, None]
+              + offs_s[None, :, None] * stride_ps + offs_d[None, None, :])
+    parts = tl.load(p_ptrs, mask=row_ok[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # [R, SEG_PAD, HEAD_PAD]
+    out, lse2 = merge_by_lse(parts, lse, True)  # [R, HEAD_PAD], [R]
+    o_ptrs = output_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+    tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        tl.store(lse_out_ptr + head * stride_lse_h + tok, lse2 * LN2, mask=row_ok)
+
+
+@triton.jit
+def _merge_when_last(
+    counter_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr, seq_idx, kv_head,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
+    QPK: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The fused split-KV reduction of decode ``seq_idx`` and ``kv_head``, run by each of its segment programs
+    after its partials are written (whatever it computed or skipped): take a ticket from the counter
+    ``counter_ptr[seq_idx * num_kv_heads + kv_head]`` (int32, 0 before the launch); the program that draws the last
+    merges the request's query tokens x the KV head's ``QPK`` query heads, ``MERGE_ROWS`` rows at a time, and
+    sets the counter back to 0."""
+    # Every warp's partial stores precede the ticket; the ticket's release publishes them at GPU scope.
+    tl.debug_barrier()
+    counter = counter_ptr + seq_idx * tl.num_programs(1) + kv_head
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SEGMENTS - 1:
+        # Every segment has its ticket: nothing else touches the counter in this launch.
+        tl.store(counter, 0)
+        q_start = tl.load(query_start_loc_ptr + seq_idx)
+        q_len = tl.minimum(tl.load(query_start_loc_ptr + seq_idx + 1) - q_start, DECODE_Q)
+        num_rows = q_len * QPK  # rows r = token (r // QPK) x query head (r % QPK), as the decode tile's
+        offs_r = tl.arange(0, MERGE_ROWS)
+        if INTERPRET:
+            r0 = 0
+            while r0 < num_rows:
+                r = r0 + offs_r
+                _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
+                            (q_start + r // QPK).to(tl.int64), kv_head * QPK + r % QPK, r < num_rows,
+                            stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                            stride_lse_h, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, RETURN_LSE)
+                r0 += MERGE_ROWS
+        else:
+            for r0 in range(0, num_rows, MERGE_ROWS):
+                r = r0 + offs_r
+                _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
+                            (q_start + r // QPK).to(tl.int64), kv_head * QPK + r % QPK, r < num_rows,
+                            stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                            stride_lse_h, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, RETURN_LSE)
+
+
 # Values that change from batch to batch, and pointers whose alignment no load depends on, are not specialised:
 # one compiled kernel per layout then serves every batch and can be launched directly (compat.DirectLauncher).
 @triton.jit(
     do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
                        "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh", "stride_lse_h"],
     do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "alibi_ptr",
-                                    "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "k_scale", "v_scale",
-                                    "tree_mask_ptr", "tree_indptr_ptr"],
+                                    "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "counter_ptr", "k_scale",
+                                    "v_scale", "tree_mask_ptr", "tree_indptr_ptr"],
 )
 def _unified_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
-    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, k_scale, v_scale,
+    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, counter_ptr, k_scale, v_scale,
     tree_mask_ptr, tree_indptr_ptr,
     num_seqs, num_decodes,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -304,13 +380,16 @@ def _unified_attention_kernel(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
-    DECODE_Q: tl.constexpr, USE_TREE: tl.constexpr,
+    DECODE_Q: tl.constexpr, USE_TREE: tl.constexpr, FUSED_REDUCE: tl.constexpr, SEG_PAD: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
     """Grid: (num_decodes + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
     NUM_SEGMENTS). Programs below num_decodes take one decode sequence each (query_len <= DECODE_Q: all its
     tokens in one tile, so the sequence's keys are read once); the others map to (sequence, query block) by a
     binary search over query_start_loc. USE_TREE: requests' draft segments follow the packed tree mask
-    (``CommonAttentionMetadata.spec_tree_mask``)."""
+    (``CommonAttentionMetadata.spec_tree_mask``). FUSED_REDUCE (decode programs only, NUM_SEGMENTS > 1): the
+    segments are merged in this launch (:func:`_merge_when_last`, ``counter_ptr``: [>= num_decodes *
+    num_kv_heads] int32 zeros); else with NUM_SEGMENTS > 1 ``_reduce_segments_kernel`` merges them."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     segm = tl.program_id(2)
@@ -343,6 +422,12 @@ def _unified_attention_kernel(
                 QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
                 USE_TREE, INTERPRET)
+        if FUSED_REDUCE:
+            # Outside every condition: each segment program takes its ticket, also where it had no tokens or keys.
+            _merge_when_last(
+                counter_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr, pid,
+                kv_head, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
+                QPK, DECODE_Q, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, MERGE_ROWS, RETURN_LSE, INTERPRET)
     if GENERIC_PATH:
         if pid >= num_decodes:
             # Sequence i >= num_decodes owns query blocks starting at (qsl[i] - qsl[nd]) // BLOCK_Q + (i - nd):
@@ -391,20 +476,8 @@ def _reduce_segments_kernel(
     RETURN_LSE: tl.constexpr,
 ):
     """Grid: (num_tokens, num_heads). Merges the per-segment (output, log2-sum-exp) pairs of one row."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if tok < tl.load(query_start_loc_ptr + num_seqs):
-        offs_s = tl.arange(0, SEG_PAD)
-        offs_d = tl.arange(0, HEAD_PAD)
-        s_ok = offs_s < NUM_SEGMENTS
-        d_ok = offs_d < HEAD_SIZE
-        lse = tl.load(partial_lse_ptr + tok * stride_lt + head * stride_lh + offs_s, mask=s_ok,
-                      other=float("-inf"))  # [SEG_PAD]
-        p_ptrs = (partial_out_ptr + tok * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps
-                  + offs_d[None, :])
-        parts = tl.load(p_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [SEG_PAD, HEAD_PAD]
-        out, lse2 = merge_by_lse(parts, lse, True)
-        tl.store(output_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(output_ptr.dtype.element_ty),
-                 mask=d_ok)
-        if RETURN_LSE:
-            tl.store(lse_out_ptr + head * stride_lse_h + tok, lse2 * LN2)
+    tok = tl.program_id(0).to(tl.int64) + tl.zeros([1], dtype=tl.int64)  # [1]
+    head = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)
+    _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tok, head,
+                tok < tl.load(query_start_loc_ptr + num_seqs), stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+                stride_lt, stride_lh, stride_lse_h, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, RETURN_LSE)

@@ -1,7 +1,8 @@
 """Launching the Triton unified paged-attention kernels: the launch plan, its launch, and the functional API.
 
 ``unified_attention`` runs a whole mixed batch (decodes, prefills, chunked prefills) in one kernel launch, plus
-one reduction launch when split-KV is used. It performs no host-device synchronisation, and allocates nothing
+one reduction launch when split-KV is used beside prefill programs (a decode-only split merges its segments in the
+same launch: :attr:`LaunchPlan.fused_reduce`). It performs no host-device synchronisation, and allocates nothing
 when a :class:`SplitKVWorkspace` is passed, so a decode step can be captured in a CUDA graph: the grid depends
 only on tensor shapes and on host ints fixed at capture (``num_decodes``, ``num_kv_splits``), never on the
 values of ``seq_lens``.
@@ -26,7 +27,14 @@ from ..ops.launch_math import next_power_of_2
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted
 from ..validation import check_return_lse, check_unified_attention_args, check_varlen_attention_args
-from .heuristics import MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, device_sm_count, pick_kernel_config
+from .heuristics import (
+    MAX_KV_SPLITS,
+    KernelConfig,
+    choose_num_kv_splits,
+    device_sm_count,
+    fused_merge_rows,
+    pick_kernel_config,
+)
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
 
 logger = logging.getLogger(__name__)
@@ -56,10 +64,18 @@ class SplitKVWorkspace:
         ``[max_num_tokens, num_heads, max_segments, head_size]`` float32, normalised per-segment outputs.
     partial_lse : torch.Tensor
         ``[max_num_tokens, num_heads, max_segments]`` float32, per-segment log2-sum-exp (``-inf``: no keys).
+    counters : torch.Tensor, optional
+        ``[max_num_tokens * num_heads]`` int32, zero: the segment tickets of a launch that merges its own segments
+        (:attr:`LaunchPlan.fused_reduce`), one per (decode program, KV head) at ``program * num_kv_heads + kv_head``.
+        Zeroed once here; such a launch leaves them zero, so it replays from a CUDA graph without a memset. None:
+        every split launch is followed by the reduction launch.
+
+    One launch at a time may use a workspace (the partials and the counters are per launch).
     """
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    counters: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, max_num_tokens: int, num_heads: int, head_size: int, max_segments: int = MAX_KV_SPLITS,
@@ -72,7 +88,8 @@ class SplitKVWorkspace:
         partial_out = torch.empty(max_num_tokens, num_heads, max_segments, head_size, dtype=torch.float32,
                                   device=device)
         partial_lse = torch.empty(max_num_tokens, num_heads, max_segments, dtype=torch.float32, device=device)
-        return cls(partial_out, partial_lse)
+        counters = torch.zeros(max_num_tokens * num_heads, dtype=torch.int32, device=device)
+        return cls(partial_out, partial_lse, counters)
 
     @property
     def max_num_tokens(self) -> int:
@@ -87,6 +104,10 @@ class SplitKVWorkspace:
         t, h, s, d = self.partial_out.shape
         return num_tokens <= t and num_heads == h and head_size == d and num_segments <= s
 
+    def fits_fused(self, num_decodes: int, num_kv_heads: int) -> bool:
+        """Whether the counters serve a fused launch of ``num_decodes`` decode programs x ``num_kv_heads``."""
+        return self.counters is not None and num_decodes * num_kv_heads <= self.counters.numel()
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Launch plan and launch
@@ -95,7 +116,8 @@ class SplitKVWorkspace:
 UNIFIED_CONSTEXPRS = (
     "QPK", "HEAD_SIZE", "HEAD_PAD", "BLOCK_SIZE", "DECODE_PATH", "DECODE_BLOCK_M", "DECODE_TILE_N", "GENERIC_PATH",
     "BLOCK_Q", "BLOCK_M", "TILE_N", "PAGED", "CAUSAL", "SLIDING_WINDOW", "USE_SOFTCAP", "USE_ALIBI", "USE_SINKS",
-    "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET", "DECODE_Q", "USE_TREE",
+    "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET", "DECODE_Q", "USE_TREE", "FUSED_REDUCE",
+    "SEG_PAD", "MERGE_ROWS",
 )
 REDUCE_CONSTEXPRS = ("HEAD_SIZE", "HEAD_PAD", "NUM_SEGMENTS", "SEG_PAD", "RETURN_LSE")
 
@@ -117,7 +139,10 @@ class LaunchPlan:
     workspace : split-KV partial buffers (``num_kv_splits > 1``), else None.
     partial_strides : (token, head, segment) strides of ``workspace.partial_out`` and (token, head) of
         ``partial_lse``; zeros without split-KV.
-    reduce_grid, reduce_constexprs, reduce_num_warps : the split-KV reduction's launch (grid None: no reduction).
+    fused_reduce : the attention launch merges its own segments (split-KV, every program a decode program, and a
+        workspace with counters for them): no reduction launch.
+    reduce_grid, reduce_constexprs, reduce_num_warps : the split-KV reduction's launch (grid None: no reduction
+        launch, for an unsplit or a fused plan).
     """
 
     grid: tuple[int, int, int]
@@ -129,6 +154,7 @@ class LaunchPlan:
     config: KernelConfig
     workspace: Optional[SplitKVWorkspace]
     partial_strides: tuple[int, int, int, int, int]
+    fused_reduce: bool
     reduce_grid: Optional[tuple[int, int, int]]
     reduce_constexprs: tuple
     reduce_num_warps: int
@@ -155,6 +181,10 @@ def plan_attention(
     ``device`` (not CUDA-graph capturable), and a workspace too small means no split. ``decode_query_len``: the
     longest decode (speculative verify: 1 + draft tokens); a decode program then holds all of a request's query
     tokens x its query heads in one tile. ``use_tree``: the launch takes a packed tree mask.
+
+    A split plan whose programs are all decode programs (``num_decodes == num_seqs``) merges its segments in the
+    attention launch where ``workspace`` has counters for its programs (``fused_reduce``); others plan the
+    reduction launch after it.
     """
     qpk = num_heads // num_kv_heads
     if num_decodes is None:
@@ -187,19 +217,25 @@ def plan_attention(
     programs = (num_decodes if decode_path else 0) + (
         num_tokens // block_q + num_seqs - num_decodes if generic_path else 0)
     head_pad = next_power_of_2(head_size)
+    seg_pad = next_power_of_2(num_kv_splits)
+    decode_q = max(1, decode_query_len)
+    fused_reduce = (num_kv_splits > 1 and decode_path and not generic_path
+                    and workspace.fits_fused(num_decodes, num_kv_heads))
+    merge_rows = fused_merge_rows(qpk * decode_q, seg_pad, head_pad) if fused_reduce else 1
     constexprs = (
         qpk, head_size, head_pad, block_size, decode_path,
-        max(config.decode_block_m, next_power_of_2(qpk * max(1, decode_query_len))),
+        max(config.decode_block_m, next_power_of_2(qpk * decode_q)),
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
-        num_kv_splits, return_lse, is_triton_interpreted(), max(1, decode_query_len), bool(use_tree),
+        num_kv_splits, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), fused_reduce, seg_pad,
+        merge_rows,
     )
-    reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs else None
+    reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs and not fused_reduce else None
     return LaunchPlan(
         grid=(programs, num_kv_heads, num_kv_splits), num_seqs=num_seqs, num_decodes=num_decodes,
         constexprs=constexprs, num_warps=config.num_warps, num_stages=config.num_stages, config=config,
-        workspace=workspace, partial_strides=partial_strides, reduce_grid=reduce_grid,
-        reduce_constexprs=(head_size, head_pad, num_kv_splits, next_power_of_2(num_kv_splits), return_lse),
+        workspace=workspace, partial_strides=partial_strides, fused_reduce=fused_reduce, reduce_grid=reduce_grid,
+        reduce_constexprs=(head_size, head_pad, num_kv_splits, seg_pad, return_lse),
         reduce_num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
     )
 
@@ -243,13 +279,14 @@ def launch_attention(
     workspace = plan.workspace
     partial_out, partial_lse = (workspace.partial_out, workspace.partial_lse) if workspace is not None else (
         dummy, dummy)
+    counters = workspace.counters if plan.fused_reduce else dummy
     scales_are_ptrs = plan.constexprs[17]
     lse_stride_h = return_lse.stride(0) if return_lse is not None else 0
     lse = return_lse if return_lse is not None else dummy
     args = (
         query, key_cache, value_cache, output, block_table, num_blocks, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
-        partial_out, partial_lse, lse,
+        partial_out, partial_lse, lse, counters,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         tree_mask if tree_mask is not None else dummy, tree_indptr if tree_indptr is not None else dummy,
         plan.num_seqs, plan.num_decodes,

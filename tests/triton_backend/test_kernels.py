@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import math  # noqa: E402
+import random  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -20,12 +21,24 @@ from attnbackends.spec import AttentionSpec  # noqa: E402
 from attnbackends.testing import (  # noqa: E402
     SequenceShape,
     assert_close_to_oracle,
+    check_backend_on_batch,
     make_random_batch,
     oracle_attention,
     tolerance_for,
 )
-from attnbackends.triton.heuristics import KernelConfig, choose_num_kv_splits  # noqa: E402
-from attnbackends.triton.launch import SplitKVWorkspace, unified_attention, varlen_attention  # noqa: E402
+from attnbackends.reference.functional import sequence_attention  # noqa: E402
+from attnbackends.speculative.tree_mask import request_tree_mask  # noqa: E402
+from attnbackends.testing.cases import random_tree_parents  # noqa: E402
+from attnbackends.triton.backend import TritonAttentionBackend, TritonMetadataBuilder  # noqa: E402
+from attnbackends.triton.heuristics import KernelConfig, choose_num_kv_splits, fused_merge_rows  # noqa: E402
+from attnbackends.triton.launch import (  # noqa: E402
+    UNIFIED_CONSTEXPRS,
+    SplitKVWorkspace,
+    launch_attention,
+    plan_attention,
+    unified_attention,
+    varlen_attention,
+)
 from attnbackends.validation import check_unified_attention_args  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,6 +158,168 @@ def test_split_kv_mixed_generic_path():
     check(batch, out)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Split-KV decodes merged in the attention launch (the last segment program of each decode and KV head merges)
+# ---------------------------------------------------------------------------------------------------------------
+def plan_fused(spec, batch, num_kv_splits, *, num_tokens=None, return_lse=False, config=None):
+    """The plan of ``batch`` (decodes only) with ``num_kv_splits`` segments, which must merge in its own launch, on a
+    new workspace whose partials are poisoned with NaN (a merge reading a partial no program wrote fails)."""
+    common = batch.common
+    n = common.num_actual_tokens if num_tokens is None else num_tokens
+    workspace = SplitKVWorkspace.allocate(batch.query.shape[0], spec.num_heads, spec.head_size, num_kv_splits,
+                                          device=batch.query.device)
+    workspace.partial_out.fill_(float("nan"))
+    workspace.partial_lse.fill_(float("nan"))
+    decode_q = max(s.query_len for s in batch.shapes)
+    plan = plan_attention(
+        num_tokens=n, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+        block_size=spec.block_size, num_seqs=common.num_reqs, max_query_len=common.max_query_len,
+        max_seq_len=common.max_seq_len, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
+        sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+        use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, return_lse=return_lse,
+        num_decodes=common.num_reqs, num_kv_splits=num_kv_splits, workspace=workspace, config=config,
+        decode_query_len=decode_q, use_tree=common.spec_tree_mask is not None)
+    assert plan.fused_reduce and plan.reduce_grid is None and plan.workspace is workspace
+    assert plan.grid == (common.num_reqs, spec.num_kv_heads, num_kv_splits)
+    return plan
+
+
+def launch_fused(plan, batch, query_start_loc=None, *, return_lse=False):
+    """One launch of ``plan`` into a NaN-poisoned output (and LSE); returns (output, lse or None). The counters are
+    zero again afterwards."""
+    spec, common = batch.spec, batch.common
+    kv = batch.kv_cache
+    out = batch.new_output()
+    lse = torch.full((spec.num_heads, batch.query.shape[0]), float("nan"), device=out.device) if return_lse else None
+    alibi = (torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=out.device)
+             if spec.alibi_slopes is not None else None)
+    tree = common.spec_tree_mask
+    launch_attention(
+        plan, batch.query, kv[:, 0], kv[:, 1], out,
+        common.query_start_loc if query_start_loc is None else query_start_loc, common.seq_lens, common.block_table,
+        spec.softmax_scale, float(spec.logits_soft_cap or 0.0), alibi, batch.sinks, batch.k_scale, batch.v_scale,
+        lse, tree_mask=tree.view(torch.uint8) if tree is not None else None,
+        tree_indptr=common.spec_tree_mask_indptr)
+    assert int(plan.workspace.counters.count_nonzero()) == 0, "the counters must be zero after the launch"
+    return out, lse
+
+
+def reference_lse(batch):
+    """[num_heads, num_actual_tokens] float64 natural-log LSE of every query row (sinks and tree masks included)."""
+    spec = batch.spec
+    lses, start = [], 0
+    for i, (shape, keys, values) in enumerate(zip(batch.shapes, batch.dense_keys, batch.dense_values)):
+        tree = request_tree_mask(batch.common, i)
+        q = batch.query[start:start + shape.query_len].double().cpu()
+        start += shape.query_len
+        _, lse = sequence_attention(
+            q, keys, values, torch.arange(shape.context_len, shape.seq_len), scale=spec.softmax_scale,
+            causal=spec.causal, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+            alibi_slopes=torch.tensor(spec.alibi_slopes) if spec.alibi_slopes is not None else None,
+            sinks=batch.sinks.cpu() if batch.sinks is not None else None, compute_dtype=torch.float64,
+            tree_mask=tree.cpu() if tree is not None else None)
+        lses.append(lse)
+    return torch.cat(lses, dim=1)
+
+
+def check_fused(spec, shapes, num_kv_splits, *, seed, return_lse=False, config=None, logit_magnitude=1.0,
+                tree_parents=None):
+    """A decode-only batch of ``shapes`` through a fused plan, twice, against the oracle (and the reference LSE);
+    returns (plan, batch, output, lse or None) of the first launch."""
+    batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=2, logit_magnitude=logit_magnitude,
+                              tree_parents=tree_parents)
+    reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.common.slot_mapping, batch.k_scale,
+                      batch.v_scale)
+    plan = plan_fused(spec, batch, num_kv_splits, return_lse=return_lse, config=config)
+    out, lse = launch_fused(plan, batch, return_lse=return_lse)
+    check(batch, out, f"fused split-KV x{num_kv_splits}")
+    n = batch.num_actual_tokens
+    if return_lse:
+        assert_close_to_oracle(lse[:, :n], reference_lse(batch), tolerance_for(torch.float32), "lse")
+        assert torch.isnan(lse[:, n:]).all(), "padding rows' LSE must be left untouched"
+    again, lse_again = launch_fused(plan, batch, return_lse=return_lse)  # a replay: the counters start at zero
+    assert torch.equal(again[:n], out[:n]) and torch.isnan(again[n:].float()).all()
+    if return_lse:
+        assert torch.equal(lse_again[:, :n], lse[:, :n])
+    return plan, batch, out, lse
+
+
+# Uneven lengths; S(1, 2): three keys, fewer than one 16-key tile, so every segment but the first is empty.
+UNEVEN_DECODES = [S(1, 70), S(1, 2), S(1, 33), S(1, 0)]
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 4, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (10, 2)])
+def test_fused_split_decode(num_kv_splits, num_heads, num_kv_heads):
+    spec = spec_for(num_heads=num_heads, num_kv_heads=num_kv_heads)
+    check_fused(spec, UNEVEN_DECODES, num_kv_splits, seed=30 + num_kv_splits, config=KernelConfig(decode_tile_n=16))
+
+
+@pytest.mark.parametrize("name,spec_kw,return_lse", [
+    ("window_sinks_lse", dict(sliding_window=20, has_sinks=True), True),
+    ("softcap_alibi_lse", dict(logits_soft_cap=5.0, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), True),
+    ("fp8", dict(kv_cache_dtype="fp8"), False),
+    ("float16_gqa5_lse", dict(num_heads=10, num_kv_heads=2, dtype="float16", has_sinks=True), True),
+])
+def test_fused_split_decode_features(name, spec_kw, return_lse):
+    check_fused(spec_for(**spec_kw), UNEVEN_DECODES, 4, seed=40, return_lse=return_lse, logit_magnitude=3.0,
+                config=KernelConfig(decode_tile_n=16))
+
+
+def test_fused_split_decode_merges_rows_in_several_steps():
+    """Head 128 x 32 segments: the merge takes one row at a time, so each decode's 4 query heads take 4 steps."""
+    spec = spec_for(num_heads=8, num_kv_heads=2, head_size=128, has_sinks=True)
+    assert fused_merge_rows(4, 32, 128) == 1
+    plan = check_fused(spec, [S(1, 40), S(1, 530)], 32, seed=41, return_lse=True)[0]
+    assert plan.constexprs[UNIFIED_CONSTEXPRS.index("MERGE_ROWS")] == 1
+
+
+def test_fused_split_multi_token_tree_decode():
+    """Speculative verify on the decode path: 4 query tokens x 4 query heads per program, a tree over the drafts."""
+    rng = random.Random(5)
+    spec = spec_for(num_heads=8, num_kv_heads=2, num_speculative_tokens=3, speculative_tree=True)
+    shapes = [S(4, 60), S(4, 1), S(4, 25)]
+    trees = [random_tree_parents(rng, 4), [-1, 0, 0, 1], None]
+    check_fused(spec, shapes, 4, seed=42, return_lse=True, tree_parents=trees, config=KernelConfig(decode_tile_n=16))
+
+
+def test_fused_split_decode_empty_request():
+    """A decode program whose request has no query token (a padded CUDA-graph batch) writes nothing, and its segment
+    programs still take their tickets: its counters end at zero and the other requests are merged."""
+    spec = spec_for(num_heads=8, num_kv_heads=2, has_sinks=True)
+    batch = make_random_batch(spec, [S(1, 50), S(1, 17), S(1, 40)], seed=43, device=DEVICE, pad_tokens=1)
+    reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.common.slot_mapping, batch.k_scale,
+                      batch.v_scale)
+    qsl = batch.common.query_start_loc.clone()
+    qsl[-1] = qsl[-2]  # the last request: zero tokens; its row becomes padding
+    plan = plan_fused(spec, batch, 4, num_tokens=2, config=KernelConfig(decode_tile_n=16))
+    out, _ = launch_fused(plan, batch, qsl)
+    full = oracle_attention(batch)
+    assert_close_to_oracle(out[:2], full[:2], tolerance_for(spec.torch_dtype), "fused split-KV, empty request")
+    assert torch.isnan(out[2:].float()).all(), "the empty request's row and the padding must be left untouched"
+
+
+def test_split_plans_merge_in_the_launch_only_for_decode_only_programs():
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=32, block_size=16, kv_fp8=False, causal=True, num_kv_splits=4)
+    ws = SplitKVWorkspace.allocate(16, 8, 32, 4, device=DEVICE)
+    decode_only = plan_attention(num_tokens=3, num_seqs=3, max_query_len=1, max_seq_len=90, workspace=ws, **kw)
+    assert decode_only.fused_reduce and decode_only.reduce_grid is None
+    assert decode_only.constexprs[UNIFIED_CONSTEXPRS.index("FUSED_REDUCE")]
+    mixed = plan_attention(num_tokens=12, num_seqs=3, max_query_len=10, max_seq_len=90, num_decodes=2, workspace=ws,
+                           **kw)
+    assert mixed.num_kv_splits == 4 and not mixed.fused_reduce and mixed.reduce_grid == (12, 8, 1)
+    assert not mixed.constexprs[UNIFIED_CONSTEXPRS.index("FUSED_REDUCE")]
+    no_counters = SplitKVWorkspace(ws.partial_out, ws.partial_lse)
+    plan = plan_attention(num_tokens=3, num_seqs=3, max_query_len=1, max_seq_len=90, workspace=no_counters, **kw)
+    assert not plan.fused_reduce and plan.reduce_grid == (3, 8, 1)
+    few = SplitKVWorkspace(ws.partial_out, ws.partial_lse, ws.counters[:5])  # 3 decodes x 2 KV heads need 6
+    plan = plan_attention(num_tokens=3, num_seqs=3, max_query_len=1, max_seq_len=90, workspace=few, **kw)
+    assert not plan.fused_reduce and plan.reduce_grid == (3, 8, 1)
+    unsplit = plan_attention(num_tokens=3, num_seqs=3, max_query_len=1, max_seq_len=90, workspace=ws,
+                             **{**kw, "num_kv_splits": 1})
+    assert not unsplit.fused_reduce and unsplit.reduce_grid is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="float32 queries are a CPU-interpreter feature")
 def test_float32_query_on_cpu():
     batch, out = run_batch(spec_for(dtype="float32"), MIXED, seed=11, device="cpu")
@@ -219,6 +394,11 @@ def _args():
                 max_query_len=c.max_query_len, max_seq_len=c.max_seq_len, softmax_scale=spec.softmax_scale)
 
 
+def _workspace_with_int64_counters():
+    ws = SplitKVWorkspace.allocate(16, 4, 32, 2, device=DEVICE)
+    return SplitKVWorkspace(ws.partial_out, ws.partial_lse, ws.counters.long())
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda a: a.update(query=a["query"].to(torch.int32)), "query dtype"),
     (lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens"),
@@ -233,6 +413,7 @@ def _args():
     (lambda a: a.update(num_decodes=99), "num_decodes"),
     (lambda a: a.update(max_seq_len=10**6), "max_seq_len"),
     (lambda a: a.update(key_cache=a["key_cache"][:, :8], value_cache=a["value_cache"][:, :8]), "block_size"),
+    (lambda a: a.update(workspace=_workspace_with_int64_counters()), "counters"),
 ])
 def test_validation_errors(change, match):
     a = _args()
@@ -331,3 +512,43 @@ def test_gpu_cuda_graph_decode_replay_with_new_seq_lens():
         p = (torch.einsum("hd,lhd->hl", q, kk) * spec.softmax_scale).softmax(-1)
         refs.append(torch.einsum("hl,lhd->hd", p, vv)[None])
     assert_close_to_oracle(out[:8], torch.cat(refs), tolerance_for(torch.bfloat16), "cuda graph replay")
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_gpu_fused_split_decode_eager_and_graph_replays(kv_dtype):
+    """Split decodes merged in their own launch, where a decode's segment programs finish in any order: against the
+    oracle eagerly, then replayed from a CUDA graph many times, each replay equal to the eager run (a counter left
+    non-zero by one launch would leave rows of the next unwritten: NaN)."""
+    spec = AttentionSpec(**GPU_SPEC, kv_cache_dtype=kv_dtype, has_sinks=True)
+    shapes = [S(1, 1023), S(1, 5000), S(1, 3), S(1, 700), S(1, 0)]
+    for num_kv_splits in (8, 32):
+        plan, batch, out, lse = check_fused(spec, shapes, num_kv_splits, seed=24, return_lse=True)
+        common, kv = batch.common, batch.kv_cache
+        g_out, g_lse = batch.new_output(), torch.full_like(lse, float("nan"))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch_attention(plan, batch.query, kv[:, 0], kv[:, 1], g_out, common.query_start_loc, common.seq_lens,
+                             common.block_table, spec.softmax_scale, 0.0, None, batch.sinks, batch.k_scale,
+                             batch.v_scale, g_lse)
+        n = batch.num_actual_tokens
+        for replay in range(200):
+            g_out.fill_(float("nan"))
+            g_lse.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(g_out[:n], out[:n]) and torch.equal(g_lse[:, :n], lse[:, :n]), f"replay {replay}"
+        assert int(plan.workspace.counters.count_nonzero()) == 0
+
+
+@gpu
+@requires_cuda
+def test_gpu_builder_fuses_the_small_eager_decode():
+    """B=1 decodes over 1024 keys: the builder splits them and merges in the attention launch; through the backend
+    against the oracle."""
+    spec = AttentionSpec(**GPU_SPEC)
+    batch = make_random_batch(spec, [S(1, 1023)], seed=25, device="cuda")
+    plan = TritonMetadataBuilder(spec, "cuda").build(batch.common).plan
+    assert plan.num_kv_splits > 1 and plan.fused_reduce and plan.reduce_grid is None
+    check_backend_on_batch(TritonAttentionBackend, batch)

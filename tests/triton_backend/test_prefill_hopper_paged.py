@@ -144,7 +144,8 @@ def test_decodes_beside_the_paged_kernel_split_their_keys():
     common = _common([(1, 30000), (1, 9000), (2048, 14336)])
     decode_plan, plan = paged.plan_paged_split(fake, common, 2, 2, True)
     splits = choose_num_kv_splits(2, SPEC.num_kv_heads, SPEC.num_heads, 132, 30001)
-    assert splits > 1 and decode_plan.grid == (2, SPEC.num_kv_heads, splits) and decode_plan.reduce_grid is not None
+    assert splits > 1 and decode_plan.grid == (2, SPEC.num_kv_heads, splits)
+    assert decode_plan.fused_reduce and decode_plan.reduce_grid is None  # decodes only: merged in their launch
     assert decode_plan.workspace is fake.workspace and plan.first_seq == 2
     many = _common([(1, 100)] * 48 + [(256, 1024)])
     assert paged.plan_paged_split(fake, many, 48, 48, True)[0].grid[2] == 1

@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
-from attnbackends.triton import prefill_hopper, runner  # noqa: E402
+from attnbackends.triton import launch, prefill_hopper, runner  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
-from attnbackends.triton.launch import plan_attention  # noqa: E402
+from attnbackends.triton.launch import SplitKVWorkspace, plan_attention  # noqa: E402
 from attnbackends.triton.prefill_launch import PrefillPlan, plan_prefill_new_kv  # noqa: E402
 from attnbackends.triton.runner import CacheViews, LayerArgs, TritonStepRunner  # noqa: E402
 from attnbackends.triton.step_plan import (  # noqa: E402
@@ -146,6 +146,50 @@ def test_mixed_batch_on_the_interpreter_splits_when_asked():
     assert step.decode_plan.num_decodes == 2 and step.prefill.plan.first_seq == 2
     assert step.new_kv.kinds() == (K.CACHE_WRITE, K.ATTENTION) and step.new_kv.launches[1].plan is meta.plan
     assert meta.plan.num_decodes == 2 and meta.prefill_split == (step.decode_plan, step.prefill.plan)
+
+
+def _split_builder(**kw):
+    """A CPU builder given an H100's SM count and a split-KV workspace (a CUDA builder allocates one)."""
+    builder = _builder(**kw)
+    builder.num_sms = 132
+    builder.workspace = SplitKVWorkspace.allocate(64, SPEC.num_heads, SPEC.head_size, device="cpu")
+    return builder
+
+
+def test_split_decodes_merge_their_segments_in_their_launch():
+    """A decode-only batch whose keys are split plans no reduction launch: the attention launch merges (the last
+    segment program of each decode and KV head); a batch with prefill programs keeps the reduction launch."""
+    meta = _split_builder().build(_common([(1, 3000), (1, 900)]))
+    plan = meta.plan
+    assert plan.num_kv_splits > 1 and plan.fused_reduce and plan.reduce_grid is None
+    assert plan.constexprs[launch.UNIFIED_CONSTEXPRS.index("FUSED_REDUCE")]
+    kw = dict(num_heads=SPEC.num_heads, num_kv_heads=SPEC.num_kv_heads, head_size=SPEC.head_size, block_size=16,
+              kv_fp8=False, causal=True, workspace=meta.workspace, num_kv_splits=4)
+    with_prefill = plan_attention(num_tokens=41, num_seqs=2, max_query_len=40, max_seq_len=3001, num_decodes=1, **kw)
+    assert with_prefill.num_kv_splits == 4 and not with_prefill.fused_reduce
+    assert with_prefill.reduce_grid == (41, SPEC.num_heads, 1)
+
+
+def test_a_fused_split_plan_issues_one_launch(monkeypatch):
+    """launch_attention issues the attention kernel alone for a fused plan, and the reduction after it otherwise."""
+    issued = []
+    monkeypatch.setattr(launch, "_attention_launcher", lambda key, grid, *a: issued.append(("attention", grid)))
+    monkeypatch.setattr(launch, "_reduce_launcher", lambda key, grid, *a: issued.append(("reduce", grid)))
+    common = _common([(1, 3000), (1, 900)])
+    plan = _split_builder().build(common).plan
+    q, _, _, o, cache = _forward_tensors(common)
+    args = (q, cache[:, 0], cache[:, 1], o, common.query_start_loc, common.seq_lens, common.block_table, 0.1)
+    launch.launch_attention(plan, *args)
+    assert issued == [("attention", plan.grid)]
+    issued.clear()
+    no_counters = SplitKVWorkspace(plan.workspace.partial_out, plan.workspace.partial_lse)
+    two_launches = plan_attention(
+        num_tokens=2, num_heads=SPEC.num_heads, num_kv_heads=SPEC.num_kv_heads, head_size=SPEC.head_size,
+        block_size=16, num_seqs=2, max_query_len=1, max_seq_len=3001, kv_fp8=False, causal=True,
+        num_kv_splits=plan.num_kv_splits, workspace=no_counters)
+    assert not two_launches.fused_reduce
+    launch.launch_attention(two_launches, *args)
+    assert issued == [("attention", two_launches.grid), ("reduce", (2, SPEC.num_heads, 1))]
 
 
 def test_tree_verify_batches_never_split():
