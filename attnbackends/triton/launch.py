@@ -264,18 +264,21 @@ def launch_attention(
         return output
     dummy = output
     paged = block_table is not None
+    # each stride() call is a torch call on every layer's forward: one per tensor, the caches' from cache_key
     if cache_key is None:
         cache_key = (key_cache.dtype, key_cache.stride(), value_cache.stride(), _alignment(key_cache),
                      _alignment(value_cache))
+    k_strides, v_strides = cache_key[1], cache_key[2]
     if paged:
-        stride_kb, stride_ks, stride_kh = key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)
-        stride_vb, stride_vs, stride_vh = value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)
+        stride_kb, stride_ks, stride_kh = k_strides[0], k_strides[1], k_strides[2]
+        stride_vb, stride_vs, stride_vh = v_strides[0], v_strides[1], v_strides[2]
         num_blocks, stride_bt = key_cache.shape[0], block_table.stride(0)
     else:
-        stride_kb, stride_ks, stride_kh = 0, key_cache.stride(0), key_cache.stride(1)
-        stride_vb, stride_vs, stride_vh = 0, value_cache.stride(0), value_cache.stride(1)
+        stride_kb, stride_ks, stride_kh = 0, k_strides[0], k_strides[1]
+        stride_vb, stride_vs, stride_vh = 0, v_strides[0], v_strides[1]
         num_blocks, stride_bt = 1, 0
         block_table = seq_lens = dummy
+    q_strides, o_strides = query.stride(), output.stride()
     workspace = plan.workspace
     partial_out, partial_lse = (workspace.partial_out, workspace.partial_lse) if workspace is not None else (
         dummy, dummy)
@@ -290,17 +293,18 @@ def launch_attention(
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         tree_mask if tree_mask is not None else dummy, tree_indptr if tree_indptr is not None else dummy,
         plan.num_seqs, plan.num_decodes,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        q_strides[0], q_strides[1], o_strides[0], o_strides[1],
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         *plan.partial_strides, lse_stride_h, softmax_scale, logits_soft_cap,
     )
+    out_aligned = _alignment(output)
     key = (plan.constexprs, plan.num_warps, plan.num_stages, query.dtype, output.dtype, block_table.dtype,
-           _alignment(query), _alignment(output), cache_key)
+           _alignment(query), out_aligned, cache_key)
     _attention_launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
-        args = (output, partial_out, partial_lse, lse, query_start_loc, plan.num_seqs, output.stride(0),
-                output.stride(1), *plan.partial_strides, lse_stride_h)
-        key = (plan.reduce_constexprs, plan.reduce_num_warps, output.dtype, _alignment(output))
+        args = (output, partial_out, partial_lse, lse, query_start_loc, plan.num_seqs, o_strides[0], o_strides[1],
+                *plan.partial_strides, lse_stride_h)
+        key = (plan.reduce_constexprs, plan.reduce_num_warps, output.dtype, out_aligned)
         _reduce_launcher(key, plan.reduce_grid, args, plan.reduce_constexprs, plan.reduce_num_warps, 2)
     return output
 
