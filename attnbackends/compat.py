@@ -20,7 +20,7 @@ import importlib.metadata
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -31,6 +31,7 @@ from . import platform as _platform
 __all__ = [
     "DescriptorLauncher",
     "DirectLauncher",
+    "PreparedLaunch",
     "PRIVATE_SURFACES",
     "PrivateSurface",
     "cuda_sleep",
@@ -43,6 +44,7 @@ __all__ = [
     "import_flashinfer",
     "flashinfer_jit_generators",
     "gluon_available",
+    "launch_prepared",
     "package_version",
     "surface_unsupported_reason",
 ]
@@ -546,6 +548,24 @@ def _raw_descriptor_launch(compiled: Any, positions: tuple[int, ...]) -> tuple[O
     return (raw, base, tuple(metas)), None
 
 
+class PreparedLaunch(NamedTuple):
+    """A cached launch whose arguments are fixed (:meth:`DescriptorLauncher.prepare`): the C launcher, the
+    arguments it takes before the kernel's, and the kernel's own (descriptors encoded, constexprs appended)."""
+
+    run: Callable[..., Any]
+    head: tuple
+    tail: tuple
+
+
+def launch_prepared(prepared: PreparedLaunch, grid: tuple[int, int, int]) -> bool:
+    """Launch ``prepared`` over ``grid`` on the current CUDA stream; False (nothing launched) where a Triton launch
+    hook is installed, which only a launch through :class:`DescriptorLauncher` calls."""
+    if _launch_hooks_set():
+        return False
+    prepared.run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *prepared.head, *prepared.tail)
+    return True
+
+
 class DescriptorLauncher(DirectLauncher):
     """:class:`DirectLauncher` for kernels that take host TMA descriptors (Triton's ``TensorDescriptor`` or
     Gluon's) at argument ``descriptor_positions``, or that declare ``num_warps`` as a constexpr parameter (Gluon).
@@ -585,6 +605,21 @@ class DescriptorLauncher(DirectLauncher):
             at = pos + 1
         final += args[at:]
         return final
+
+    def prepare(self, key: Hashable, args: tuple, constexprs: tuple) -> Optional["PreparedLaunch"]:
+        """The launch of compiled kernel ``key`` with these ``args`` and ``constexprs`` worked out once, for
+        arguments that do not change between calls (the same tensors, descriptors and numbers): run it with
+        :func:`launch_prepared`. None where the kernel is not compiled through this launcher yet (launch it once
+        first) or launches through the JIT."""
+        raw = self._raw.get(key)
+        if raw is not None:
+            encoded = self.encoded_args(key, args, raw[2])
+            return PreparedLaunch(raw[0], tuple(raw[1]), tuple(encoded) + tuple(constexprs))
+        entry = self._compiled.get(key)
+        if entry is not None:
+            run, function, packed = entry
+            return PreparedLaunch(run, (function, packed, None, None, None), tuple(args) + tuple(constexprs))
+        return None
 
     def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, constexprs: tuple,
                  num_warps: int, num_stages: int) -> None:

@@ -36,6 +36,24 @@ def test_an_installed_launch_hook_is_seen():
         hook.remove(noop)
 
 
+def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
+    """DescriptorLauncher.prepare on a compiled (descriptor-free) kernel: launch_prepared hands its C launcher the
+    arguments a cached launch does; nothing is prepared before the first launch, nothing launched under a hook."""
+    received: list = []
+    launcher = compat.DescriptorLauncher(lambda: None, ("C",))
+    monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 77)
+    monkeypatch.setattr(compat, "_current_device", lambda: 0)
+    args = (torch.zeros(2), 3, 0.5)
+    assert launcher.prepare("k", args, (16,)) is None
+    launcher._compiled["k"] = (lambda *a: received.append(a), "function", ("packed",))
+    launcher("k", (3, 1, 2), args, (16,), 4, 2)
+    prepared = launcher.prepare("k", args, (16,))
+    assert compat.launch_prepared(prepared, (3, 1, 2))
+    assert len(received) == 2 and received[1] == received[0]
+    monkeypatch.setattr(compat, "_launch_hooks_set", lambda: True)
+    assert not compat.launch_prepared(prepared, (3, 1, 2)) and len(received) == 2
+
+
 @pytest.mark.gpu
 def test_triton_forward_launches_directly_after_the_first_call():
     case = conformance_cases("bfloat16", 128, 16)[0]

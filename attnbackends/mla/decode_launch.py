@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import DescriptorLauncher
+from ..compat import DescriptorLauncher, launch_prepared
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.page_guard import fault_record, raise_pending_faults
 from ..ops.quant import FP8_DTYPES
@@ -233,8 +233,9 @@ class MLADecodePlan:
     up_num_warps: int = 4
     replan: dict = field(default_factory=dict, repr=False)  # plan_mla_decode's arguments (for the fallback)
     _pointer_plan: Optional["MLADecodePlan"] = field(default=None, repr=False)
-    # launches whose queries are planned buffers too, per cache: (cache, q_nope, q_pe, scales, launch)
+    # launches whose queries are planned buffers too, per cache: [cache, q_nope, q_pe, scales, launch, prepared]
     _launches: dict = field(default_factory=dict, repr=False)
+    _reduce_prepared: Any = field(default=None, repr=False)  # the split reduction's PreparedLaunch
 
     @property
     def is_noop(self) -> bool:
@@ -522,19 +523,26 @@ def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Ten
     if plan.grid[1] == 0:
         return plan.output
     if q_nope_key is not None and q_pe_key is not None:
-        # every argument is planned or the cache's: the launch is worked out once per cache and batch
+        # every argument is planned or the cache's: the launch is worked out once per cache and batch, and after
+        # its first launch prepared (the C launcher's arguments fixed: launch_prepared)
         hit = plan._launches.get(id(cache))
         if (hit is None or hit[0] is not cache or hit[1] is not q_nope or hit[2] is not q_pe
                 or hit[3] != (qk_scale_log2, v_scale)):
-            hit = plan._launches[id(cache)] = (cache, q_nope, q_pe, (qk_scale_log2, v_scale), decode_launch_args(
-                plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key))
+            hit = plan._launches[id(cache)] = [cache, q_nope, q_pe, (qk_scale_log2, v_scale), decode_launch_args(
+                plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key), None]
         launcher, key, args, plan = hit[4]
+        if hit[5] is None or not launch_prepared(hit[5], plan.grid):
+            launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
+            hit[5] = launcher.prepare(key, args, plan.constexprs)
     else:
         launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale,
                                                        q_nope_key, q_pe_key)
-    launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
+        launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
-        _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)
+        # every argument of the split reduction is planned
+        if plan._reduce_prepared is None or not launch_prepared(plan._reduce_prepared, plan.reduce_grid):
+            _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)
+            plan._reduce_prepared = _REDUCE.prepare(plan.reduce_key, plan.reduce_args, plan.reduce_constexprs)
     return plan.output
 
 def mla_decode(

@@ -74,14 +74,21 @@ def test_forward_decides_nothing(monkeypatch):
     states = _Counter(decode_launch.MLACacheState)
     monkeypatch.setattr(decode_launch, "MLACacheState", states)
     keys: list = []
+    class Recorder:
+        """A launcher that records the keys it launches (prepare: the real one's; None under the interpreter)."""
+
+        def __init__(self, real, name):
+            self.real, self.name = real, name
+
+        def __call__(self, key, *rest):
+            keys.append((self.name, key))
+            return self.real(key, *rest)
+
+        def prepare(self, *a):
+            return self.real.prepare(*a)
+
     for name in ("_ABSORB", "_ABSORB_WRITE", "_POINTER", "_REDUCE", "_REDUCE_UP"):
-        real = getattr(decode_launch, name)
-
-        def record(key, *rest, _real=real, _name=name):
-            keys.append((_name, key))
-            return _real(key, *rest)
-
-        monkeypatch.setattr(decode_launch, name, record)
+        monkeypatch.setattr(decode_launch, name, Recorder(getattr(decode_launch, name), name))
     writes = _Counter(mla_cache._WRITE)
     monkeypatch.setattr(mla_cache, "_WRITE", writes)
     kv_cache = batch.kv_cache.clone()
@@ -114,8 +121,9 @@ def test_decode_plan_buffers_are_views_without_copies():
     assert extra["plan"].output.data_ptr() == extra["latent"].data_ptr()
 
 
-def test_descriptor_launcher_passes_what_tritons_wrapper_passes():
-    """The encoded-once launch gives Triton's C launcher exactly the arguments Triton's own wrapper gives it."""
+def test_descriptor_launcher_passes_what_tritons_wrapper_passes(monkeypatch):
+    """The encoded-once launch, and the same launch prepared, give Triton's C launcher exactly the arguments
+    Triton's own wrapper gives it."""
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -140,6 +148,13 @@ def test_descriptor_launcher_passes_what_tritons_wrapper_passes():
     for _ in range(2):  # the second launch uses the encodings of the first
         raw[0](2, 3, 4, 99, *raw[1], *launcher.encoded_args("k", args, raw[2]), 16)
     assert received[1] == received[0] and received[2] == received[0]
+    # the same launch prepared once (launch_prepared on the current stream)
+    launcher._raw["k"] = raw
+    prepared = launcher.prepare("k", args, (16,))
+    monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 99)
+    monkeypatch.setattr(compat, "_current_device", lambda: 0)
+    assert compat.launch_prepared(prepared, (2, 3, 4)) and received[3] == received[0]
+    assert launcher.prepare("not compiled", args, (16,)) is None
     assert compat._raw_descriptor_launch(compiled, (1,))[0] is None  # positions must match the signature's
 
 
@@ -192,8 +207,20 @@ def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_proje
     impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
     impl.process_weights_after_loading()
     launches: list = []
+    class Stub:
+        """A launcher that launches nothing and has nothing prepared."""
+
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, key, *rest):
+            launches.append(self.name)
+
+        def prepare(self, *a):
+            return None
+
     for name in ("_ABSORB", "_ABSORB_WRITE", "_POINTER", "_REDUCE", "_REDUCE_UP"):
-        monkeypatch.setattr(decode_launch, name, lambda key, *rest, _n=name: launches.append(_n))
+        monkeypatch.setattr(decode_launch, name, Stub(name))
     monkeypatch.setattr(mla_common, "concat_and_cache_mla", lambda *a, **k: launches.append("write"))
     kv_cache, out = batch.kv_cache.clone(), batch.new_output()
     impl.forward(batch.q, batch.kv_c, batch.k_pe, kv_cache, meta, out)  # first call: full validation
