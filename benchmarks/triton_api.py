@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON rows to write (PERF.md format)")
     ap.add_argument("--quick", action="store_true", help="host overhead and eager decode rows only")
     ap.add_argument("--mixed", action="store_true", help="the mixed-step rows only")
+    ap.add_argument("--split-sweep", action="store_true", help="small eager decodes at each split-KV count")
     ap.add_argument("--profile", action="store_true", help="print where the host time of one forward goes")
     ap.add_argument("--prefill-sweep", action="store_true", help="time the prefill kernel's tile configs only")
     ap.add_argument("--paged-rows", action="store_true",
@@ -274,6 +275,8 @@ def main(argv=None) -> int:
         return write_sweep(row, diff)
     if args.mixed:
         return mixed_rows(row, diff)
+    if args.split_sweep:
+        return split_sweep(row, diff)
 
     # Host time per call, GPU idle (tiny decode).
     b = Batch([(1, 15)])
@@ -374,6 +377,35 @@ def main(argv=None) -> int:
         del b
 
     return mixed_rows(row, diff)
+
+
+SPLIT_SWEEP_SHAPES = [(1, 1024), (1, 4096), (4, 1024), (1, 16384), (2, 8192), (8, 4096), (16, 4096), (32, 2048)]
+SPLIT_SWEEP = [1, 2, 4, 8, 16, 32]
+
+
+def split_sweep(row, diff) -> int:
+    """Small eager decodes at each split-KV count (the builder's choice replaced; one launch, the merge in it),
+    against FlashInfer's decode on the same cache: ``decode_split_sweep`` rows (``chosen``: the builder's own)."""
+    from unittest import mock
+
+    from attnbackends.triton import backend as triton_backend
+
+    for B, L in SPLIT_SWEEP_SHAPES:
+        b = Batch([(1, L - 1)] * B)
+        fi, fi_out = flashinfer_decode(b)
+        fi()
+        peer = do_bench_us(fi)
+        chosen = b.metadata.plan.grid[2]
+        for splits in SPLIT_SWEEP:
+            with mock.patch.object(triton_backend, "choose_num_kv_splits", lambda *a, _s=splits, **k: _s):
+                b.metadata = b.builder.build(b.common)
+            fn = b.triton()
+            b.out.fill_(float("nan"))
+            fn()
+            row("decode_split_sweep", B, L, do_bench_us(fn), peer, splits=b.metadata.plan.grid[2], chosen=chosen,
+                fused_merge=b.metadata.plan.fused_reduce, max_abs_diff=diff(b.out, fi_out))
+        del b
+    return 0
 
 
 def mixed_rows(row, diff) -> int:

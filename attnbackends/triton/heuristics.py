@@ -15,7 +15,6 @@ The write-beside rule (SMs a Gluon prefill leaves to the cache write) has its mo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -76,14 +75,16 @@ def device_sm_count(device: torch.device) -> int:
 # --------------------------------------------------------------------------------------------------------------
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int,
                          max_seq_len: Optional[int] = None, *, max_query_len: int = 1,
-                         max_splits: int = MAX_KV_SPLITS, min_keys_per_split: int = 128,
-                         programs_per_sm: int = 3) -> int:
+                         max_splits: int = MAX_KV_SPLITS, min_keys_per_split: int = 64,
+                         programs_per_sm: int = 2) -> int:
     """Number of KV segments per (sequence, KV head) for split-KV decode; 1 means no split.
 
     Pure Python, so it can be evaluated once at CUDA-graph capture and unit-tested on a CPU. A program owns one
     KV head of one sequence (its ``num_heads // num_kv_heads`` query heads are packed into one tile), so a
     decode batch launches ``num_seqs * num_kv_heads`` programs; when that is under ``programs_per_sm`` programs
-    per SM the key range is cut so the memory system gets enough loads in flight. The result is a power of two
+    per SM the key range is cut so the memory system gets enough loads in flight, into the largest power of two
+    of segments that keeps the programs at or under that many per SM (the split launch merges its segments itself:
+    past one to two programs per SM the merge's wait costs more than the loads gain). The result is a power of two
     (few compiled variants), at most ``max_splits``, and leaves at least ``min_keys_per_split`` keys of
     ``max_seq_len`` (when given) to each segment. Batches with long queries (``max_query_len > 16``) already
     have enough programs and never split.
@@ -98,7 +99,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_heads: int, num_s
     target = programs_per_sm * num_sms
     if programs >= target:
         return 1
-    splits = next_power_of_2(math.ceil(target / programs))
+    splits = target // programs
     if max_seq_len is not None:
         splits = min(splits, max(1, max_seq_len // max(1, min_keys_per_split)))
     splits = min(splits, max(1, max_splits))

@@ -369,12 +369,15 @@ def test_choose_num_kv_splits():
     assert choose_num_kv_splits(256, 8, 32, 132, 2048) == 1
     # One sequence: split, capped by the keys available and by max_splits.
     assert choose_num_kv_splits(1, 8, 32, 132, 16384) == 32
-    assert choose_num_kv_splits(1, 8, 32, 132, 1024) == 8
-    assert choose_num_kv_splits(1, 8, 32, 132, 1024, min_keys_per_split=64) == 16
+    assert choose_num_kv_splits(1, 8, 32, 132, 1024) == 16
+    assert choose_num_kv_splits(1, 8, 32, 132, 1024, min_keys_per_split=128) == 8
     assert choose_num_kv_splits(1, 8, 32, 132, 100) == 1
-    assert choose_num_kv_splits(1, 8, 32, 132, 300) == 2
+    assert choose_num_kv_splits(1, 8, 32, 132, 300) == 4
     assert choose_num_kv_splits(1, 8, 32, 132, 16384, max_splits=8) == 8
-    assert choose_num_kv_splits(16, 8, 32, 132, 4096) == 4
+    # Programs at or under two per SM: 4 x 8 programs take 8 segments, 16 x 8 take 2, 33 x 8 none.
+    assert choose_num_kv_splits(4, 8, 32, 132, 1024) == 8
+    assert choose_num_kv_splits(16, 8, 32, 132, 4096) == 2
+    assert choose_num_kv_splits(33, 8, 32, 132, 4096) == 1
     # Prefill-heavy batches never split; results are powers of two.
     assert choose_num_kv_splits(1, 8, 32, 132, 8192, max_query_len=512) == 1
     for b in range(1, 300, 7):
