@@ -131,7 +131,7 @@ def test_tune_times_whole_steps_and_reports_per_layer(monkeypatch):
     monkeypatch.setattr(impl_cls, "forward", counting_forward)
     monkeypatch.setattr(tune_timing, "time_us", lambda fn, device: (fn(), 120.0)[1])
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float32")
-    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], layers_per_step=3)
+    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], layers_per_step=3, rounds=1)
     shapes = len(GRIDS["tiny"])
     assert profile.layers_per_step == 3 and profile.errors == {}
     assert all(t == pytest.approx(40.0) for t in profile.times_us["reference"].values())
@@ -139,6 +139,40 @@ def test_tune_times_whole_steps_and_reports_per_layer(monkeypatch):
     assert len({id(c) for c in calls["build"]}) == len(calls["build"])  # a fresh metadata object every step
     with pytest.raises(ValueError, match="layers_per_step"):
         run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], layers_per_step=0)
+
+
+def test_tune_keeps_each_pairs_fastest_round_and_rotates_the_order(monkeypatch):
+    """Every (candidate, shape) is timed once per round, rounds start at different pairs, and the profile holds
+    each pair's fastest round (a host that slows down during the tune does not decide the ranking)."""
+    from attnbackends.selection import tune_timing
+
+    real_batch_for = tune_timing.batch_for
+
+    def tagged_batch_for(spec, shape, device, seed=0):
+        batch = real_batch_for(spec, shape, device, seed)
+        batch.common.tune_label = shape.label  # read back from the timed step's closure below
+        return batch
+
+    timed: list = []
+
+    def fake_time_us(fn, device):
+        batch = next(c.cell_contents for c in fn.__closure__ if hasattr(c.cell_contents, "common"))
+        us = 100.0 + (len(timed) * 37) % 11  # a host whose speed wanders
+        timed.append((batch.common.tune_label, us))
+        return us
+
+    monkeypatch.setattr(tune_timing, "batch_for", tagged_batch_for)
+    monkeypatch.setattr(tune_timing, "time_us", fake_time_us)
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float32")
+    profile = run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], layers_per_step=1, rounds=3)
+    labels = [shape.label for shape in GRIDS["tiny"]]
+    assert sorted(label for label, _ in timed) == sorted(labels * 3)
+    firsts = [timed[r * len(labels)][0] for r in range(3)]
+    assert len(set(firsts)) > 1 or len(labels) == 1  # each round starts elsewhere
+    for label in labels:
+        assert profile.times_us["reference"][label] == min(us for lab, us in timed if lab == label)
+    with pytest.raises(ValueError, match="rounds"):
+        run_tune(spec, DeviceInfo.cpu(), grid="tiny", candidates=["reference"], rounds=0)
 
 
 def test_explain_cli_shows_the_measured_table(tmp_path, capsys):

@@ -15,7 +15,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> None:
-    from ..selection.tune_timing import LAYERS_PER_STEP
+    from ..selection.tune_timing import LAYERS_PER_STEP, TUNE_ROUNDS
 
     tune = sub.add_parser("tune", help="time every fitting backend and phase composition here; store the profile")
     add_spec_arguments(tune)
@@ -25,6 +25,8 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     tune.add_argument("--layers-per-step", type=int, default=LAYERS_PER_STEP,
                       help="layers sharing one build() in a timed step (the model's layer count weighs the build as "
                            "serving does)")
+    tune.add_argument("--rounds", type=int, default=TUNE_ROUNDS,
+                      help="rounds over every (candidate, shape); each keeps its fastest (host speed drifts)")
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                   "machine)")
     start = time.perf_counter()
     profile = run_tune(spec, device, grid=args.grid, candidates=candidates,
-                       layers_per_step=args.layers_per_step)
+                       layers_per_step=args.layers_per_step, rounds=args.rounds)
     console.print(f"timed in {time.perf_counter() - start:.1f} s")
     if device.is_cuda:
         path = profile.save(default_profile_dir(config))

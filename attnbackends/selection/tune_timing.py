@@ -7,7 +7,9 @@ writes the step's new keys and values into the cache, then attends: a backend th
 its per-layer cost with the build shared out, so a composition pays for its second build and a backend whose
 ``plan()`` is slow pays for it, as they do in a served model. Timing is ``triton.testing.do_bench`` (median, on
 CUDA) or a wall-clock loop (on the CPU, for smoke runs). The first call of each (candidate, shape) is timed apart and
-logged: that is where kernels compile.
+logged: that is where kernels compile. Every (candidate, shape) is timed in ``rounds`` rounds, each round going over
+all of them in a rotated order, and keeps its fastest round: steps of few tokens are host-bound, and a host's speed
+drifts over seconds, so one pass would rank candidates by when they were timed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .phased import phased_name
 from .registry import backend_names, get_backend_class, priority_list
 from .tuning import Profile, environment_key
 
-__all__ = ["GRIDS", "LAYERS_PER_STEP", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch",
+__all__ = ["GRIDS", "LAYERS_PER_STEP", "TUNE_ROUNDS", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch",
            "tune_candidates"]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class TuneShape:
 
 #: Layers sharing one ``build()`` in a timed step (the layer count of a 7-8B model's attention).
 LAYERS_PER_STEP = 32
+#: Rounds over every (candidate, shape) in a tune; each keeps its fastest round.
+TUNE_ROUNDS = 3
 
 #: The shapes a profile is measured on: decode-only and prefill-only steps, and the mixed steps of serving traffic
 #: (decodes beside prompt chunks on cached context: a chat turn's short chunk on a long conversation, a long
@@ -189,14 +193,17 @@ def _progress(items: list, desc: str) -> Iterable:
 
 def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: str = "small",
              candidates: Optional[Sequence[str]] = None, seed: int = 0,
-             layers_per_step: int = LAYERS_PER_STEP) -> Profile:
+             layers_per_step: int = LAYERS_PER_STEP, rounds: int = TUNE_ROUNDS) -> Profile:
     """Time ``candidates`` (default: :func:`tune_candidates`) on the grid's shapes, one engine step of
-    ``layers_per_step`` layers per timing (see the module docstring); returns the profile (unsaved) with µs per layer."""
+    ``layers_per_step`` layers per timing, the fastest of ``rounds`` rounds (see the module docstring); returns the
+    profile (unsaved) with µs per layer."""
     device = device or DeviceInfo.current()
     if grid not in GRIDS:
         raise ValueError(f"grid {grid!r} is unknown; allowed: {', '.join(GRIDS)}")
     if layers_per_step < 1:
         raise ValueError(f"layers_per_step must be >= 1, got {layers_per_step}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     shapes = GRIDS[grid]
     names = list(candidates) if candidates is not None else tune_candidates(spec, device)
     if not names:
@@ -205,10 +212,16 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
     batches = {shape.label: batch_for(spec, shape, torch_device, seed) for shape in shapes}
     times: dict[str, dict[str, Optional[float]]] = {name: {} for name in names}
     errors: dict[str, str] = {}
-    runs = [(name, shape) for name in names for shape in shapes]
-    logger.info("tuning %d candidates on %d shapes: %s", len(names), len(shapes), ", ".join(names))
+    pairs = [(name, shape) for name in names for shape in shapes]
+    # round r starts r * len(pairs) // rounds pairs later: no pair is always timed at the same point of a round
+    runs = [pairs[(j + r * len(pairs) // rounds) % len(pairs)] for r in range(rounds) for j in range(len(pairs))]
+    logger.info("tuning %d candidates on %d shapes, %d rounds: %s", len(names), len(shapes), rounds,
+                ", ".join(names))
     objects: dict[str, tuple] = {}
+    failed: set[tuple[str, str]] = set()
     for i, (name, shape) in enumerate(_progress(runs, "attnbackends tune")):
+        if (name, shape.label) in failed:
+            continue
         try:
             if name not in objects:
                 cls = get_backend_class(name)
@@ -224,16 +237,20 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
                 for _ in range(layers_per_step):
                     batch.forward(impl, metadata)
 
-            start = time.perf_counter()
-            step()
-            if torch_device.type == "cuda":
-                torch.cuda.synchronize(torch_device)
-            first = time.perf_counter() - start
-            if first > 1.0:
-                logger.info("%s on %s: first call %.1f s (kernel compilation)", name, shape.label, first)
-            times[name][shape.label] = time_us(step, torch_device) / layers_per_step
+            if shape.label not in times[name]:
+                start = time.perf_counter()
+                step()
+                if torch_device.type == "cuda":
+                    torch.cuda.synchronize(torch_device)
+                first = time.perf_counter() - start
+                if first > 1.0:
+                    logger.info("%s on %s: first call %.1f s (kernel compilation)", name, shape.label, first)
+            us = time_us(step, torch_device) / layers_per_step
+            earlier = times[name].get(shape.label)
+            times[name][shape.label] = us if earlier is None else min(earlier, us)
         except Exception as exc:  # one failing candidate must not end the run; the profile records why
             times[name][shape.label] = None
+            failed.add((name, shape.label))
             errors.setdefault(name, f"{type(exc).__name__}: {exc}")
             logger.warning("%s on %s failed: %s: %s", name, shape.label, type(exc).__name__, exc)
         if not _has_tqdm():
