@@ -44,6 +44,7 @@ __all__ = [
     "import_flashinfer",
     "flashinfer_jit_generators",
     "gluon_available",
+    "launch_keeping_prepared",
     "launch_prepared",
     "package_version",
     "surface_unsupported_reason",
@@ -564,6 +565,18 @@ def launch_prepared(prepared: PreparedLaunch, grid: tuple[int, int, int]) -> boo
         return False
     prepared.run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *prepared.head, *prepared.tail)
     return True
+
+
+def launch_keeping_prepared(prepared: Optional[PreparedLaunch], launcher: "DescriptorLauncher", key: Hashable,
+                            grid: tuple[int, int, int], args: tuple, constexprs: tuple, num_warps: int,
+                            num_stages: int) -> Optional[PreparedLaunch]:
+    """Launch arguments that do not change between calls: through ``prepared`` where it can
+    (:func:`launch_prepared`), else through ``launcher`` (compiling on first use), preparing the launch for the next
+    call. Returns the prepared launch to keep (None where the launcher cannot prepare one yet)."""
+    if prepared is not None and launch_prepared(prepared, grid):
+        return prepared
+    launcher(key, grid, args, constexprs, num_warps, num_stages)
+    return launcher.prepare(key, args, constexprs)
 
 
 class DescriptorLauncher(DirectLauncher):

@@ -50,8 +50,12 @@ def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
     prepared = launcher.prepare("k", args, (16,))
     assert compat.launch_prepared(prepared, (3, 1, 2))
     assert len(received) == 2 and received[1] == received[0]
+    # launch_keeping_prepared: the prepared launch where there is one, else the launcher, then prepared
+    assert compat.launch_keeping_prepared(prepared, launcher, "k", (3, 1, 2), args, (16,), 4, 2) is prepared
+    fresh = compat.launch_keeping_prepared(None, launcher, "k", (3, 1, 2), args, (16,), 4, 2)
+    assert fresh == prepared and len(received) == 4 and received[3] == received[0]
     monkeypatch.setattr(compat, "_launch_hooks_set", lambda: True)
-    assert not compat.launch_prepared(prepared, (3, 1, 2)) and len(received) == 2
+    assert not compat.launch_prepared(prepared, (3, 1, 2)) and len(received) == 4
 
 
 @pytest.mark.gpu

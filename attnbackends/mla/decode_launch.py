@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import DescriptorLauncher, launch_prepared
+from ..compat import DescriptorLauncher, launch_keeping_prepared
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.page_guard import fault_record, raise_pending_faults
 from ..ops.quant import FP8_DTYPES
@@ -531,18 +531,17 @@ def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Ten
             hit = plan._launches[id(cache)] = [cache, q_nope, q_pe, (qk_scale_log2, v_scale), decode_launch_args(
                 plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key), None]
         launcher, key, args, plan = hit[4]
-        if hit[5] is None or not launch_prepared(hit[5], plan.grid):
-            launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
-            hit[5] = launcher.prepare(key, args, plan.constexprs)
+        hit[5] = launch_keeping_prepared(hit[5], launcher, key, plan.grid, args, plan.constexprs, plan.num_warps,
+                                         plan.num_stages)
     else:
         launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale,
                                                        q_nope_key, q_pe_key)
         launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
     if plan.reduce_grid is not None:
         # every argument of the split reduction is planned
-        if plan._reduce_prepared is None or not launch_prepared(plan._reduce_prepared, plan.reduce_grid):
-            _REDUCE(plan.reduce_key, plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs, 4, 2)
-            plan._reduce_prepared = _REDUCE.prepare(plan.reduce_key, plan.reduce_args, plan.reduce_constexprs)
+        plan._reduce_prepared = launch_keeping_prepared(plan._reduce_prepared, _REDUCE, plan.reduce_key,
+                                                        plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs,
+                                                        4, 2)
     return plan.output
 
 def mla_decode(

@@ -338,7 +338,7 @@ def _merge_when_last(
         q_len = tl.minimum(tl.load(query_start_loc_ptr + seq_idx + 1) - q_start, DECODE_Q)
         num_rows = q_len * QPK  # rows r = token (r // QPK) x query head (r % QPK), as the decode tile's
         offs_r = tl.arange(0, MERGE_ROWS)
-        if INTERPRET:
+        if INTERPRET:  # the interpreter cannot use its 1-element scalar arrays as range() bounds
             r0 = 0
             while r0 < num_rows:
                 r = r0 + offs_r
