@@ -12,7 +12,10 @@ Rows (``case``):
   ``peer_host_us`` (host time per call with the GPU kept busy, so nothing waits for it), ``kernel_us`` (our decode
   launch alone), ``flashinfer_raw_us`` (FlashInfer's ``BatchMLAPagedAttentionWrapper.run`` alone),
   ``max_abs_diff_vs_peer``.
-- ``mla_host``: host time per ``forward`` at B=1 (the GPU kept busy), ours against ``flashinfer_mla``'s.
+- ``mla_host``: host time per ``forward`` at B=1 (the GPU kept busy), ours against ``flashinfer_mla``'s, as an
+  engine spends it: per step one ``build()`` then ``forward`` for each of ``ENGINE_LAYERS`` layers, each with its
+  own impl and cache, the metadata tensors the same every step (``build_us`` beside); ``repeat_us``: one layer's
+  ``forward`` repeated on one metadata.
 - ``mla_fp8``: ``triton_mla`` over fp8 e4m3 latent pages against our bf16 pages (``us``: graph replay; ``eager_us``
   and ``peer_eager_us`` beside).
 - ``mla_prefill`` (``--prefill``): the MLA prefill with each installed prefill kernel at 4 x 4096 new tokens on
@@ -53,6 +56,8 @@ FORWARD_SHAPES = ((64, 4096, 1), (128, 8192, 1), (1, 32768, 1), (4, 32768, 1), (
                   (64, 4096, 4))
 FP8_SHAPES = ((64, 4096), (128, 8192))
 HOST_SHAPE = (1, 4096)
+#: Layers per engine step in the host-time row (each its own impl, weights and cache).
+ENGINE_LAYERS = 8
 #: Layers' caches cycled through per timing: at least this many bytes, so that L2 does not keep a cache warm.
 ROTATE_BYTES = 160 * 1024 * 1024
 
@@ -109,6 +114,37 @@ def host_time(fn: Callable[[], Any], calls: int = 40, reps: int = 5) -> float:
         times.append((time.perf_counter() - t0) * 1e6 / calls)
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def waits_for_gpu(fn: Callable[[], Any]) -> bool:
+    """Whether ``fn`` waits for the GPU (a sync inside): one call right after a long sleep kernel is queued."""
+    torch.cuda.synchronize()
+    cuda_sleep(100_000_000)
+    t0 = time.perf_counter()
+    fn()
+    waited = time.perf_counter() - t0 > 0.02
+    torch.cuda.synchronize()
+    return waited
+
+
+def wall_time(fn: Callable[[], Any], calls: int, reps: int = 5) -> float:
+    """Microseconds per call of ``fn``, host clock from an idle GPU to the GPU done (median of ``reps``)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def step_host_time(fn: Callable[[], Any], calls: int) -> float:
+    """:func:`host_time`, or :func:`wall_time` where ``fn`` waits for the GPU (a planner that synchronises): the
+    step's kernels are then done before the next step is issued, and the host sets the pace."""
+    return wall_time(fn, calls) if waits_for_gpu(fn) else host_time(fn, calls)
 
 
 def graph_time(fn: Callable[[], Any], calls: int) -> float:
@@ -288,19 +324,50 @@ def run_forward(rows: list, log, shapes=FORWARD_SHAPES) -> None:
         torch.cuda.empty_cache()
 
 
+def engine_step(backend_cls, step: Step, layers: int = ENGINE_LAYERS) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(one engine step: ``build()`` then ``forward`` of each of ``layers`` layers, each its own impl and cache;
+    that step's ``build()`` alone) for one backend. The step's metadata tensors are the same every step, as an
+    engine's persistent input buffers are."""
+    builder = backend_cls.get_builder_cls()(step.spec, "cuda")
+    impls = []
+    for _ in range(layers):
+        impl = backend_cls.get_impl_cls()(step.spec, kv_b_proj=step.kv_b_proj.clone())
+        impl.process_weights_after_loading()
+        impls.append(impl)
+    caches = [step.caches[i % step.layers] for i in range(layers)]
+
+    def run():
+        meta = builder.build(step.common)
+        for impl, cache in zip(impls, caches):
+            impl.forward(step.q, step.kv_c, step.k_pe, cache, meta, step.out)
+
+    return run, lambda: builder.build(step.common)
+
+
 def run_host(rows: list, log) -> None:
+    """Row ``mla_host``: host time per ``forward`` as an engine spends it (:func:`engine_step`: per step one
+    ``build()`` and ``ENGINE_LAYERS`` layers; ``us`` = (step - build) / layers, ``build_us`` beside), and
+    ``repeat_us``: one layer's ``forward`` called again and again on one metadata (each backend's best case)."""
     batch, seq_len = HOST_SHAPE
     step = make_step(batch, seq_len)
-    ours = backend_calls(TritonMLABackend, step)[3]
-    us = _try(log, "triton_mla host", lambda: host_time(ours, calls=100))
-    peer_us = None
+    res: dict[str, dict[str, Optional[float]]] = {}
+    backends = [("triton_mla", TritonMLABackend)]
     if package_available("flashinfer"):
-        fi = _try(log, "flashinfer_mla build", lambda: backend_calls(FlashInferMLABackend, step))
-        if fi is not None:
-            peer_us = _try(log, "flashinfer_mla host", lambda: host_time(fi[3], calls=100))
+        backends.append(("flashinfer_mla", FlashInferMLABackend))
+    for name, cls in backends:
+        run, build = engine_step(cls, step)
+        step_us = _try(log, f"{name} engine step host", lambda: step_host_time(run, calls=20))
+        build_us = _try(log, f"{name} build host", lambda: step_host_time(build, calls=20))
+        repeat = _try(log, f"{name} repeat host", lambda: host_time(backend_calls(cls, step)[3], calls=100))
+        per = (step_us - build_us) / ENGINE_LAYERS if step_us is not None and build_us is not None else None
+        res[name] = {"us": per, "build": build_us, "repeat": repeat}
+        log(f"{name}: host per forward {per} us in an engine step, build {build_us} us, repeated forward {repeat} us")
+    ours, peer = res["triton_mla"], res.get("flashinfer_mla", {})
     rows.append({"case": "mla_host", "backend": "triton_mla", "peer": "flashinfer_mla", "B": batch, "L": seq_len,
-                 "H": H, "dtype": "bfloat16", "kv_dtype": "auto", "us": _r(us), "peer_us": _r(peer_us),
-                 "ratio": _ratio(us, peer_us)})
+                 "H": H, "dtype": "bfloat16", "kv_dtype": "auto", "layers": ENGINE_LAYERS, "us": _r(ours["us"]),
+                 "peer_us": _r(peer.get("us")), "ratio": _ratio(ours["us"], peer.get("us")),
+                 "build_us": _r(ours["build"]), "peer_build_us": _r(peer.get("build")),
+                 "repeat_us": _r(ours["repeat"]), "peer_repeat_us": _r(peer.get("repeat"))})
 
 
 def run_host_parts(rows: list, log) -> None:

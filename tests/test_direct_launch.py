@@ -36,26 +36,47 @@ def test_an_installed_launch_hook_is_seen():
         hook.remove(noop)
 
 
+def _as_addresses(launch_args: tuple) -> tuple:
+    """A C launcher's arguments with each tensor as the address its ``data_ptr()`` gives."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch_args)
+
+
 def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
     """DescriptorLauncher.prepare on a compiled (descriptor-free) kernel: launch_prepared hands its C launcher the
-    arguments a cached launch does; nothing is prepared before the first launch, nothing launched under a hook."""
+    arguments a cached launch does, each planned tensor as its address (kept alive by the prepared launch) and the
+    leading ones as the call gives them; nothing is prepared before the first launch, nothing launched under a
+    hook."""
     received: list = []
     launcher = compat.DescriptorLauncher(lambda: None, ("C",))
     monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 77)
     monkeypatch.setattr(compat, "_current_device", lambda: 0)
-    args = (torch.zeros(2), 3, 0.5)
+    planned = torch.randn(2)
+    args = (planned, 3, 0.5)
     assert launcher.prepare("k", args, (16,)) is None
     launcher._compiled["k"] = (lambda *a: received.append(a), "function", ("packed",))
     launcher("k", (3, 1, 2), args, (16,), 4, 2)
     prepared = launcher.prepare("k", args, (16,))
+    assert prepared.keep == (planned,) and planned.data_ptr() in prepared.tail
     assert compat.launch_prepared(prepared, (3, 1, 2))
-    assert len(received) == 2 and received[1] == received[0]
+    assert len(received) == 2 and received[1] == _as_addresses(received[0])
     # launch_keeping_prepared: the prepared launch where there is one, else the launcher, then prepared
     assert compat.launch_keeping_prepared(prepared, launcher, "k", (3, 1, 2), args, (16,), 4, 2) is prepared
     fresh = compat.launch_keeping_prepared(None, launcher, "k", (3, 1, 2), args, (16,), 4, 2)
-    assert fresh == prepared and len(received) == 4 and received[3] == received[0]
+    assert fresh == prepared and len(received) == 4 and _as_addresses(received[3]) == _as_addresses(received[0])
+    # a leading argument is the call's: a new tensor there reaches the launcher, the rest stay prepared
+    call_a, call_b = torch.randn(3), torch.randn(3)
+    with_call = (call_a,) + args
+    launcher("k", (3, 1, 2), with_call, (16,), 4, 2)
+    lead = compat.launch_keeping_prepared(None, launcher, "k", (3, 1, 2), with_call, (16,), 4, 2, leading=1)
+    assert lead.leading == 1 and lead.keep == (planned,)
+    assert compat.launch_keeping_prepared(lead, launcher, "k", (3, 1, 2), (call_b,) + args, (16,), 4, 2,
+                                          leading=1) is lead
+    expected = received[4][:9] + (call_b,) + _as_addresses(received[4][10:])
+    assert received[-1][9] is call_b and received[-1][:9] == received[4][:9]
+    assert received[-1][10:] == expected[10:]
     monkeypatch.setattr(compat, "_launch_hooks_set", lambda: True)
-    assert not compat.launch_prepared(prepared, (3, 1, 2)) and len(received) == 4
+    count = len(received)
+    assert not compat.launch_prepared(prepared, (3, 1, 2)) and len(received) == count
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import fallback_reason, import_flashinfer, surface_unsupported_reason
+from ..compat import fallback_reason, import_flashinfer, launch_prepared_sequence, surface_unsupported_reason
 from ..flashinfer.plan_guard import planning
 from ..flashinfer.plan_inputs import paged_kv_plan_inputs
 from ..flashinfer.wrapper_pool import mla_paged_wrapper
@@ -22,7 +22,7 @@ from ..ops.quant import FP8_DTYPES
 from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config
 from .decode_launch import (
     LOG2E, CacheStates, launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode, launch_mla_up_projection,
-    plan_mla_absorb, plan_mla_decode, tensor_key, weight_launch_state,
+    plan_mla_absorb, plan_mla_decode, prepared_decode_launches, tensor_key, weight_launch_state,
 )
 
 __all__ = [
@@ -46,6 +46,12 @@ class _MLABackendBase(AttentionBackend):
 
 
 # ---------------------------------------------------------------------------------------------------- triton_mla
+
+
+def _buffer_facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What a decode plan takes of a metadata tensor: its address, shape, strides and dtype (the kernels read its
+    values on the device, at launch time)."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 class TritonMLAMetadataBuilder(MLAMetadataBuilder):
@@ -86,6 +92,8 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
     #: Decodes of at most this many query tokens run the Triton absorption under "auto".
     TRITON_ABSORB_MAX_TOKENS = 16
     ABSORBS = ("auto", "triton", "bmm")
+    #: Decode plans kept for later batches with the same planning inputs (the oldest dropped first).
+    KEPT_PLANS = 8
 
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *,
                  decode_config: Optional[MLADecodeConfig] = None, num_splits: Optional[int] = None,
@@ -101,6 +109,7 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             spec.num_heads, interpreted=is_triton_interpreted())
         self.num_splits = num_splits
         self._decode_buffer = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._kept_plans: dict[tuple, tuple[dict, bool]] = {}
 
     def build_decode(self, decode: MLADecodeMetadata, common) -> None:
         spec = self.spec
@@ -108,6 +117,23 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             decode.num_decodes, spec.num_heads * decode.max_query_len, decode.max_seq_len, self.device_info.sm_count,
             self.decode_config,
         )
+        decode_only = decode.num_decode_tokens == common.num_actual_tokens
+        inputs = (decode.num_decode_tokens, splits, decode.max_query_len, decode_only,
+                  *map(_buffer_facts, (decode.block_table, decode.seq_lens, decode.query_start_loc,
+                                       decode.tree_mask, decode.tree_indptr,
+                                       common.slot_mapping if decode_only else None)))
+        kept = self._kept_plans.get(inputs)
+        if kept is None:
+            kept = self._plan_decode(decode, common, splits, decode_only)
+            if len(self._kept_plans) >= self.KEPT_PLANS:
+                self._kept_plans.pop(next(iter(self._kept_plans)))
+            self._kept_plans[inputs] = kept
+        decode.extra.update(kept[0])
+        decode.writes_cache = kept[1]
+
+    def _plan_decode(self, decode: MLADecodeMetadata, common, splits: int, decode_only: bool) -> tuple[dict, bool]:
+        """(the decode's planned ``extra`` fields, whether its launches write the cache) for this batch."""
+        spec = self.spec
         t, n, lkv = decode.num_decode_tokens, spec.num_heads, spec.kv_lora_rank
         p, r, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
         # float32 elements: [N, T, Lkv] absorbed queries, [N, T, Lkv] latent output and [T, N, R] rotary queries
@@ -140,15 +166,13 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
         # in a decode-only batch its launch writes the new tokens into the cache too
         absorb = None
         if self._triton_absorb(t):
-            decode_only = t == common.num_actual_tokens
             absorb = plan_mla_absorb(num_tokens=t, num_heads=n, nope=p, rope=r, kv_lora=lkv, ql=ql_t, q_pe=q_pe,
                                      slot_mapping=common.slot_mapping if decode_only else None)
-            decode.writes_cache = decode_only
         # the per-call views of q and output, as (size, dim order): one as_strided each, whatever rows they have
-        decode.extra.update(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
-                            ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
-                            out_nt=(n, t, v), up_fused=plan.up_grid is not None, absorb=absorb, q_pe=q_pe,
-                            q_pe_key=tensor_key(q_pe))
+        return dict(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
+                    ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
+                    out_nt=(n, t, v), up_fused=plan.up_grid is not None, absorb=absorb, q_pe=q_pe,
+                    q_pe_key=tensor_key(q_pe)), absorb is not None and decode_only
 
     def _triton_absorb(self, num_tokens: int) -> bool:
         """Whether the query absorption is the Triton launch (see the class docstring)."""
@@ -168,7 +192,18 @@ class TritonMLAImpl(MLAImpl):
     (the planned Triton launch, which in a decode-only batch also writes the new tokens into the cache, or a matmul)
     into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
     up-projection straight into ``output``: the planned fused launch (split reduction + per-head matmul) or, where
-    the builder planned none, the split reduction (inside the decode launch) and a batched matmul."""
+    the builder planned none, the split reduction (inside the decode launch) and a batched matmul.
+
+    Where every one of those is a Triton launch, the second forward of a plan over a cache prepares them
+    (:meth:`~attnbackends.compat.DescriptorLauncher.prepare`), and later forwards whose tensors have the same
+    layout (shapes, strides, dtypes: the layout ``check_inputs`` recorded) and 16-byte aligned addresses launch
+    them back to back with only the call's tensors' addresses passed
+    (:func:`~attnbackends.compat.launch_prepared_sequence`). A builder keeps the plan of a batch whose metadata
+    tensors an engine reuses (its persistent input buffers), so steady-state decode steps take this path.
+    """
+
+    #: (plan, cache) pairs whose launches an impl keeps prepared (all dropped when full).
+    KEPT_LAUNCHES = 64
 
     def __init__(self, spec: AttentionSpec, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -179,6 +214,9 @@ class TritonMLAImpl(MLAImpl):
         self._nope = spec.qk_nope_head_dim
         self._w_uv_state: Optional[tuple] = None
         self._w_uk_state: Optional[tuple] = None
+        # per (plan, cache, call size): ((plan, cache), the input layout they were launched under (check_inputs),
+        # the launches prepared for 16-byte aligned call tensors, or None)
+        self._kept_launches: dict[tuple, tuple] = {}
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()
@@ -197,13 +235,39 @@ class TritonMLAImpl(MLAImpl):
         if self._w_uv_state is None:  # the weights were set without process_weights_after_loading
             self._weights_launch_state()
         cache = self._caches.get(kv_cache)
-        absorb = extra["absorb"]
+        plan = extra["plan"]
+        # the call's tensors by address: (q, output) or (q, kv_c, k_pe, output)
+        if new_tokens is None:
+            call = (q.data_ptr(), output.data_ptr())
+            aligned = not (call[0] | call[1]) & 15
+        else:
+            call = (q.data_ptr(), new_tokens[0].data_ptr(), new_tokens[1].data_ptr(), output.data_ptr())
+            aligned = not (call[0] | call[1] | call[2] | call[3]) & 15
+        slot = (id(plan), id(cache), len(call))
+        kept = self._kept_launches.get(slot)
+        # check_inputs records a new layout object whenever the call's tensors change shape, strides or dtype
+        if (kept is not None and kept[2] is not None and kept[1] is self._input_layout and aligned
+                and launch_prepared_sequence(kept[2], call)):
+            return
+        launches = self._launch_decode(q, cache, extra, output, new_tokens, prepare=kept is not None and aligned)
+        if kept is None or launches is not None:
+            if len(self._kept_launches) >= self.KEPT_LAUNCHES:
+                self._kept_launches.clear()
+            self._kept_launches[slot] = ((plan, cache), self._input_layout, launches)
+
+    def _launch_decode(self, q, cache, extra, output, new_tokens, prepare: bool) -> Optional[tuple]:
+        """The decode's launches (see the class docstring); with ``prepare``, returns them prepared as
+        :func:`~attnbackends.compat.launch_prepared_sequence` takes them for the call (q, output) or
+        (q, kv_c, k_pe, output), or None where one of them cannot be (a matmul, the interpreter)."""
+        absorb, plan = extra["absorb"], extra["plan"]
+        launches: Optional[list] = []
         if new_tokens is not None:  # the builder planned the write into the absorption's launch
-            launch_mla_absorb_and_write(absorb, q, self.W_UK_T, self._w_uk_state, new_tokens[0], new_tokens[1],
-                                        cache, self.k_scale)
+            launches.append((launch_mla_absorb_and_write(absorb, q, self.W_UK_T, self._w_uk_state, new_tokens[0],
+                                                         new_tokens[1], cache, self.k_scale, prepare),
+                             absorb.write_grid, 0, 3))
             q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
         elif absorb is not None:
-            launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state)
+            launches.append((launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state, prepare), absorb.grid, 0, 1))
             q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
         else:
             qs_t, qs_n, qs_d = q.stride()
@@ -211,16 +275,29 @@ class TritonMLAImpl(MLAImpl):
             # [N, T, P] @ [N, P, Lkv] -> the planned [N, T, Lkv] buffer
             torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=extra["ql"])
             q_pe, q_pe_key = q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q_at + self._nope * qs_d), None
-        plan = extra["plan"]
+            launches = None
         launch_mla_decode(plan, extra["ql_t"], q_pe, cache, self._qk_scale_log2, self._v_scale, extra["ql_key"],
                           q_pe_key)
+        if launches is not None:
+            decode_launches = prepared_decode_launches(plan, cache)
+            if decode_launches is None:
+                launches = None
+            else:
+                launches += [(p, grid, 0, 0) for p, grid in decode_launches]
         if extra["up_fused"]:
-            launch_mla_up_projection(plan, self.W_UV, self._w_uv_state, output)
-            return
-        # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
-        os_t, os_n, os_d = output.stride()
-        torch.bmm(extra["latent"], self.W_UV,
-                  out=output.as_strided(extra["out_nt"], (os_n, os_t, os_d), output.storage_offset()))
+            up = launch_mla_up_projection(plan, self.W_UV, self._w_uv_state, output, prepare)
+            if launches is not None:
+                last = 2 if new_tokens is None else 4
+                launches.append((up, plan.up_grid, last - 1, last))
+        else:
+            # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
+            os_t, os_n, os_d = output.stride()
+            torch.bmm(extra["latent"], self.W_UV,
+                      out=output.as_strided(extra["out_nt"], (os_n, os_t, os_d), output.storage_offset()))
+            launches = None
+        if not prepare or launches is None or any(launch[0] is None for launch in launches):
+            return None
+        return tuple(launches)
 
 
 class TritonMLABackend(_MLABackendBase):

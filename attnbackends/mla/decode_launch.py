@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import DescriptorLauncher, launch_keeping_prepared
+from ..compat import DescriptorLauncher, PreparedLaunch, launch_keeping_prepared
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.page_guard import fault_record, raise_pending_faults
 from ..ops.quant import FP8_DTYPES
@@ -362,19 +362,23 @@ def weight_launch_state(weight: torch.Tensor, name: str = "W_UV") -> tuple:
     return tensor_key(weight), (weight.stride(0), weight.stride(1))
 
 
-def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: tuple, output: torch.Tensor) -> None:
+def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: tuple, output: torch.Tensor,
+                             prepare: bool = False) -> Optional[PreparedLaunch]:
     """The planned fused reduction + up-projection (after :func:`launch_mla_decode` of the same plan):
     output[t, h, :] = latent[t, h, :] @ w_uv[h] for the plan's T query tokens.
 
     w_uv : [H, Lkv, V] the layer's up-projection weight (model dtype); w_state : its :func:`weight_launch_state`.
     output : [>= T, H, V] in the model dtype, any strides with a unit last one; rows past T are not written.
+    prepare : also return this launch prepared (:meth:`~attnbackends.compat.DescriptorLauncher.prepare`), the
+    output its one leading argument (None where it cannot be prepared).
     """
     out_key = tensor_key(output)
     if out_key[1][-1] != 1:
         raise ValueError(f"the MLA up-projection needs an output with unit last stride, got strides {out_key[1]}")
-    _REDUCE_UP((plan.up_key, w_state[0], out_key), plan.up_grid,
-               plan.up_head + (w_uv, output) + plan.up_ints + w_state[1] + out_key[1][:2],
-               plan.up_constexprs, plan.up_num_warps, 2)
+    key = (plan.up_key, w_state[0], out_key)
+    args = (output,) + plan.up_head + (w_uv,) + plan.up_ints + w_state[1] + out_key[1][:2]
+    _REDUCE_UP(key, plan.up_grid, args, plan.up_constexprs, plan.up_num_warps, 2)
+    return _REDUCE_UP.prepare(key, args, plan.up_constexprs, 1) if prepare else None
 
 
 @dataclass
@@ -424,27 +428,29 @@ def plan_mla_absorb(*, num_tokens: int, num_heads: int, nope: int, rope: int, kv
     return plan
 
 
-def _absorb_args(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple) -> tuple[tuple, tuple]:
-    """(the queries' part of the key, the absorption's runtime arguments) of a launch of ``plan``."""
-    q_key = tensor_key(q)
+def _absorb_args(plan: MLAAbsorbPlan, q_key: tuple, w_uk_t: torch.Tensor, w_state: tuple) -> tuple:
+    """The absorption's runtime arguments after the queries for queries whose :func:`tensor_key` is ``q_key``."""
     q_strides = q_key[1]
     if q_strides[-1] != 1:
         raise ValueError(f"the MLA absorption needs queries with unit last stride, got strides {q_strides}")
-    return q_key, ((q, w_uk_t) + plan.buffers + (plan.num_tokens, q_strides[0], q_strides[1]) + plan.buffer_strides
-                   + w_state[1])
+    return (w_uk_t,) + plan.buffers + (plan.num_tokens, q_strides[0], q_strides[1]) + plan.buffer_strides + w_state[1]
 
 
-def launch_mla_absorb(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple) -> None:
+def launch_mla_absorb(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple,
+                      prepare: bool = False) -> Optional[PreparedLaunch]:
     """The planned absorption: ql[t, h] = q[t, h, :P] @ w_uk_t[h] and q_pe[t, h] = q[t, h, P:] for the plan's T
     tokens. q : [>= T, H, P + R] in the model dtype, any strides with a unit last one (rows past T are not read);
-    w_uk_t : [H, P, Lkv] the layer's weight; w_state : its :func:`weight_launch_state`."""
-    q_key, args = _absorb_args(plan, q, w_uk_t, w_state)
-    _ABSORB((plan.key, w_state[0], q_key), plan.grid, args, plan.constexprs, plan.num_warps, 2)
+    w_uk_t : [H, P, Lkv] the layer's weight; w_state : its :func:`weight_launch_state`. prepare : also return the
+    launch prepared, the queries its one leading argument (as :func:`launch_mla_up_projection`)."""
+    q_key = tensor_key(q)
+    key, args = (plan.key, w_state[0], q_key), (q,) + _absorb_args(plan, q_key, w_uk_t, w_state)
+    _ABSORB(key, plan.grid, args, plan.constexprs, plan.num_warps, 2)
+    return _ABSORB.prepare(key, args, plan.constexprs, 1) if prepare else None
 
 
 def launch_mla_absorb_and_write(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: torch.Tensor, w_state: tuple,
                                 kv_c: torch.Tensor, k_pe: torch.Tensor, cache: MLACacheState,
-                                k_scale: float) -> None:
+                                k_scale: float, prepare: bool = False) -> Optional[PreparedLaunch]:
     """:func:`launch_mla_absorb` and, in the same launch, the cache write of the plan's T new tokens (a plan made
     with ``slot_mapping``): [kv_c[t] ; k_pe[t]] into cache slot ``slot_mapping[t]``, exactly as
     :func:`~attnbackends.mla.cache.concat_and_cache_mla` writes it (-1 is padding, skipped; a slot outside the
@@ -453,18 +459,21 @@ def launch_mla_absorb_and_write(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: to
 
     kv_c : [>= T, Lkv], k_pe : [>= T, R] in the model dtype, any row strides with a unit last one (rows past T are
     not read); cache : the :class:`MLACacheState` of the latent cache; k_scale : its fp8 scale (stored =
-    saturate(x / k_scale)), ignored for other cache dtypes.
+    saturate(x / k_scale)), ignored for other cache dtypes. prepare : also return the launch prepared, its
+    leading arguments (q, kv_c, k_pe) (as :func:`launch_mla_up_projection`).
     """
-    q_key, args = _absorb_args(plan, q, w_uk_t, w_state)
-    kvc_key, kpe_key = tensor_key(kv_c), tensor_key(k_pe)
+    q_key, kvc_key, kpe_key = tensor_key(q), tensor_key(kv_c), tensor_key(k_pe)
+    tail = _absorb_args(plan, q_key, w_uk_t, w_state)
     if kvc_key[1][-1] != 1 or kpe_key[1][-1] != 1:
         raise ValueError("the MLA cache write needs unit stride in the last dimension of kv_c and k_pe")
     cache_key, cache_args, cache_constexprs = cache.writer()
-    _ABSORB_WRITE((plan.write_key, w_state[0], q_key, kvc_key, kpe_key, cache_key), plan.write_grid,
-                  args + (kv_c, k_pe, kvc_key[1][0], kpe_key[1][0]) + plan.write_slots + cache_args + (k_scale,),
-                  plan.write_constexprs + cache_constexprs, plan.num_warps, 2)
+    key = (plan.write_key, w_state[0], q_key, kvc_key, kpe_key, cache_key)
+    args = (q, kv_c, k_pe) + tail + (kvc_key[1][0], kpe_key[1][0]) + plan.write_slots + cache_args + (k_scale,)
+    constexprs = plan.write_constexprs + cache_constexprs
+    _ABSORB_WRITE(key, plan.write_grid, args, constexprs, plan.num_warps, 2)
     if plan.constexprs[-1]:  # interpreted: the fault record is already written, and reading it costs no sync
         raise_pending_faults(cache.cache.device)
+    return _ABSORB_WRITE.prepare(key, args, constexprs, 3) if prepare else None
 
 
 def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
@@ -543,6 +552,21 @@ def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Ten
                                                         plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs,
                                                         4, 2)
     return plan.output
+
+def prepared_decode_launches(plan: MLADecodePlan, cache: MLACacheState) -> Optional[tuple]:
+    """((prepared launch, grid), ...) of ``plan``'s launches over ``cache`` as :func:`launch_mla_decode` with
+    planned queries runs them (the decode, then the split reduction where planned), all without leading
+    arguments; None until each has been launched once and prepared."""
+    hit = plan._launches.get(id(cache))
+    if hit is None or hit[0] is not cache or hit[5] is None:
+        return None
+    launches = ((hit[5], hit[4][3].grid),)
+    if plan.reduce_grid is not None:
+        if plan._reduce_prepared is None:
+            return None
+        launches += ((plan._reduce_prepared, plan.reduce_grid),)
+    return launches
+
 
 def mla_decode(
     q_nope: torch.Tensor,

@@ -56,11 +56,11 @@ def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _mla_reduce_up_kernel(
+    OUT,  # [T, H, V_DIM] model dtype, unit last stride (the call's tensor: the first argument)
     O_PART,  # NUM_SPLITS > 1: [T, H, S, KV_LORA] float32 partials; NUM_SPLITS == 1: [T, H, KV_LORA] latent
     LSE_PART,  # [T, H, S] float32 split LSEs (read when NUM_SPLITS > 1)
     LSE,  # [T, H] float32 merged LSE (written when STORE_LSE)
     W_UV,  # [H, KV_LORA, V_DIM] model dtype, unit last stride
-    OUT,  # [T, H, V_DIM] model dtype, unit last stride
     num_tokens,
     stride_p_t, stride_p_h, stride_p_s, stride_lp_t, stride_lp_h, stride_lse_t, stride_lse_h,
     stride_w_h, stride_w_c,
@@ -201,12 +201,13 @@ def _mla_absorb_kernel(
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _mla_absorb_write_kernel(
-    Q, W_UK_T, QL, Q_PE,  # as _mla_absorb_kernel
+    Q,  # as _mla_absorb_kernel
+    KV_C,  # [T, KV_LORA] the new tokens' latent KV (model dtype, unit last stride)
+    K_PE,  # [T, ROPE] their rotary keys
+    W_UK_T, QL, Q_PE,  # as _mla_absorb_kernel
     num_tokens,
     stride_q_t, stride_q_h, stride_ql_t, stride_ql_h, stride_qpe_t, stride_qpe_h,
     stride_w_h, stride_w_p,
-    KV_C,  # [T, KV_LORA] the new tokens' latent KV (model dtype, unit last stride)
-    K_PE,  # [T, ROPE] their rotary keys
     stride_kvc_t, stride_kpe_t,
     SLOTS,  # [>= T] int64 cache slot per token (-1: padding)
     CACHE,  # [num_blocks, block_size, KV_LORA + ROPE] the latent cache (model dtype or fp8), unit last stride

@@ -288,3 +288,50 @@ def test_folded_cache_write_reports_a_bad_slot_on_gpu():
     with pytest.raises(PageTableError) as separate:
         raise_pending_faults("cuda")
     assert str(separate.value) == str(folded.value)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype):
+    """As an engine runs it: three steps of one decode batch on the same metadata buffers (the builder keeps the
+    plan, so each layer's launches stay prepared), three layers with their own weights and caches, and every
+    forward given fresh queries, new tokens and output (new addresses; the last step's queries with other
+    strides). Each output matches reference_mla's on the same inputs, and each cache equals the reference's bit
+    for bit after every step."""
+    spec = v3_spec(num_heads=128, kv_cache_dtype=kv_cache_dtype)
+    shapes = [S(1, c) for c in (63, 1000, 3001)]
+    base = make_random_mla_batch(spec, shapes, seed=23, device="cuda", pad_tokens=2)
+    n = base.num_actual_tokens
+    layers = []
+    for i in range(3):
+        weights = make_random_mla_batch(spec, shapes[:1], seed=40 + i, device="cuda").kv_b_proj
+        impls = []
+        for backend in (TritonMLABackend, ReferenceMLABackend):
+            impl = backend.get_impl_cls()(spec, kv_b_proj=weights, k_scale=base.k_scale)
+            impl.process_weights_after_loading()
+            impls.append(impl)
+        layers.append((*impls, base.kv_cache.clone(), base.kv_cache.clone()))
+    builder = TritonMLABackend.get_builder_cls()(spec, "cuda")
+    ref_builder = ReferenceMLABackend.get_builder_cls()(spec, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def fresh(*shape, wider=0):
+        t = torch.randn(*shape[:-1], shape[-1] + wider, generator=gen, device="cuda", dtype=torch.bfloat16)
+        return t[..., :shape[-1]]
+
+    plans = []
+    for step in range(3):
+        meta, ref_meta = builder.build(base.common), ref_builder.build(base.common)
+        plans.append(meta.decode.extra["plan"])
+        for layer, (ours, ref, cache, ref_cache) in enumerate(layers):
+            q = fresh(*base.q.shape, wider=8 if step == 2 else 0)
+            kv_c, k_pe = fresh(*base.kv_c.shape), fresh(*base.k_pe.shape)
+            out, ref_out = base.new_output(), base.new_output()
+            ours.forward(q, kv_c, k_pe, cache, meta, out)
+            ref.forward(q, kv_c, k_pe, ref_cache, ref_meta, ref_out)
+            torch.cuda.synchronize()
+            assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)), (step, layer)
+            assert_close_to_oracle(out[:n], ref_out[:n].double(), tolerance_for(spec.torch_dtype, kv_cache_dtype),
+                                   what=f"triton_mla step {step} layer {layer}")
+            assert torch.isnan(out[n:].float()).all()
+    assert plans[0] is plans[1] is plans[2]
+    assert meta.decode.writes_cache and plans[0].up_grid is not None

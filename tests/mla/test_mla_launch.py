@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -60,6 +61,21 @@ class _Counter:
         return self.fn(*a, **k)
 
 
+class _Recorder:
+    """A launcher that records (its name, the key) per launch into ``log`` and launches through ``real``
+    (prepare: the real one's; None under the interpreter)."""
+
+    def __init__(self, real, name, log):
+        self.real, self.name, self.log = real, name, log
+
+    def __call__(self, key, *rest):
+        self.log.append((self.name, key))
+        return self.real(key, *rest)
+
+    def prepare(self, *a):
+        return self.real.prepare(*a)
+
+
 def test_forward_decides_nothing(monkeypatch):
     """Two forwards of one batch: the second plans nothing, builds no cache state and launches the same keys (the
     cache write folded into the absorption's launch)."""
@@ -74,21 +90,8 @@ def test_forward_decides_nothing(monkeypatch):
     states = _Counter(decode_launch.MLACacheState)
     monkeypatch.setattr(decode_launch, "MLACacheState", states)
     keys: list = []
-    class Recorder:
-        """A launcher that records the keys it launches (prepare: the real one's; None under the interpreter)."""
-
-        def __init__(self, real, name):
-            self.real, self.name = real, name
-
-        def __call__(self, key, *rest):
-            keys.append((self.name, key))
-            return self.real(key, *rest)
-
-        def prepare(self, *a):
-            return self.real.prepare(*a)
-
     for name in ("_ABSORB", "_ABSORB_WRITE", "_POINTER", "_REDUCE", "_REDUCE_UP"):
-        monkeypatch.setattr(decode_launch, name, Recorder(getattr(decode_launch, name), name))
+        monkeypatch.setattr(decode_launch, name, _Recorder(getattr(decode_launch, name), name, keys))
     writes = _Counter(mla_cache._WRITE)
     monkeypatch.setattr(mla_cache, "_WRITE", writes)
     kv_cache = batch.kv_cache.clone()
@@ -153,7 +156,9 @@ def test_descriptor_launcher_passes_what_tritons_wrapper_passes(monkeypatch):
     prepared = launcher.prepare("k", args, (16,))
     monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 99)
     monkeypatch.setattr(compat, "_current_device", lambda: 0)
-    assert compat.launch_prepared(prepared, (2, 3, 4)) and received[3] == received[0]
+    assert compat.launch_prepared(prepared, (2, 3, 4))
+    assert received[3] == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in received[0])
+    assert prepared.keep and all(kept is x for kept in prepared.keep)
     assert launcher.prepare("not compiled", args, (16,)) is None
     assert compat._raw_descriptor_launch(compiled, (1,))[0] is None  # positions must match the signature's
 
@@ -514,14 +519,12 @@ def test_cache_write_launch_only_where_not_folded(monkeypatch):
     launches the absorption alone."""
     from attnbackends.mla import common as mla_common
 
-    launches: list = []
+    recorded: list = []
     for name in ("_ABSORB", "_ABSORB_WRITE"):
-        real = getattr(decode_launch, name)
-        monkeypatch.setattr(decode_launch, name,
-                            lambda key, *rest, _n=name, _real=real: (launches.append(_n), _real(key, *rest)))
+        monkeypatch.setattr(decode_launch, name, _Recorder(getattr(decode_launch, name), name, recorded))
     real_write = mla_common.concat_and_cache_mla
     monkeypatch.setattr(mla_common, "concat_and_cache_mla",
-                        lambda *a, **k: (launches.append("write"), real_write(*a, **k)))
+                        lambda *a, **k: (recorded.append(("write", None)), real_write(*a, **k)))
     spec = _fold_spec("auto")
     decodes = [SequenceShape(query_len=1, context_len=c) for c in (4, 20)]
     cases = [
@@ -537,10 +540,83 @@ def test_cache_write_launch_only_where_not_folded(monkeypatch):
         assert meta.decode.writes_cache == (want == ["_ABSORB_WRITE"] or want == ["_ABSORB"]), what
         impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=batch.kv_b_proj)
         impl.process_weights_after_loading()
-        launches.clear()
+        recorded.clear()
         args = (batch.kv_c, batch.k_pe) if new_tokens else (None, None)
         impl.forward(batch.q, *args, batch.kv_cache.clone(), meta, batch.new_output())
-        assert launches == want, (what, launches)
-    launches.clear()
+        assert [name for name, _ in recorded] == want, (what, recorded)
+    recorded.clear()
     impl.update_kv_cache(batch.kv_c, batch.k_pe, batch.kv_cache.clone(), batch.common.slot_mapping)
-    assert launches == ["write"]
+    assert [name for name, _ in recorded] == ["write"]
+
+
+def test_builder_keeps_the_plan_of_a_batch_with_the_same_inputs():
+    """A build whose planning inputs (token count, split count, query length, the metadata tensors' addresses,
+    shapes and strides) are a kept batch's reuses that batch's plan; a different split count, a different tensor
+    or a batch with prefills plans anew."""
+    batch = _batch()
+    builder = TritonMLABackend.get_builder_cls()(SPEC, "cpu")
+    first = builder.build(batch.common).decode
+    again = builder.build(batch.common).decode
+    assert again.extra["plan"] is first.extra["plan"] and again.extra["absorb"] is first.extra["absorb"]
+    assert again.writes_cache and first.writes_cache
+    builder.num_splits = 3
+    assert builder.build(batch.common).decode.extra["plan"] is not first.extra["plan"]
+    builder.num_splits = None
+    common = batch.common
+    moved = dataclasses.replace(common, slot_mapping=common.slot_mapping.clone())
+    assert builder.build(moved).decode.extra["plan"] is not first.extra["plan"]
+    assert builder.build(batch.common).decode.extra["plan"] is first.extra["plan"]
+    for _ in range(builder.KEPT_PLANS):  # the oldest kept plans make room for new ones
+        builder.num_splits = (builder.num_splits or 1) + 1
+        builder.build(batch.common)
+    builder.num_splits = None
+    assert len(builder._kept_plans) == builder.KEPT_PLANS
+    assert builder.build(batch.common).decode.extra["plan"] is not first.extra["plan"]
+
+
+def test_a_layers_launches_are_prepared_on_its_second_forward_of_a_plan(monkeypatch):
+    """A layer's decode launches (absorption with the cache write, decode, up-projection) are prepared on its
+    second forward of a plan over a cache; later forwards launch them back to back, passing only the call's
+    tensors' addresses (queries, new tokens; output). Another layer, or queries of another layout, launch in full.
+    The launchers are stand-ins that prepare a recording launch (the interpreter prepares none)."""
+    monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 0)
+    monkeypatch.setattr(compat, "_current_device", lambda: 0)
+    log: list = []
+
+    class Preparing(_Recorder):
+        def prepare(self, key, args, constexprs, leading=0):
+            def run(*launch_args, _name=self.name):
+                log.append((_name + " prepared", launch_args[4:]))
+            return compat.PreparedLaunch(run, (), (), (), leading)
+
+    for name in ("_ABSORB_WRITE", "_POINTER", "_REDUCE_UP"):
+        monkeypatch.setattr(decode_launch, name, Preparing(getattr(decode_launch, name), name, log))
+    batch = _batch()
+    meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=2, up_projection="fused").build(batch.common)
+    layers = []
+    for seed in (1, 2):
+        weights = make_random_mla_batch(SPEC, [SequenceShape(query_len=1, context_len=4)], seed=seed).kv_b_proj
+        impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=weights)
+        impl.process_weights_after_loading()
+        layers.append((impl, batch.kv_cache.clone()))
+
+    def forward(layer, q, kv_c, k_pe, out):
+        log.clear()
+        impl, cache = layers[layer]
+        impl.forward(q, kv_c, k_pe, cache, meta, out)
+        return [name for name, _ in log]
+
+    full = ["_ABSORB_WRITE", "_POINTER", "_REDUCE_UP"]
+    assert forward(0, batch.q, batch.kv_c, batch.k_pe, batch.new_output()) == full
+    # the second forward prepares (the decode launch is already prepared from the first)
+    assert forward(0, batch.q, batch.kv_c, batch.k_pe, batch.new_output()) == [
+        "_ABSORB_WRITE", "_POINTER prepared", "_REDUCE_UP"]
+    q, kv_c, k_pe, out = batch.q.clone(), batch.kv_c.clone(), batch.k_pe.clone(), batch.new_output()
+    assert forward(0, q, kv_c, k_pe, out) == [name + " prepared" for name in full]
+    assert [leading for _, leading in log] == [
+        (q.data_ptr(), kv_c.data_ptr(), k_pe.data_ptr()), (), (out.data_ptr(),)]
+    assert forward(1, q, kv_c, k_pe, out) == full  # another layer: its own weights and cache
+    # queries with other strides: check_inputs records a new layout, the launches are made in full
+    wide = torch.empty(q.shape[0], q.shape[1], q.shape[2] + 8, dtype=q.dtype)[..., :q.shape[2]]
+    wide.copy_(q)
+    assert forward(0, wide, kv_c, k_pe, out) == ["_ABSORB_WRITE", "_POINTER prepared", "_REDUCE_UP"]
