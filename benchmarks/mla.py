@@ -116,37 +116,6 @@ def host_time(fn: Callable[[], Any], calls: int = 40, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def waits_for_gpu(fn: Callable[[], Any]) -> bool:
-    """Whether ``fn`` waits for the GPU (a sync inside): one call right after a long sleep kernel is queued."""
-    torch.cuda.synchronize()
-    cuda_sleep(100_000_000)
-    t0 = time.perf_counter()
-    fn()
-    waited = time.perf_counter() - t0 > 0.02
-    torch.cuda.synchronize()
-    return waited
-
-
-def wall_time(fn: Callable[[], Any], calls: int, reps: int = 5) -> float:
-    """Microseconds per call of ``fn``, host clock from an idle GPU to the GPU done (median of ``reps``)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(times)
-
-
-def step_host_time(fn: Callable[[], Any], calls: int) -> float:
-    """:func:`host_time`, or :func:`wall_time` where ``fn`` waits for the GPU (a planner that synchronises): the
-    step's kernels are then done before the next step is issued, and the host sets the pace."""
-    return wall_time(fn, calls) if waits_for_gpu(fn) else host_time(fn, calls)
-
-
 def graph_time(fn: Callable[[], Any], calls: int) -> float:
     """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph and replayed."""
     stream = torch.cuda.Stream()
@@ -324,10 +293,13 @@ def run_forward(rows: list, log, shapes=FORWARD_SHAPES) -> None:
         torch.cuda.empty_cache()
 
 
-def engine_step(backend_cls, step: Step, layers: int = ENGINE_LAYERS) -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """(one engine step: ``build()`` then ``forward`` of each of ``layers`` layers, each its own impl and cache;
-    that step's ``build()`` alone) for one backend. The step's metadata tensors are the same every step, as an
-    engine's persistent input buffers are."""
+def engine_host_time(backend_cls, step: Step, layers: int = ENGINE_LAYERS, steps: int = 25,
+                     reps: int = 5) -> tuple[float, float]:
+    """(host microseconds per ``forward``, per ``build()``) as an engine spends them: per step one ``build()``
+    then ``forward`` of each of ``layers`` layers, each its own impl and cache, the step's metadata tensors the
+    same every step (an engine's persistent input buffers). Each part is clocked on its own, the GPU kept busy by a
+    sleep kernel queued first (a planner that synchronises waits for it once, inside its ``build()``); medians of
+    ``reps`` runs of ``steps`` steps."""
     builder = backend_cls.get_builder_cls()(step.spec, "cuda")
     impls = []
     for _ in range(layers):
@@ -335,19 +307,36 @@ def engine_step(backend_cls, step: Step, layers: int = ENGINE_LAYERS) -> tuple[C
         impl.process_weights_after_loading()
         impls.append(impl)
     caches = [step.caches[i % step.layers] for i in range(layers)]
+    clock = time.perf_counter
 
-    def run():
-        meta = builder.build(step.common)
-        for impl, cache in zip(impls, caches):
-            impl.forward(step.q, step.kv_c, step.k_pe, cache, meta, step.out)
+    def run_steps(count: int) -> tuple[float, float]:
+        build_s = forward_s = 0.0
+        for _ in range(count):
+            t0 = clock()
+            meta = builder.build(step.common)
+            t1 = clock()
+            for impl, cache in zip(impls, caches):
+                impl.forward(step.q, step.kv_c, step.k_pe, cache, meta, step.out)
+            forward_s += clock() - t1
+            build_s += t1 - t0
+        return forward_s * 1e6 / (count * layers), build_s * 1e6 / count
 
-    return run, lambda: builder.build(step.common)
+    run_steps(3)
+    torch.cuda.synchronize()
+    forward_us, build_us = [], []
+    for _ in range(reps):
+        cuda_sleep(100_000_000)
+        f, b = run_steps(steps)
+        torch.cuda.synchronize()
+        forward_us.append(f)
+        build_us.append(b)
+    return statistics.median(forward_us), statistics.median(build_us)
 
 
 def run_host(rows: list, log) -> None:
-    """Row ``mla_host``: host time per ``forward`` as an engine spends it (:func:`engine_step`: per step one
-    ``build()`` and ``ENGINE_LAYERS`` layers; ``us`` = (step - build) / layers, ``build_us`` beside), and
-    ``repeat_us``: one layer's ``forward`` called again and again on one metadata (each backend's best case)."""
+    """Row ``mla_host``: host time per ``forward`` as an engine spends it (:func:`engine_host_time`: per step one
+    ``build()`` and ``ENGINE_LAYERS`` layers; ``build_us`` beside), and ``repeat_us``: one layer's ``forward``
+    called again and again on one metadata."""
     batch, seq_len = HOST_SHAPE
     step = make_step(batch, seq_len)
     res: dict[str, dict[str, Optional[float]]] = {}
@@ -355,13 +344,11 @@ def run_host(rows: list, log) -> None:
     if package_available("flashinfer"):
         backends.append(("flashinfer_mla", FlashInferMLABackend))
     for name, cls in backends:
-        run, build = engine_step(cls, step)
-        step_us = _try(log, f"{name} engine step host", lambda: step_host_time(run, calls=20))
-        build_us = _try(log, f"{name} build host", lambda: step_host_time(build, calls=20))
+        both = _try(log, f"{name} engine step host", lambda: engine_host_time(cls, step))
         repeat = _try(log, f"{name} repeat host", lambda: host_time(backend_calls(cls, step)[3], calls=100))
-        per = (step_us - build_us) / ENGINE_LAYERS if step_us is not None and build_us is not None else None
-        res[name] = {"us": per, "build": build_us, "repeat": repeat}
-        log(f"{name}: host per forward {per} us in an engine step, build {build_us} us, repeated forward {repeat} us")
+        res[name] = {"us": both[0] if both else None, "build": both[1] if both else None, "repeat": repeat}
+        log(f"{name}: host per forward {res[name]['us']} us in an engine step, build {res[name]['build']} us, "
+            f"repeated forward {repeat} us")
     ours, peer = res["triton_mla"], res.get("flashinfer_mla", {})
     rows.append({"case": "mla_host", "backend": "triton_mla", "peer": "flashinfer_mla", "B": batch, "L": seq_len,
                  "H": H, "dtype": "bfloat16", "kv_dtype": "auto", "layers": ENGINE_LAYERS, "us": _r(ours["us"]),

@@ -214,8 +214,8 @@ class TritonMLAImpl(MLAImpl):
         self._nope = spec.qk_nope_head_dim
         self._w_uv_state: Optional[tuple] = None
         self._w_uk_state: Optional[tuple] = None
-        # per (plan, cache, call size): ((plan, cache), the input layout they were launched under (check_inputs),
-        # the launches prepared for 16-byte aligned call tensors, or None)
+        # per (plan, cache tensor, call size): ((plan, cache tensor, its state), the input layout they were launched
+        # under (check_inputs), the launches prepared for 16-byte aligned call tensors, or None)
         self._kept_launches: dict[tuple, tuple] = {}
 
     def process_weights_after_loading(self) -> None:
@@ -234,7 +234,6 @@ class TritonMLAImpl(MLAImpl):
         extra = decode.extra
         if self._w_uv_state is None:  # the weights were set without process_weights_after_loading
             self._weights_launch_state()
-        cache = self._caches.get(kv_cache)
         plan = extra["plan"]
         # the call's tensors by address: (q, output) or (q, kv_c, k_pe, output)
         if new_tokens is None:
@@ -243,17 +242,18 @@ class TritonMLAImpl(MLAImpl):
         else:
             call = (q.data_ptr(), new_tokens[0].data_ptr(), new_tokens[1].data_ptr(), output.data_ptr())
             aligned = not (call[0] | call[1] | call[2] | call[3]) & 15
-        slot = (id(plan), id(cache), len(call))
+        slot = (id(plan), id(kv_cache), len(call))
         kept = self._kept_launches.get(slot)
         # check_inputs records a new layout object whenever the call's tensors change shape, strides or dtype
         if (kept is not None and kept[2] is not None and kept[1] is self._input_layout and aligned
                 and launch_prepared_sequence(kept[2], call)):
             return
+        cache = self._caches.get(kv_cache)
         launches = self._launch_decode(q, cache, extra, output, new_tokens, prepare=kept is not None and aligned)
         if kept is None or launches is not None:
             if len(self._kept_launches) >= self.KEPT_LAUNCHES:
                 self._kept_launches.clear()
-            self._kept_launches[slot] = ((plan, cache), self._input_layout, launches)
+            self._kept_launches[slot] = ((plan, kv_cache, cache), self._input_layout, launches)
 
     def _launch_decode(self, q, cache, extra, output, new_tokens, prepare: bool) -> Optional[tuple]:
         """The decode's launches (see the class docstring); with ``prepare``, returns them prepared as

@@ -291,12 +291,18 @@ def test_folded_cache_write_reports_a_bad_slot_on_gpu():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype):
-    """As an engine runs it: three steps of one decode batch on the same metadata buffers (the builder keeps the
+def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype, monkeypatch):
+    """As an engine runs it: five steps of one decode batch on the same metadata buffers (the builder keeps the
     plan, so each layer's launches stay prepared), three layers with their own weights and caches, and every
-    forward given fresh queries, new tokens and output (new addresses; the last step's queries with other
+    forward given fresh queries, new tokens and output (new addresses; from the fourth step on, queries with other
     strides). Each output matches reference_mla's on the same inputs, and each cache equals the reference's bit
-    for bit after every step."""
+    for bit after every step. The third and fifth steps run every layer as a prepared launch sequence."""
+    from attnbackends.mla import backends as mla_backends
+
+    sequences = []
+    real_sequence = mla_backends.launch_prepared_sequence
+    monkeypatch.setattr(mla_backends, "launch_prepared_sequence",
+                        lambda *a: sequences.append(step) or real_sequence(*a))
     spec = v3_spec(num_heads=128, kv_cache_dtype=kv_cache_dtype)
     shapes = [S(1, c) for c in (63, 1000, 3001)]
     base = make_random_mla_batch(spec, shapes, seed=23, device="cuda", pad_tokens=2)
@@ -310,7 +316,7 @@ def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype):
             impl.process_weights_after_loading()
             impls.append(impl)
         layers.append((*impls, base.kv_cache.clone(), base.kv_cache.clone()))
-    builder = TritonMLABackend.get_builder_cls()(spec, "cuda")
+    builder = TritonMLABackend.get_builder_cls()(spec, "cuda", up_projection="fused")
     ref_builder = ReferenceMLABackend.get_builder_cls()(spec, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(5)
 
@@ -319,11 +325,11 @@ def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype):
         return t[..., :shape[-1]]
 
     plans = []
-    for step in range(3):
+    for step in range(5):
         meta, ref_meta = builder.build(base.common), ref_builder.build(base.common)
         plans.append(meta.decode.extra["plan"])
         for layer, (ours, ref, cache, ref_cache) in enumerate(layers):
-            q = fresh(*base.q.shape, wider=8 if step == 2 else 0)
+            q = fresh(*base.q.shape, wider=8 if step >= 3 else 0)
             kv_c, k_pe = fresh(*base.kv_c.shape), fresh(*base.k_pe.shape)
             out, ref_out = base.new_output(), base.new_output()
             ours.forward(q, kv_c, k_pe, cache, meta, out)
@@ -333,5 +339,6 @@ def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype):
             assert_close_to_oracle(out[:n], ref_out[:n].double(), tolerance_for(spec.torch_dtype, kv_cache_dtype),
                                    what=f"triton_mla step {step} layer {layer}")
             assert torch.isnan(out[n:].float()).all()
-    assert plans[0] is plans[1] is plans[2]
-    assert meta.decode.writes_cache and plans[0].up_grid is not None
+    assert all(plan is plans[0] for plan in plans)
+    assert meta.decode.writes_cache and plans[0].up_grid is not None and plans[0].num_splits > 1
+    assert sequences == [2] * len(layers) + [4] * len(layers), sequences
