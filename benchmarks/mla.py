@@ -27,6 +27,7 @@ Rows (``case``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -43,6 +44,7 @@ from attnbackends import DeviceInfo
 from attnbackends.compat import cuda_sleep
 from attnbackends.metadata import build_common_metadata
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
+from attnbackends.mla.decode_kernel import default_decode_config
 from attnbackends.mla.decode_launch import (
     launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode, launch_mla_up_projection,
 )
@@ -173,9 +175,9 @@ def make_step(batch: int, seq_len: int, q_len: int = 1, kv_cache_dtype: str = "a
     return Step(spec, common, caches, q, kv_c, k_pe, w, out)
 
 
-def backend_calls(backend_cls, step: Step):
+def backend_calls(backend_cls, step: Step, **builder_kwargs: Any):
     """(builder, metadata, impl, forward over the layers' caches in turn) for one backend."""
-    builder = backend_cls.get_builder_cls()(step.spec, "cuda")
+    builder = backend_cls.get_builder_cls()(step.spec, "cuda", **builder_kwargs)
     meta = builder.build(step.common)
     impl = backend_cls.get_impl_cls()(step.spec, kv_b_proj=step.kv_b_proj)
     impl.process_weights_after_loading()
@@ -418,22 +420,31 @@ def run_host_parts(rows: list, log) -> None:
     rows.append(row)
 
 
+#: ``mla_fp8`` rows per fp8 score-product mode (``MLADecodeConfig.fp8_scores``): what the row's ``products`` says.
+FP8_PRODUCTS = {"16-bit": "16-bit (e4m3 pages widened in shared memory)",
+                "e4m3": "e4m3 scores (queries quantised per row; P.V 16-bit on widened pages)"}
+
+
 def run_fp8(rows: list, log, shapes=FP8_SHAPES) -> None:
+    """Rows ``mla_fp8``: ``triton_mla`` over fp8 e4m3 pages against our bf16 pages (``us``: graph replay;
+    ``eager_us`` beside), one row per score-product mode (:data:`FP8_PRODUCTS`)."""
     for batch, seq_len in shapes:
         res = {}
-        for kv in ("fp8", "auto"):
+        for name, kv, scores in (("bf16", "auto", "16-bit"), ("16-bit", "fp8", "16-bit"), ("e4m3", "fp8", "e4m3")):
             step = make_step(batch, seq_len, kv_cache_dtype=kv)
             calls = step.layers * max(1, 8 // step.layers)
-            fwd = backend_calls(TritonMLABackend, step)[3]
-            res[kv] = (_try(log, f"triton_mla {kv} graph", lambda: graph_time(fwd, calls)),
-                       _try(log, f"triton_mla {kv} eager", lambda: event_time(fwd, calls)))
+            config = dataclasses.replace(default_decode_config(H), fp8_scores=scores)
+            fwd = backend_calls(TritonMLABackend, step, decode_config=config)[3]
+            res[name] = (_try(log, f"triton_mla {name} graph", lambda: graph_time(fwd, calls)),
+                         _try(log, f"triton_mla {name} eager", lambda: event_time(fwd, calls)))
             del step, fwd
             torch.cuda.empty_cache()
-        rows.append({"case": "mla_fp8", "backend": "triton_mla", "peer": "triton_mla_bf16", "B": batch, "L": seq_len,
-                     "H": H, "dtype": "bfloat16", "kv_dtype": "fp8", "us": _r(res["fp8"][0]),
-                     "peer_us": _r(res["auto"][0]), "ratio": _ratio(res["fp8"][0], res["auto"][0]),
-                     "eager_us": _r(res["fp8"][1]), "peer_eager_us": _r(res["auto"][1]),
-                     "products": "16-bit (e4m3 pages widened in shared memory)"})
+        for name in ("16-bit", "e4m3"):
+            rows.append({"case": "mla_fp8", "backend": "triton_mla", "peer": "triton_mla_bf16", "B": batch,
+                         "L": seq_len, "H": H, "dtype": "bfloat16", "kv_dtype": "fp8", "us": _r(res[name][0]),
+                         "peer_us": _r(res["bf16"][0]), "ratio": _ratio(res[name][0], res["bf16"][0]),
+                         "eager_us": _r(res[name][1]), "peer_eager_us": _r(res["bf16"][1]),
+                         "products": FP8_PRODUCTS[name]})
 
 
 def run_prefill(rows: list, log) -> None:

@@ -169,15 +169,16 @@ def hopper_descriptors(kv_cache: torch.Tensor, kv_lora: int) -> tuple[Any, Any]:
 #: The constexpr parameters of ``_mla_decode_hopper_kernel``, in signature order (``num_warps`` is one: a Gluon
 #: kernel declares it).
 HOPPER_CONSTEXPRS = ("LKV", "R", "PAGE", "BLOCK_H", "BLOCK_N", "NBUF", "STORE_LSE", "MAX_Q", "REGS_PV", "REGS_LOAD",
-                     "FP8", "FP8_BITS", "num_warps")
+                     "FP8", "FP8_BITS", "FP8_QK", "num_warps")
 HOPPER_NUM_WARPS = 4  # the default partition: one warpgroup
 
 
 def hopper_constexprs(kv_lora: int, rope: int, page: int, store_lse: bool, max_query_len: int,
-                      fp8: bool) -> tuple:
-    """The values of :data:`HOPPER_CONSTEXPRS` for one layer and batch."""
+                      fp8: bool, e4m3_scores: bool = False) -> tuple:
+    """The values of :data:`HOPPER_CONSTEXPRS` for one layer and batch. ``e4m3_scores``: an fp8 cache's score
+    products in e4m3 (queries quantised per row), else in the queries' 16-bit dtype."""
     return (kv_lora, rope, page, HOPPER_BLOCK_H, HOPPER_BLOCK_N, HOPPER_NBUF, bool(store_lse), int(max_query_len),
-            HOPPER_REGS[0], HOPPER_REGS[1], bool(fp8), HOPPER_FP8_BITS, HOPPER_NUM_WARPS)
+            HOPPER_REGS[0], HOPPER_REGS[1], bool(fp8), HOPPER_FP8_BITS, bool(fp8 and e4m3_scores), HOPPER_NUM_WARPS)
 
 
 def hopper_args(q_nope, q_pe, descriptors, block_table, seq_lens, query_start, out, lse, stride_o_s: int,
@@ -677,6 +678,189 @@ if gluon_available():
         ], [4, 1], [REGS_PV, REGS_LOAD])
 
     @gluon.jit
+    def _load_queries_e4m3(Q_NOPE, Q_PE, q8_smem, q8pe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h,
+                           stride_qp_t, stride_qp_h, LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr):
+        """The rows' queries quantised to e4m3 into shared memory, one scale per row over all LKV + R columns
+        (amax / 448: the largest magnitude lands on e4m3's largest finite value; rows past the request's tokens
+        and zero rows: 0 with scale 1). Returns the row scales [BLOCK_H] (layout: the rows of a [BLOCK_H, 128]
+        blocked tile); the queries are visible to the calling warpgroup's wgmma on return."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [64, 128] chunks, 16-byte loads
+        pe_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64]
+        rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, blk))
+        row_ok = gl.expand_dims(rows < q_len * num_heads, 1)
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
+        q_ptr = gl.expand_dims(_row_pointer(Q_NOPE, q_lo, rows, num_heads, stride_q_t, stride_q_h), 1)
+        rows_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, pe_blk))
+        pe_ok = gl.expand_dims(rows_pe < q_len * num_heads, 1)
+        cols_pe = gl.arange(0, R, layout=gl.SliceLayout(0, pe_blk))
+        qpe_ptr = gl.expand_dims(_row_pointer(Q_PE, q_lo, rows_pe, num_heads, stride_qp_t, stride_qp_h), 1)
+        q_pe = gl.load(qpe_ptr + gl.expand_dims(cols_pe, 0), mask=pe_ok, other=0.0).to(gl.float32)
+        amax = gl.convert_layout(gl.max(gl.abs(q_pe), axis=1), gl.SliceLayout(1, blk))
+        for c in gl.static_range(0, LKV, 128):
+            x = gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
+        scale = gl.where(amax > 0.0, amax * (1.0 / 448.0), gl.full_like(amax, 1.0))
+        inv = gl.expand_dims(1.0 / scale, 1)
+        for c in gl.static_range(0, LKV, 128):
+            x = gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0).to(gl.float32)
+            q8_smem.slice(c, 128, dim=1).store((x * inv).to(gl.float8e4nv))
+        inv_pe = gl.expand_dims(gl.convert_layout(1.0 / scale, gl.SliceLayout(1, pe_blk)), 1)
+        q8pe_smem.store((q_pe * inv_pe).to(gl.float8e4nv))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's queries are in shared memory before the warpgroup's wgmma reads them
+        return scale
+
+    @gluon.jit
+    def _pv_partition_e4m3(f8_kv, cv_kv, p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start,
+                           end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
+                           v_scale, LKV: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NBUF: gl.constexpr, FP8_BITS: gl.constexpr):
+        """4 warps, fp8 pages with e4m3 score products: per tile its V columns [0, LKV/2) widened into the
+        converted tile (rows past the end zeroed) while the softmax partition computes the scores, then
+        O[:, :LKV/2] = alpha * O + P . V[:, :LKV/2] with P from the stage's P buffer; the stage released after
+        (its P is read until then); O * v_scale / l at the end."""
+        HALF: gl.constexpr = LKV // 2
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+        for j in range(n_tiles):
+            s = j % NBUF
+            phase = (j // NBUF) & 1
+            mbarrier.wait(kv_ready.index(s), phase)
+            # our half of the converted tile was last read by our own P.V of tile j-1 (waited)
+            nvalid = end - (start + j * BLOCK_N)
+            if nvalid < BLOCK_N:
+                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, True, FP8_BITS)
+            else:
+                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, False, FP8_BITS)
+            fence_async_shared()  # the widened columns visible to wgmma ...
+            gl.thread_barrier()  # ... of every warp
+            mbarrier.wait(p_ready.index(s), phase)
+            o = o * gl.expand_dims(alpha_smem.index(s).load(gl.SliceLayout(1, o_layout)), 1)
+            o = warpgroup_mma(p_bufs.index(s), cv_kv.slice(0, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+
+        _pv_epilogue(o, l_smem, l_ready, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
+                     v_scale, LKV, BLOCK_H)
+
+    @gluon.jit
+    def _softmax_partition_e4m3(Q_NOPE, Q_PE, q8_smems, q8pe_smems, f8_kv, f8_pe, cv_kvs, p_bufs, alpha_smem, l_smem,
+                                kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb,
+                                split, num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
+                                stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale,
+                                LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                                NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr,
+                                FP8_BITS: gl.constexpr):
+        """Default partition, 4 warps, fp8 pages with e4m3 score products: the rows' queries quantised per row;
+        per tile the score tile [Q8 ; Q8_pe] . [K ; K_pe]^T straight from the fp8 stage (e4m3 wgmma) while this
+        partition widens its V columns [LKV/2, LKV) into the converted tile, the row scales applied, online
+        softmax, P and alpha published in the stage's buffers, O[:, LKV/2:] += P . V with P from registers; the
+        row sums, the LSE and O * v_scale / l at the end (qk_scale includes k_scale)."""
+        HALF: gl.constexpr = LKV // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+        q_scale = _load_queries_e4m3(Q_NOPE, Q_PE, q8_smems.index(0), q8pe_smems.index(0), q_lo, q_len, hb,
+                                     num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, LKV, R, BLOCK_H)
+        q_scale = gl.expand_dims(gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout)), 1)
+
+        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        pos = gl.expand_dims(seq_len - q_len + rows_s // num_heads, 1)  # [BLOCK_H, 1]: the row's last visible key
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        for j in range(n_tiles):
+            s = j % NBUF
+            mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
+            n0 = start + j * BLOCK_N
+            kv8 = f8_kv.index(s)
+            # The queries and the one converted tile through an index that is 0 but not a compile-time constant: a
+            # fixed buffer's wgmma descriptors would be hoisted out of the loop and spill. Our half of the converted
+            # tile was last read by our own P.V of tile j-1 (waited).
+            cv_kv = cv_kvs.index(j >> 30)
+            if end - n0 < BLOCK_N:
+                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
+            else:
+                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
+            sc = warpgroup_mma(q8_smems.index(j >> 30), kv8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q8pe_smems.index(j >> 30), f8_pe.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            sc = _mask_scores(sc * q_scale, gl.expand_dims(n0 + offs_n, 0), end, pos, MAX_Q)
+            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, qk_scale, MAX_Q)
+            pb = p.to(cv_kv.dtype)
+            # P and alpha of stage s: the worker read tile j - NBUF's before it released the stage
+            p_bufs.index(s).store(pb)
+            alpha_smem.index(s).store(alpha)
+            fence_async_shared()  # P and our widened columns visible to wgmma ...
+            gl.thread_barrier()  # ... of every warp, before the arrive and before our own P.V
+            mbarrier.arrive(p_ready.index(s), count=1)
+            mbarrier.arrive(kv_empty.index(s), count=1)  # the scores and our widening are done with the fp8 stage
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            o = warpgroup_mma(gl.convert_layout(pb, p_layout), cv_kv.slice(HALF, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+
+        _softmax_epilogue(o, m_i, l_i, rows_s, l_smem, l_ready, O, LSE, q_lo, q_len, hb, split, num_heads, stride_o_t,
+                          stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, BLOCK_H,
+                          STORE_LSE)
+
+    @gluon.jit
+    def _pipeline_e4m3(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
+                       q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
+                       stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale,
+                       LKV: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr,
+                       REGS_PV: gl.constexpr, REGS_LOAD: gl.constexpr, FP8_BITS: gl.constexpr):
+        """The fp8 kernel with e4m3 score products (the module docstring has the protocol): NBUF fp8 stages
+        [BLOCK_N, LKV] + [BLOCK_N, R] filled by the loader and read by the scores' wgmma as they are, one
+        converted 16-bit V tile whose halves each consumer widens for its own P.V, NBUF P buffers, the e4m3
+        queries."""
+        dtype: gl.constexpr = Q_NOPE.dtype.element_ty
+        f8_kv = gl.allocate_shared_memory(kv_desc.dtype, [NBUF, BLOCK_N, LKV], kv_desc.layout)
+        f8_pe = gl.allocate_shared_memory(pe_desc.dtype, [NBUF, BLOCK_N, R], pe_desc.layout)
+        cv_kvs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, LKV],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, LKV], dtype))
+        p_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_H, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
+        q8_smems = gl.allocate_shared_memory(gl.float8e4nv, [1, BLOCK_H, LKV],
+                                             gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV], gl.float8e4nv))
+        q8pe_smems = gl.allocate_shared_memory(gl.float8e4nv, [1, BLOCK_H, R],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.float8e4nv))
+        vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [NBUF, BLOCK_H], vec_sl)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NBUF):
+            mbarrier.init(kv_ready.index(i), count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
+            mbarrier.init(kv_empty.index(i), count=2)  # the scores' partition and the worker's P.V are done
+            mbarrier.init(p_ready.index(i), count=1)  # the softmax partition published P and alpha
+        mbarrier.init(l_ready, count=1)
+        fence_async_shared()  # the initialised barriers visible to the TMA unit
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_softmax_partition_e4m3, (Q_NOPE, Q_PE, q8_smems, q8pe_smems, f8_kv, f8_pe, cv_kvs, p_bufs, alpha_smem,
+                                       l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len,
+                                       q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h,
+                                       stride_qp_t, stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
+                                       stride_lse_h, qk_scale, v_scale, LKV, R, BLOCK_H, BLOCK_N, NBUF, STORE_LSE,
+                                       MAX_Q, FP8_BITS)),
+            (_pv_partition_e4m3, (f8_kv, cv_kvs.index(0), p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready,
+                                  l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t,
+                                  stride_o_h, stride_o_s, v_scale, LKV, BLOCK_H, BLOCK_N, NBUF, FP8_BITS)),
+            (_loader_partition, (kv_desc, pe_desc, f8_kv, f8_pe, kv_ready, kv_empty, bt_row, num_blocks, start,
+                                 n_tiles, LKV, PAGE, BLOCK_N, NBUF)),
+        ], [4, 1], [REGS_PV, REGS_LOAD])
+
+    @gluon.jit
     def _mla_decode_hopper_kernel(
         Q_NOPE, Q_PE,  # [T, H, LKV], [T, H, R] 16-bit
         kv_desc, pe_desc,  # TMA over the cache as [num_blocks * PAGE, LKV + R]: boxes [BLOCK_N, LKV], [BLOCK_N, R]
@@ -689,7 +873,8 @@ if gluon_available():
         v_scale,  # k_scale for an fp8 cache (read with FP8 only)
         LKV: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, REGS_PV: gl.constexpr,
-        REGS_LOAD: gl.constexpr, FP8: gl.constexpr, FP8_BITS: gl.constexpr, num_warps: gl.constexpr,
+        REGS_LOAD: gl.constexpr, FP8: gl.constexpr, FP8_BITS: gl.constexpr, FP8_QK: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """Grid (cdiv(H * MAX_Q, BLOCK_H), B, num_splits): request b's rows (query token, head) of one row block over
         one KV split, rows and positions as in ``_split_prologue`` of :mod:`.decode_kernel`. Warps: 4 (softmax,
@@ -720,7 +905,12 @@ if gluon_available():
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-        if FP8:
+        if FP8 and FP8_QK:
+            _pipeline_e4m3(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
+                           q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
+                           stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, R,
+                           PAGE, BLOCK_H, BLOCK_N, NBUF, STORE_LSE, MAX_Q, REGS_PV, REGS_LOAD, FP8_BITS)
+        elif FP8:
             _pipeline_fp8(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
                           q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
                           stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, R,

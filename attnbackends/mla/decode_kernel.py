@@ -48,6 +48,9 @@ class MLADecodeConfig:
     num_stages: int = 2
     use_tma: bool = False  # load whole cache tiles with TMA (see :func:`tma_decode_applies`)
     use_hopper: bool = False  # the Gluon kernel of :mod:`.decode_hopper` where it applies (Hopper, 16-bit, no tree)
+    #: an fp8 e4m3 cache's score products on the Gluon kernel: "16-bit" (pages widened to the queries' dtype) or
+    #: "e4m3" (queries quantised to e4m3 with one scale per row, pages read as stored; P.V stays 16-bit)
+    fp8_scores: str = "16-bit"
 
 
 def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:

@@ -284,7 +284,8 @@ def plan_mla_decode(
     store_lse = out_lse is not None
     interpret = is_triton_interpreted()
     if kernel == "hopper":
-        constexprs = hopper_constexprs(kv_lora, rope, page, store_lse, max_query_len, cache_dtype == torch.float8_e4m3fn)
+        constexprs = hopper_constexprs(kv_lora, rope, page, store_lse, max_query_len, cache_dtype == torch.float8_e4m3fn,
+                                       config.fp8_scores == "e4m3")
         num_warps, num_stages = HOPPER_NUM_WARPS, 3
     elif kernel == "tma":
         constexprs = (kv_lora, kv_lora // 2, rope, page, config.block_h, config.block_n, store_lse, max_query_len, tree,

@@ -25,7 +25,7 @@ from attnbackends.mla import decode_kernel as dk
 from attnbackends.mla.decode_kernel import decode_kernel_name, default_decode_config
 from attnbackends.mla.decode_launch import mla_decode
 from attnbackends.ops.quant import quantize_for_cache
-from attnbackends.testing import assert_close_to_oracle, tolerance_for
+from attnbackends.testing import Tolerance, assert_close_to_oracle, tolerance_for
 
 ROOT = Path(__file__).resolve().parents[2]
 H, LKV, R, PAGE = 128, 512, 64, 64
@@ -109,13 +109,13 @@ def test_hopper_descriptors_for_e4m3():
 # ------------------------------------------------------------------------------------------------ CPU: sm_90 compile
 
 _COMPILE = r"""
-import json, re, sys, torch
+import dataclasses, json, re, sys, torch
 from attnbackends.mla import decode_hopper as dh
 from attnbackends.mla.decode_kernel import default_decode_config
 from attnbackends.mla.decode_launch import MLACacheState, decode_launch_args, plan_mla_decode
 from benchmarks.offline_compile import SHARED_LIMIT, compile_call
 
-def launch_args(cache_dtype, q_dtype, max_q, splits):
+def launch_args(cache_dtype, q_dtype, max_q, splits, scores="16-bit"):
     B, H, lkv, rope, page = 2, 128, 512, 64, 64
     cache = torch.zeros(16, page, lkv + rope, dtype=cache_dtype)
     qn, qp = torch.zeros(B * max_q, H, lkv, dtype=q_dtype), torch.zeros(B * max_q, H, rope, dtype=q_dtype)
@@ -124,7 +124,8 @@ def launch_args(cache_dtype, q_dtype, max_q, splits):
     partials = (torch.zeros(B * max_q, H, splits, lkv), torch.zeros(B * max_q, H, splits)) if splits > 1 else None
     plan = plan_mla_decode(num_tokens=B * max_q, num_heads=H, kv_lora=lkv, rope=rope, page=page,
                            cache_dtype=cache_dtype, q_dtype=q_dtype, block_table=bt, seq_lens=sl,
-                           output=torch.zeros_like(qn), num_splits=splits, config=default_decode_config(H),
+                           output=torch.zeros_like(qn), num_splits=splits,
+                           config=dataclasses.replace(default_decode_config(H), fp8_scores=scores),
                            compute_capability=(9, 0), lse=torch.zeros(B * max_q, H), partials=partials,
                            query_start_loc=qs, max_query_len=max_q, kernel="hopper")
     # the arguments the launch path passes (the launcher's own assembly, not a copy of it)
@@ -132,14 +133,16 @@ def launch_args(cache_dtype, q_dtype, max_q, splits):
     return dh.hopper_kernel(), (args, dict(zip(dh.HOPPER_CONSTEXPRS, plan.constexprs)))
 
 reports = []
-for label, cache_dtype, q_dtype, max_q, splits, bits in [
-        ("fp8 bf16", torch.float8_e4m3fn, torch.bfloat16, 1, 1, True),
-        ("fp8 bf16 multi-token split", torch.float8_e4m3fn, torch.bfloat16, 3, 4, True),
-        ("fp8 fp16", torch.float8_e4m3fn, torch.float16, 1, 1, True),
-        ("fp8 bf16 triton conversion", torch.float8_e4m3fn, torch.bfloat16, 1, 1, False),
-        ("bf16", torch.bfloat16, torch.bfloat16, 1, 1, True)]:
+for label, cache_dtype, q_dtype, max_q, splits, bits, scores in [
+        ("fp8 bf16", torch.float8_e4m3fn, torch.bfloat16, 1, 1, True, "16-bit"),
+        ("fp8 bf16 multi-token split", torch.float8_e4m3fn, torch.bfloat16, 3, 4, True, "16-bit"),
+        ("fp8 fp16", torch.float8_e4m3fn, torch.float16, 1, 1, True, "16-bit"),
+        ("fp8 bf16 triton conversion", torch.float8_e4m3fn, torch.bfloat16, 1, 1, False, "16-bit"),
+        ("fp8 bf16 e4m3 scores", torch.float8_e4m3fn, torch.bfloat16, 1, 1, True, "e4m3"),
+        ("fp8 fp16 e4m3 scores multi-token split", torch.float8_e4m3fn, torch.float16, 3, 4, True, "e4m3"),
+        ("bf16", torch.bfloat16, torch.bfloat16, 1, 1, True, "16-bit")]:
     dh.HOPPER_FP8_BITS = bits
-    kernel, (args, kwargs) = launch_args(cache_dtype, q_dtype, max_q, splits)
+    kernel, (args, kwargs) = launch_args(cache_dtype, q_dtype, max_q, splits, scores)
     rep = compile_call(kernel, args, kwargs, keep_asm=True)
     ptx = rep.pop("asm")["ptx"]
     rep["label"] = label
@@ -155,8 +158,8 @@ print(json.dumps(reports))
 
 @pytest.mark.skipif(bool(GLUON), reason=GLUON)
 def test_fp8_kernel_compiles_for_sm90():
-    """The fp8 kernel (bf16 and fp16 queries, one and several query tokens and splits, both conversions) and the
-    16-bit one compile for Hopper (in a fresh process, without the interpreter) with no spill stack, within one
+    """The fp8 kernel (bf16 and fp16 queries, one and several query tokens and splits, both conversions, 16-bit
+    and e4m3 score products) and the 16-bit one compile for Hopper (in a fresh process, without the interpreter) with no spill stack, within one
     SM's shared memory, no serialised wgmma, the score tile as m64n64k16 and each output half as m64n256k16 in the
     query dtype, one expect-tx per page (fp8: 64 x 576 bytes), kv_empty counting two releases per stage, and the
     fp8 widening by bit placement where asked for."""
@@ -169,7 +172,10 @@ def test_fp8_kernel_compiles_for_sm90():
         assert rep["stack"] == 0 and rep["local"] == 0, rep
         assert not rep["shared_over_limit"] and rep["shared"] <= rep["limit"], rep
         assert not [n for n in rep["ptxas_notes"] if "serialized" in n], rep
-        assert rep["wgmma"] == {f"m64n64k16.f32.{qt}.{qt}": 36, f"m64n256k16.f32.{qt}.{qt}": 8}, rep
+        if "e4m3 scores" in rep["label"]:  # the score tile from the e4m3 queries and pages: 18 k32 steps
+            assert rep["wgmma"] == {"m64n64k32.f32.e4m3.e4m3": 18, f"m64n256k16.f32.{qt}.{qt}": 8}, rep
+        else:
+            assert rep["wgmma"] == {f"m64n64k16.f32.{qt}.{qt}": 36, f"m64n256k16.f32.{qt}.{qt}": 8}, rep
         assert rep["expect_tx"] == [64 * 576 * (1 if fp8 else 2)], rep
         assert rep["mbarrier_init_counts"].count(2) == 2, rep  # kv_empty x NBUF 2
         if fp8 and qt == "bf16":
@@ -248,10 +254,11 @@ def oracle(case: Fp8Case, cache: "torch.Tensor | None" = None) -> tuple[torch.Te
     return torch.cat(outs), torch.cat(lses)
 
 
-def run_decode(case: Fp8Case, num_splits: int, *, table=None, cache=None, k_scale=None):
-    """mla_decode on the Hopper kernel (skips unless it serves these inputs) into NaN-poisoned output and LSE."""
+def run_decode(case: Fp8Case, num_splits: int, *, table=None, cache=None, k_scale=None, scores: str = "16-bit"):
+    """mla_decode on the Hopper kernel (skips unless it serves these inputs) into NaN-poisoned output and LSE;
+    ``scores``: the fp8 cache's score products (``MLADecodeConfig.fp8_scores``)."""
     cache = case.cache if cache is None else cache
-    config = default_decode_config(H)
+    config = dataclasses.replace(default_decode_config(H), fp8_scores=scores)
     if decode_kernel_name(case.q_nope, case.q_pe, cache, config, tree=False) != "hopper":
         pytest.skip(f"the Gluon Hopper kernel does not serve this cache here: "
                     f"{dh.hopper_reason(LKV, R, PAGE, cache.dtype, torch.cuda.get_device_capability())}")
@@ -279,6 +286,53 @@ def test_hopper_fp8_against_oracle(batch, num_splits, q_dtype):
     # page ids outside the cache are read as page 0, bit for bit
     same_out, same_lse = run_decode(case, num_splits, table=case.substituted)
     assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
+
+
+def e4m3_queries(case: Fp8Case) -> Fp8Case:
+    """The case with the queries the e4m3 score products see, in float64: each row (token, head) over its
+    LKV + R columns scaled by 448 / amax, rounded to e4m3 and scaled back (float32 arithmetic, as the kernel's)."""
+    q = torch.cat([case.q_nope, case.q_pe], dim=-1).float()
+    amax = q.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax * (1.0 / 448.0), torch.ones_like(amax))
+    q8 = (q * (1.0 / scale)).clamp(-448.0, 448.0).to(E4M3)
+    deq = q8.double() * scale.double()
+    return dataclasses.replace(case, q_nope=deq[..., :LKV], q_pe=deq[..., LKV:])
+
+
+#: e4m3 score products against the exact float64 oracle: the queries' e4m3 rounding (3 mantissa bits) moves the
+#: scores by a few percent of their spread; the output stays within this.
+E4M3_SCORES_CLASS = Tolerance(atol=0.05, rtol=0.1, rel_fro=0.03)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("batch", [1, 4, 33])
+def test_hopper_fp8_e4m3_scores_against_oracle(batch, num_splits, q_dtype):
+    """e4m3 score products (queries quantised per row, pages read as stored): the float64 oracle of the quantised
+    queries within the fp8 cache tolerance, the exact oracle within :data:`E4M3_SCORES_CLASS`; bad page ids read
+    as page 0, bit for bit."""
+    case = make_case(batch, seed=100 + batch, q_dtype=q_dtype)
+    out, lse = run_decode(case, num_splits, scores="e4m3")
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    want_out, want_lse = oracle(e4m3_queries(case))
+    assert_close_to_oracle(out, want_out, tolerance_for(q_dtype, "fp8_e4m3"), what=f"e4m3 scores B={batch}")
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-4)
+    exact_out, _ = oracle(case)
+    assert_close_to_oracle(out, exact_out, E4M3_SCORES_CLASS, what=f"e4m3 scores B={batch} against exact queries")
+    same_out, same_lse = run_decode(case, num_splits, table=case.substituted, scores="e4m3")
+    assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_hopper_fp8_e4m3_scores_multi_token(num_splits):
+    """Three query tokens per request with e4m3 score products, causal per row."""
+    case = make_case(4, seed=7, max_q=3)
+    out, lse = run_decode(case, num_splits, scores="e4m3")
+    want_out, want_lse = oracle(e4m3_queries(case))
+    assert_close_to_oracle(out, want_out, tolerance_for(torch.bfloat16, "fp8_e4m3"), what="e4m3 scores multi-token")
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-4)
 
 
 @pytest.mark.gpu
