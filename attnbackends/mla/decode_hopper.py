@@ -42,6 +42,21 @@ s = j % NBUF):
   after its P.V of tile j has read them;
 - l_ready (1 arrival, parity 0): the row sums, as for 16-bit caches.
 
+e4m3 score products (``MLADecodeConfig.fp8_scores = "e4m3"``, constexpr FP8_QK): the softmax partition quantises
+its rows' queries to e4m3 once, one scale per row over all Lkv + R columns (amax / 448), and the score tile is one
+e4m3 wgmma (m64n64k32) straight from the fp8 stage, scaled back per row; P.V stays 16-bit on widened V. The
+converted tile holds V only, each consumer widening the half its own P.V reads, and P moves to NBUF per-stage
+buffers. Accuracy class: the queries' e4m3 rounding (3 mantissa bits) and sm_90's reduced-precision e4m3
+accumulation; the GPU tests bound both. Shared memory at Lkv 512: 2 fp8 stages (74 KB) + converted V (64 KB) + 2 P
+buffers (16 KB) + e4m3 queries (36 KB): 194 KB. Barriers (tile j, stage s = j % NBUF):
+
+- kv_ready[s]: as above;
+- kv_empty[s] (2 arrivals): the softmax partition after the scores and its widening of tile j, the P.V worker
+  after its P.V of tile j (which reads P of stage s, rewritten for tile j + NBUF only after this release);
+- p_ready[s] (1 arrival, parity (j // NBUF) & 1): the softmax partition after P and alpha of tile j;
+- l_ready: as above.
+Each half of the converted tile is written and read by one partition only, in program order: no barrier.
+
 Widening (``_e4m3_to``): the byte sign-extended (prmt), shifted onto the 16-bit exponent and mantissa fields, masked,
 and multiplied by the power of two that re-biases the exponent (exact, subnormals included): 2 integer and 2
 FMA-pipe instructions per pair of values, where Triton's own conversion to bf16 goes through fp16 and a quarter-rate
@@ -711,15 +726,14 @@ if gluon_available():
         return scale
 
     @gluon.jit
-    def _pv_partition_e4m3(f8_kv, cv_kv, p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, conv_ready,
-                           cv_free, l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t,
-                           stride_o_h, stride_o_s, v_scale, LKV: gl.constexpr, BLOCK_H: gl.constexpr,
-                           BLOCK_N: gl.constexpr, NBUF: gl.constexpr, FP8_BITS: gl.constexpr):
-        """4 warps, fp8 pages with e4m3 score products: per tile the whole V [BLOCK_N, LKV] widened into the
-        converted tile (rows past the end zeroed) while the softmax partition computes the scores: our half
-        [0, LKV/2) first, then, once the softmax partition's P.V of the previous tile is done (cv_free), its half;
-        then O[:, :LKV/2] = alpha * O + P . V[:, :LKV/2] with P from the stage's P buffer, the stage released
-        after (its P is read until then); O * v_scale / l at the end."""
+    def _pv_partition_e4m3(f8_kv, cv_kv, p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start,
+                           end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
+                           v_scale, LKV: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NBUF: gl.constexpr, FP8_BITS: gl.constexpr):
+        """4 warps, fp8 pages with e4m3 score products: per tile its V columns [0, LKV/2) widened into the
+        converted tile (rows past the end zeroed) while the softmax partition computes the scores, then
+        O[:, :LKV/2] = alpha * O + P . V[:, :LKV/2] with P from the stage's P buffer; the stage released after
+        (its P is read until then); O * v_scale / l at the end."""
         HALF: gl.constexpr = LKV // 2
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
@@ -728,21 +742,14 @@ if gluon_available():
             s = j % NBUF
             phase = (j // NBUF) & 1
             mbarrier.wait(kv_ready.index(s), phase)
+            # our half of the converted tile was last read by our own P.V of tile j-1 (waited)
             nvalid = end - (start + j * BLOCK_N)
-            # our half was last read by our own P.V of tile j-1 (waited)
             if nvalid < BLOCK_N:
                 _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, True, FP8_BITS)
             else:
                 _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, False, FP8_BITS)
-            if j > 0:
-                mbarrier.wait(cv_free, (j - 1) & 1)  # the softmax partition's P.V of tile j-1 read its half
-            if nvalid < BLOCK_N:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
-            fence_async_shared()  # the widened tile visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp, before the arrive
-            mbarrier.arrive(conv_ready, count=1)
+            fence_async_shared()  # the widened columns visible to wgmma ...
+            gl.thread_barrier()  # ... of every warp
             mbarrier.wait(p_ready.index(s), phase)
             o = o * gl.expand_dims(alpha_smem.index(s).load(gl.SliceLayout(1, o_layout)), 1)
             o = warpgroup_mma(p_bufs.index(s), cv_kv.slice(0, HALF, dim=1), o, is_async=True)
@@ -754,17 +761,17 @@ if gluon_available():
 
     @gluon.jit
     def _softmax_partition_e4m3(Q_NOPE, Q_PE, q8_smems, q8pe_smems, f8_kv, f8_pe, cv_kvs, p_bufs, alpha_smem, l_smem,
-                                kv_ready, kv_empty, p_ready, conv_ready, cv_free, l_ready, start, end, n_tiles,
-                                seq_len, q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h,
-                                stride_qp_t, stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
-                                stride_lse_h, qk_scale, v_scale, LKV: gl.constexpr, R: gl.constexpr,
-                                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-                                STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr):
+                                kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb,
+                                split, num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
+                                stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale,
+                                LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                                NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr,
+                                FP8_BITS: gl.constexpr):
         """Default partition, 4 warps, fp8 pages with e4m3 score products: the rows' queries quantised per row;
-        per tile the score tile [Q8 ; Q8_pe] . [K ; K_pe]^T straight from the fp8 stage (e4m3 wgmma), the row
-        scales applied, online softmax, P and alpha published in the stage's buffers; once the P.V worker has
-        widened the tile's V (conv_ready), O[:, LKV/2:] += P . V with P from registers, then cv_free; the row
-        sums, the LSE and O * v_scale / l at the end (qk_scale includes k_scale)."""
+        per tile the score tile [Q8 ; Q8_pe] . [K ; K_pe]^T straight from the fp8 stage (e4m3 wgmma) while this
+        partition widens its V columns [LKV/2, LKV) into the converted tile, the row scales applied, online
+        softmax, P and alpha published in the stage's buffers, O[:, LKV/2:] += P . V with P from registers; the
+        row sums, the LSE and O * v_scale / l at the end (qk_scale includes k_scale)."""
         HALF: gl.constexpr = LKV // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -787,28 +794,31 @@ if gluon_available():
             s = j % NBUF
             mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
             n0 = start + j * BLOCK_N
-            # The queries and the converted tile through an index that is 0 but not a compile-time constant: a
-            # fixed buffer's wgmma descriptors would be hoisted out of the loop and spill.
-            sc = warpgroup_mma(q8_smems.index(j >> 30), f8_kv.index(s).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
+            kv8 = f8_kv.index(s)
+            # The queries and the one converted tile through an index that is 0 but not a compile-time constant: a
+            # fixed buffer's wgmma descriptors would be hoisted out of the loop and spill. Our half of the converted
+            # tile was last read by our own P.V of tile j-1 (waited).
+            cv_kv = cv_kvs.index(j >> 30)
+            if end - n0 < BLOCK_N:
+                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
+            else:
+                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
+            sc = warpgroup_mma(q8_smems.index(j >> 30), kv8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q8pe_smems.index(j >> 30), f8_pe.index(s).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            mbarrier.arrive(kv_empty.index(s), count=1)  # the scores are done with the fp8 stage
             sc = _mask_scores(sc * q_scale, gl.expand_dims(n0 + offs_n, 0), end, pos, MAX_Q)
             p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, qk_scale, MAX_Q)
-            cv_kv = cv_kvs.index(j >> 30)
             pb = p.to(cv_kv.dtype)
             # P and alpha of stage s: the worker read tile j - NBUF's before it released the stage
             p_bufs.index(s).store(pb)
             alpha_smem.index(s).store(alpha)
-            fence_async_shared()  # P visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp, before the arrive
+            fence_async_shared()  # P and our widened columns visible to wgmma ...
+            gl.thread_barrier()  # ... of every warp, before the arrive and before our own P.V
             mbarrier.arrive(p_ready.index(s), count=1)
-            mbarrier.wait(conv_ready, j & 1)  # the worker widened the tile's V
+            mbarrier.arrive(kv_empty.index(s), count=1)  # the scores and our widening are done with the fp8 stage
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             o = warpgroup_mma(gl.convert_layout(pb, p_layout), cv_kv.slice(HALF, HALF, dim=1), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(cv_free, count=1)  # our half of the converted tile may be overwritten
 
         _softmax_epilogue(o, m_i, l_i, rows_s, l_smem, l_ready, O, LSE, q_lo, q_len, hb, split, num_heads, stride_o_t,
                           stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, BLOCK_H,
@@ -823,7 +833,7 @@ if gluon_available():
                        REGS_PV: gl.constexpr, REGS_LOAD: gl.constexpr, FP8_BITS: gl.constexpr):
         """The fp8 kernel with e4m3 score products (the module docstring has the protocol): NBUF fp8 stages
         [BLOCK_N, LKV] + [BLOCK_N, R] filled by the loader and read by the scores' wgmma as they are, one
-        converted 16-bit V tile the P.V worker widens for both consumers' P.V, NBUF P buffers, the e4m3
+        converted 16-bit V tile whose halves each consumer widens for its own P.V, NBUF P buffers, the e4m3
         queries."""
         dtype: gl.constexpr = Q_NOPE.dtype.element_ty
         f8_kv = gl.allocate_shared_memory(kv_desc.dtype, [NBUF, BLOCK_N, LKV], kv_desc.layout)
@@ -842,30 +852,25 @@ if gluon_available():
         kv_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        conv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        cv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_ready.index(i), count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
-            mbarrier.init(kv_empty.index(i), count=2)  # the scores are done and the worker's P.V is done
+            mbarrier.init(kv_empty.index(i), count=2)  # the scores' partition and the worker's P.V are done
             mbarrier.init(p_ready.index(i), count=1)  # the softmax partition published P and alpha
-        mbarrier.init(conv_ready, count=1)  # the worker widened the tile's V
-        mbarrier.init(cv_free, count=1)  # the softmax partition's P.V read its half of the converted tile
         mbarrier.init(l_ready, count=1)
         fence_async_shared()  # the initialised barriers visible to the TMA unit
         gl.thread_barrier()
 
         gl.warp_specialize([
             (_softmax_partition_e4m3, (Q_NOPE, Q_PE, q8_smems, q8pe_smems, f8_kv, f8_pe, cv_kvs, p_bufs, alpha_smem,
-                                       l_smem, kv_ready, kv_empty, p_ready, conv_ready, cv_free, l_ready, start, end,
-                                       n_tiles, seq_len, q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t,
-                                       stride_q_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h, stride_o_s,
-                                       stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, R, BLOCK_H, BLOCK_N, NBUF,
-                                       STORE_LSE, MAX_Q)),
+                                       l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len,
+                                       q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h,
+                                       stride_qp_t, stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
+                                       stride_lse_h, qk_scale, v_scale, LKV, R, BLOCK_H, BLOCK_N, NBUF, STORE_LSE,
+                                       MAX_Q, FP8_BITS)),
             (_pv_partition_e4m3, (f8_kv, cv_kvs.index(0), p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready,
-                                  conv_ready, cv_free, l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split,
-                                  num_heads, stride_o_t, stride_o_h, stride_o_s, v_scale, LKV, BLOCK_H, BLOCK_N, NBUF,
-                                  FP8_BITS)),
+                                  l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t,
+                                  stride_o_h, stride_o_s, v_scale, LKV, BLOCK_H, BLOCK_N, NBUF, FP8_BITS)),
             (_loader_partition, (kv_desc, pe_desc, f8_kv, f8_pe, kv_ready, kv_empty, bt_row, num_blocks, start,
                                  n_tiles, LKV, PAGE, BLOCK_N, NBUF)),
         ], [4, 1], [REGS_PV, REGS_LOAD])
