@@ -52,6 +52,13 @@ class MLADecodeConfig:
     #: "e4m3" (queries quantised to e4m3 with one scale per row, pages read as stored; P.V stays 16-bit)
     fp8_scores: str = "16-bit"
 
+    #: The values of :attr:`fp8_scores`.
+    FP8_SCORES = ("16-bit", "e4m3")
+
+    def __post_init__(self) -> None:
+        if self.fp8_scores not in self.FP8_SCORES:
+            raise ValueError(f"MLADecodeConfig.fp8_scores must be one of {self.FP8_SCORES}, got {self.fp8_scores!r}")
+
 
 def default_decode_config(num_heads: int, interpreted: bool = False) -> MLADecodeConfig:
     """The launch config for ``num_heads`` heads (tiny tiles under the interpreter)."""

@@ -96,6 +96,13 @@ def test_mla_decode_would_launch_the_hopper_kernel_for_e4m3(monkeypatch):
 
 
 @pytest.mark.skipif(bool(GLUON), reason=GLUON)
+def test_fp8_scores_setting_is_checked():
+    """The score-product mode is one of the two the kernel has; a typo is a ValueError naming the choices."""
+    assert dk.MLADecodeConfig(fp8_scores="e4m3").fp8_scores == "e4m3"
+    with pytest.raises(ValueError, match="fp8_scores must be one of"):
+        dk.MLADecodeConfig(fp8_scores="fp8")
+
+
 def test_hopper_descriptors_for_e4m3():
     """fp8 pages are copied as [64, 512] boxes (128-byte swizzle, four 128-byte rows per key) and [64, 64] rope
     boxes (64-byte swizzle) of 8-bit elements."""
