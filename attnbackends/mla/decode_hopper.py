@@ -263,6 +263,21 @@ if gluon_available():
         gl.thread_barrier()  # every warp's queries are in shared memory before the warpgroup's wgmma reads them
 
     @gluon.jit
+    def _softmax_state(hb, seq_len, q_len, num_heads, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+        """The softmax partition's loop state: (its rows [BLOCK_H], each row's last visible key [BLOCK_H, 1], the
+        tile's key offsets [BLOCK_N], a zero score tile, its output half O [BLOCK_H, HALF] = 0, row maxima -inf,
+        row sums 0), in the score tile's layout ``s_layout`` and the output's ``o_layout``."""
+        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        pos = gl.expand_dims(seq_len - q_len + rows_s // num_heads, 1)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        return rows_s, pos, offs_n, s_zero, o, m_i, l_i
+
+    @gluon.jit
     def _mask_scores(sc, keys, end, pos, MAX_Q: gl.constexpr):
         """-inf where key ``keys`` [1, BLOCK_N] lies past the split's end or (several query tokens) after the row's
         position ``pos`` [BLOCK_H, 1]."""
@@ -456,13 +471,8 @@ if gluon_available():
         _load_queries(Q_NOPE, Q_PE, q_smem, qpe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h, stride_qp_t,
                       stride_qp_h, LKV, R, BLOCK_H)
 
-        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        pos = gl.expand_dims(seq_len - q_len + rows_s // num_heads, 1)  # [BLOCK_H, 1]: the row's last visible key
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        rows_s, pos, offs_n, s_zero, o, m_i, l_i = _softmax_state(hb, seq_len, q_len, num_heads, s_layout, o_layout,
+                                                                  BLOCK_H, BLOCK_N, HALF)
         for j in range(n_tiles):
             s = j % NBUF
             mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
@@ -547,13 +557,8 @@ if gluon_available():
         _load_queries(Q_NOPE, Q_PE, q_smem, qpe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h, stride_qp_t,
                       stride_qp_h, LKV, R, BLOCK_H)
 
-        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        pos = gl.expand_dims(seq_len - q_len + rows_s // num_heads, 1)  # [BLOCK_H, 1]: the row's last visible key
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        rows_s, pos, offs_n, s_zero, o, m_i, l_i = _softmax_state(hb, seq_len, q_len, num_heads, s_layout, o_layout,
+                                                                  BLOCK_H, BLOCK_N, HALF)
         for j in range(n_tiles):
             s = j % NBUF
             mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
@@ -783,13 +788,8 @@ if gluon_available():
                                      num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, LKV, R, BLOCK_H)
         q_scale = gl.expand_dims(gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout)), 1)
 
-        rows_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        pos = gl.expand_dims(seq_len - q_len + rows_s // num_heads, 1)  # [BLOCK_H, 1]: the row's last visible key
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        rows_s, pos, offs_n, s_zero, o, m_i, l_i = _softmax_state(hb, seq_len, q_len, num_heads, s_layout, o_layout,
+                                                                  BLOCK_H, BLOCK_N, HALF)
         for j in range(n_tiles):
             s = j % NBUF
             mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
