@@ -223,9 +223,11 @@ class TritonMLAImpl(MLAImpl):
         self._weights_launch_state()
 
     def _weights_launch_state(self) -> None:
-        """The launch state of W_UV and W_UK_T (:func:`~attnbackends.mla.decode_launch.weight_launch_state`)."""
+        """The launch state of W_UV and W_UK_T (:func:`~attnbackends.mla.decode_launch.weight_launch_state`); the
+        launches prepared with the previous weights are dropped."""
         self._w_uv_state = weight_launch_state(self.W_UV, "W_UV")
         self._w_uk_state = weight_launch_state(self.W_UK_T, "W_UK_T")
+        self._kept_launches.clear()
 
     def _forward_decode(self, q, kv_cache, decode, output, new_tokens=None) -> None:
         # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them (new_tokens' kv_c and k_pe too): the

@@ -616,6 +616,9 @@ def test_a_layers_launches_are_prepared_on_its_second_forward_of_a_plan(monkeypa
     assert [leading for _, leading in log] == [
         (q.data_ptr(), kv_c.data_ptr(), k_pe.data_ptr()), (), (out.data_ptr(),)]
     assert forward(1, q, kv_c, k_pe, out) == full  # another layer: its own weights and cache
+    # new weights: the launches prepared with the old ones are dropped
+    layers[0][0].process_weights_after_loading()
+    assert forward(0, q, kv_c, k_pe, out) == ["_ABSORB_WRITE", "_POINTER prepared", "_REDUCE_UP"]
     # queries with other strides: check_inputs records a new layout, the launches are made in full
     wide = torch.empty(q.shape[0], q.shape[1], q.shape[2] + 8, dtype=q.dtype)[..., :q.shape[2]]
     wide.copy_(q)
