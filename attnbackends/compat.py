@@ -552,15 +552,14 @@ def _raw_descriptor_launch(compiled: Any, positions: tuple[int, ...]) -> tuple[O
 
 class PreparedLaunch(NamedTuple):
     """A cached launch worked out once (:meth:`DescriptorLauncher.prepare`): the C launcher, the arguments it takes
-    before the kernel's, and the kernel's own after its first ``leading`` ones (descriptors encoded, each tensor as
-    its device address, constexprs appended). The leading ones are the call's (:func:`launch_prepared`); ``keep``
-    holds the tensors whose addresses ``tail`` passes, for as long as the launch is kept."""
+    before the kernel's, and the kernel's own after the ones each call passes (descriptors encoded, each tensor as
+    its device address, constexprs appended); ``keep`` holds the tensors whose addresses ``tail`` passes, for as
+    long as the launch is kept."""
 
     run: Callable[..., Any]
     head: tuple
     tail: tuple
     keep: tuple = ()
-    leading: int = 0
 
 
 def _addresses(args: Sequence[Any]) -> tuple[tuple, tuple]:
@@ -572,14 +571,13 @@ def _addresses(args: Sequence[Any]) -> tuple[tuple, tuple]:
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), tensors
 
 
-def launch_prepared(prepared: PreparedLaunch, grid: tuple[int, int, int], leading: tuple = ()) -> bool:
-    """Launch ``prepared`` over ``grid`` on the current CUDA stream, ``leading`` being its first
-    ``prepared.leading`` runtime arguments (this call's tensors); False (nothing launched) where a Triton launch
-    hook is installed, which only a launch through :class:`DescriptorLauncher` calls."""
+def launch_prepared(prepared: PreparedLaunch, grid: tuple[int, int, int]) -> bool:
+    """Launch ``prepared`` (prepared without call arguments) over ``grid`` on the current CUDA stream; False
+    (nothing launched) where a Triton launch hook is installed, which only a launch through
+    :class:`DescriptorLauncher` calls."""
     if _launch_hooks_set():
         return False
-    prepared.run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *prepared.head, *leading,
-                 *prepared.tail)
+    prepared.run(grid[0], grid[1], grid[2], _current_raw_stream(_current_device()), *prepared.head, *prepared.tail)
     return True
 
 
@@ -597,16 +595,14 @@ def launch_prepared_sequence(launches: tuple, call: tuple) -> bool:
 
 def launch_keeping_prepared(prepared: Optional[PreparedLaunch], launcher: "DescriptorLauncher", key: Hashable,
                             grid: tuple[int, int, int], args: tuple, constexprs: tuple, num_warps: int,
-                            num_stages: int, leading: int = 0) -> Optional[PreparedLaunch]:
-    """Launch through ``prepared`` where it can (:func:`launch_prepared`, ``args[:leading]`` being the call's),
-    else through ``launcher`` (compiling on first use), preparing the launch for the next call with the same
-    arguments after the first ``leading``. The caller passes ``prepared`` only where those arguments, and the
-    compiled-kernel ``key``, are the ones it was prepared with. Returns the prepared launch to keep (None where the
-    launcher cannot prepare one yet)."""
-    if prepared is not None and launch_prepared(prepared, grid, args[:leading]):
+                            num_stages: int) -> Optional[PreparedLaunch]:
+    """Launch arguments that do not change between calls: through ``prepared`` where it can
+    (:func:`launch_prepared`), else through ``launcher`` (compiling on first use), preparing the launch for the next
+    call. Returns the prepared launch to keep (None where the launcher cannot prepare one yet)."""
+    if prepared is not None and launch_prepared(prepared, grid):
         return prepared
     launcher(key, grid, args, constexprs, num_warps, num_stages)
-    return launcher.prepare(key, args, constexprs, leading)
+    return launcher.prepare(key, args, constexprs)
 
 
 class DescriptorLauncher(DirectLauncher):
@@ -654,20 +650,20 @@ class DescriptorLauncher(DirectLauncher):
         """The launch of compiled kernel ``key`` with these ``args`` and ``constexprs`` worked out once, for
         arguments that do not change between calls (the same tensors, descriptors and numbers) but for the first
         ``leading`` runtime ones, which each call passes (before any descriptor): run it with
-        :func:`launch_prepared`. None where the kernel is not compiled through this launcher yet (launch it once
-        first) or launches through the JIT."""
+        :func:`launch_prepared` (no leading ones) or :func:`launch_prepared_sequence`. None where the kernel is not
+        compiled through this launcher yet (launch it once first) or launches through the JIT."""
         if self.descriptor_positions and leading > min(self.descriptor_positions):
             raise ValueError(f"a prepared launch's {leading} leading arguments must come before its descriptors "
                              f"(positions {self.descriptor_positions})")
         raw = self._raw.get(key)
         if raw is not None:
             tail, keep = _addresses(self.encoded_args(key, args, raw[2])[leading:])
-            return PreparedLaunch(raw[0], tuple(raw[1]), tail + tuple(constexprs), keep, leading)
+            return PreparedLaunch(raw[0], tuple(raw[1]), tail + tuple(constexprs), keep)
         entry = self._compiled.get(key)
         if entry is not None:
             run, function, packed = entry
             tail, keep = _addresses(args[leading:])
-            return PreparedLaunch(run, (function, packed, None, None, None), tail + tuple(constexprs), keep, leading)
+            return PreparedLaunch(run, (function, packed, None, None, None), tail + tuple(constexprs), keep)
         return None
 
     def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, constexprs: tuple,

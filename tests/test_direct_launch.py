@@ -67,10 +67,9 @@ def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
     call_a, call_b = torch.randn(3), torch.randn(3)
     with_call = (call_a,) + args
     launcher("k", (3, 1, 2), with_call, (16,), 4, 2)
-    lead = compat.launch_keeping_prepared(None, launcher, "k", (3, 1, 2), with_call, (16,), 4, 2, leading=1)
-    assert lead.leading == 1 and lead.keep == (planned,)
-    assert compat.launch_keeping_prepared(lead, launcher, "k", (3, 1, 2), (call_b,) + args, (16,), 4, 2,
-                                          leading=1) is lead
+    lead = launcher.prepare("k", with_call, (16,), 1)
+    assert lead.keep == (planned,)
+    assert compat.launch_prepared_sequence(((lead, (3, 1, 2), 0, 1),), (call_b,))
     expected = received[4][:9] + (call_b,) + _as_addresses(received[4][10:])
     assert received[-1][9] is call_b and received[-1][:9] == received[4][:9]
     assert received[-1][10:] == expected[10:]

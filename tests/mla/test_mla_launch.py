@@ -587,7 +587,7 @@ def test_a_layers_launches_are_prepared_on_its_second_forward_of_a_plan(monkeypa
         def prepare(self, key, args, constexprs, leading=0):
             def run(*launch_args, _name=self.name):
                 log.append((_name + " prepared", launch_args[4:]))
-            return compat.PreparedLaunch(run, (), (), (), leading)
+            return compat.PreparedLaunch(run, (), ())
 
     for name in ("_ABSORB_WRITE", "_POINTER", "_REDUCE_UP"):
         monkeypatch.setattr(decode_launch, name, Preparing(getattr(decode_launch, name), name, log))
