@@ -6,7 +6,7 @@ Decode, 32 query / 8 KV heads, head 128, page 16, bf16, pages in random order. P
   ``BatchDecodeWithPagedKVCacheWrapper.run`` on a wrapper planned identically;
 - ``plan+run``: a whole step of one layer: ``FlashInferMetadataBuilder.build`` (page-table translation + plan) and
   ``forward`` vs ``plan`` (page table already at hand) and ``run``. Twice: with the builder's default re-planning
-  (:mod:`attnbackends.flashinfer.fast_plan`, ``fast_plan: true`` in the row) and with ``plan()`` every step.
+  (:mod:`attnbackends.ops.flashinfer.fast_plan`, ``fast_plan: true`` in the row) and with ``plan()`` every step.
 
 Times: ``us`` / ``peer_us`` are ``triton.testing.do_bench`` medians (GPU-event time per call, an L2 flush before
 each); ``wall_us`` / ``peer_wall_us`` are back-to-back loop times per call, the median of 7 rounds that alternate
@@ -230,7 +230,7 @@ def _host_us_behind_busy_gpu(fn, iters: int = 50, busy_us: float = 1000.0) -> fl
 def _replan_pieces(builder: FlashInferMetadataBuilder, common, run_args) -> dict:
     """The parts of a re-planned decode build, each alone (reads the builder's private fields: a profiling aid)."""
     from attnbackends.flashinfer.backend import FlashInferMetadata
-    from attnbackends.flashinfer.page_ids import gather_page_ids
+    from attnbackends.ops.flashinfer.page_ids import gather_page_ids
 
     wrapper = builder.wrappers.eager_decode
     replanner = builder.wrappers.replanner_for(wrapper)

@@ -10,7 +10,7 @@ from attnbackends import AttentionSpec
 from attnbackends.compile import AttentionLayer, forward_context
 from attnbackends.interface import AttentionImpl
 from attnbackends.mla.common import MLAAttentionImpl, MLAImpl
-from attnbackends.mla.reference import ReferenceMLABackend, ReferenceMLAImpl
+from attnbackends.reference.mla import ReferenceMLABackend, ReferenceMLAImpl
 from attnbackends.testing.mla import make_random_mla_batch
 from attnbackends.parallel.decode_cp import local_decode_attention
 from attnbackends.reference.backend import ReferenceImpl

@@ -12,13 +12,14 @@ if not torch.cuda.is_available():
 from triton import knobs  # noqa: E402
 
 from attnbackends import compat  # noqa: E402
+from attnbackends.ops import launch as ops_launch  # noqa: E402
 from attnbackends.testing import conformance_cases  # noqa: E402
 from attnbackends.triton import launch  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
 
 
 def test_no_launch_hooks_by_default():
-    assert not compat._launch_hooks_set()
+    assert not compat.launch_hooks_set()
 
 
 def test_an_installed_launch_hook_is_seen():
@@ -31,7 +32,7 @@ def test_an_installed_launch_hook_is_seen():
 
     hook.add(noop)
     try:
-        assert compat._launch_hooks_set()
+        assert compat.launch_hooks_set()
     finally:
         hook.remove(noop)
 
@@ -47,9 +48,8 @@ def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
     leading ones as the call gives them; nothing is prepared before the first launch, nothing launched under a
     hook."""
     received: list = []
-    launcher = compat.DescriptorLauncher(lambda: None, ("C",))
-    monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 77)
-    monkeypatch.setattr(compat, "_current_device", lambda: 0)
+    launcher = ops_launch.DescriptorLauncher(lambda: None, ("C",))
+    monkeypatch.setattr(ops_launch, "_current_stream", lambda: 77)
     planned = torch.randn(2)
     args = (planned, 3, 0.5)
     assert launcher.prepare("k", args, (16,)) is None
@@ -57,11 +57,11 @@ def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
     launcher("k", (3, 1, 2), args, (16,), 4, 2)
     prepared = launcher.prepare("k", args, (16,))
     assert prepared.keep == (planned,) and planned.data_ptr() in prepared.tail
-    assert compat.launch_prepared(prepared, (3, 1, 2))
+    assert ops_launch.launch_prepared(prepared, (3, 1, 2))
     assert len(received) == 2 and received[1] == _as_addresses(received[0])
     # launch_keeping_prepared: the prepared launch where there is one, else the launcher, then prepared
-    assert compat.launch_keeping_prepared(prepared, launcher, "k", (3, 1, 2), args, (16,), 4, 2) is prepared
-    fresh = compat.launch_keeping_prepared(None, launcher, "k", (3, 1, 2), args, (16,), 4, 2)
+    assert ops_launch.launch_keeping_prepared(prepared, launcher, "k", (3, 1, 2), args, (16,), 4, 2) is prepared
+    fresh = ops_launch.launch_keeping_prepared(None, launcher, "k", (3, 1, 2), args, (16,), 4, 2)
     assert fresh == prepared and len(received) == 4 and _as_addresses(received[3]) == _as_addresses(received[0])
     # a leading argument is the call's: a new tensor there reaches the launcher, the rest stay prepared
     call_a, call_b = torch.randn(3), torch.randn(3)
@@ -69,13 +69,13 @@ def test_a_prepared_launch_passes_what_the_cached_launch_passes(monkeypatch):
     launcher("k", (3, 1, 2), with_call, (16,), 4, 2)
     lead = launcher.prepare("k", with_call, (16,), 1)
     assert lead.keep == (planned,)
-    assert compat.launch_prepared_sequence(((lead, (3, 1, 2), 0, 1),), (call_b,))
+    assert ops_launch.launch_prepared_sequence(((lead, (3, 1, 2), 0, 1),), (call_b,))
     expected = received[4][:9] + (call_b,) + _as_addresses(received[4][10:])
     assert received[-1][9] is call_b and received[-1][:9] == received[4][:9]
     assert received[-1][10:] == expected[10:]
-    monkeypatch.setattr(compat, "_launch_hooks_set", lambda: True)
+    monkeypatch.setattr(ops_launch, "launch_hooks_set", lambda: True)
     count = len(received)
-    assert not compat.launch_prepared(prepared, (3, 1, 2)) and len(received) == count
+    assert not ops_launch.launch_prepared(prepared, (3, 1, 2)) and len(received) == count
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import torch
 
 from attnbackends import AttentionSpec
 from attnbackends.mla.backends import TritonMLABackend
-from attnbackends.mla.reference import ReferenceMLABackend
+from attnbackends.reference.mla import ReferenceMLABackend
 from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.ops.merge_attn_states import merge_attn_states
 from attnbackends.ops.quant import dequantize_from_cache, fp8_max

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from attnbackends import AttentionSpec, DeviceInfo
 from attnbackends.mla.backends import TritonMLABackend
-from attnbackends.mla.reference import ReferenceMLABackend
+from attnbackends.reference.mla import ReferenceMLABackend
 from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.testing import SequenceShape, assert_close_to_oracle, check_backend_on_batch, make_random_batch

@@ -3,7 +3,7 @@ and reports "flashinfer is not installed", on machines without flashinfer)."""
 
 from .backend import FlashInferBackend, FlashInferImpl, FlashInferMetadata, FlashInferMetadataBuilder, PlanKey
 from .cascade import CascadePolicy, cascade_prefix_blocks
-from .plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs, shared_prefix_blocks
+from ..ops.flashinfer.plan_inputs import PagedKVPlanInputs, paged_kv_plan_inputs, shared_prefix_blocks
 from .warmup import precompile
 
 __all__ = [

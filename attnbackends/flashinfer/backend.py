@@ -45,14 +45,14 @@ from ..spec import AttentionSpec, AttentionType
 from ..speculative.tree_mask import expand_tree_mask
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
-from .plan_guard import planning
-from .wrapper_pool import WrapperPool
+from ..ops.flashinfer.plan_guard import planning
+from ..ops.flashinfer.wrapper_pool import WrapperPool
 from .lse_forward import forward_with_lse
 from ..ops.kv_cache_write import reshape_and_cache
 from ..ops.page_guard import contain_page_ids, has_host_table
-from .page_ids import DECODE_TABLE_MAX_REQS
-from .plan_inputs import DEFAULT_HOST_GATHER_MAX_PAGES, DevicePlanBuffer, PagedKVPlanInputs, paged_kv_plan_inputs
-from .workspace import DEFAULT_WORKSPACE_BYTES
+from ..ops.flashinfer.page_ids import DECODE_TABLE_MAX_REQS
+from ..ops.flashinfer.plan_inputs import DEFAULT_HOST_GATHER_MAX_PAGES, DevicePlanBuffer, PagedKVPlanInputs, paged_kv_plan_inputs
+from ..ops.flashinfer.workspace import DEFAULT_WORKSPACE_BYTES
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",

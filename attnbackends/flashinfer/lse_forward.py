@@ -13,8 +13,8 @@ import math
 import torch
 
 from ..metadata import CommonAttentionMetadata
-from .plan_inputs import paged_kv_plan_inputs
-from .wrapper_pool import standalone_decode_wrapper
+from ..ops.flashinfer.plan_inputs import paged_kv_plan_inputs
+from ..ops.flashinfer.wrapper_pool import standalone_decode_wrapper
 
 __all__ = ["forward_with_lse"]
 

@@ -7,15 +7,16 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import fallback_reason, import_flashinfer, launch_prepared_sequence, surface_unsupported_reason
-from ..flashinfer.plan_guard import planning
-from ..flashinfer.plan_inputs import paged_kv_plan_inputs
-from ..flashinfer.wrapper_pool import mla_paged_wrapper
+from ..compat import fallback_reason, import_flashinfer, surface_unsupported_reason
+from ..ops.launch import launch_prepared_sequence
+from ..ops.flashinfer.plan_guard import planning
+from ..ops.flashinfer.plan_inputs import paged_kv_plan_inputs
+from ..ops.flashinfer.wrapper_pool import mla_paged_wrapper
 from ..interface import AttentionBackend, CudaGraphSupport, QueryLenSupport
 from ..ops.page_guard import PageTableError, contain_page_ids, has_host_table, raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec
-from .cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
+from ..ops.mla_cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
 from .decode_hopper import hopper_reason
 from ..ops.quant import FP8_DTYPES
@@ -195,10 +196,10 @@ class TritonMLAImpl(MLAImpl):
     the builder planned none, the split reduction (inside the decode launch) and a batched matmul.
 
     Where every one of those is a Triton launch, the second forward of a plan over a cache prepares them
-    (:meth:`~attnbackends.compat.DescriptorLauncher.prepare`), and later forwards whose tensors have the same
+    (:meth:`~attnbackends.ops.launch.DescriptorLauncher.prepare`), and later forwards whose tensors have the same
     layout (shapes, strides, dtypes: the layout ``check_inputs`` recorded) and 16-byte aligned addresses launch
     them back to back with only the call's tensors' addresses passed
-    (:func:`~attnbackends.compat.launch_prepared_sequence`). A builder keeps the plan of a batch whose metadata
+    (:func:`~attnbackends.ops.launch.launch_prepared_sequence`). A builder keeps the plan of a batch whose metadata
     tensors an engine reuses (its persistent input buffers), so steady-state decode steps take this path.
     """
 
@@ -259,7 +260,7 @@ class TritonMLAImpl(MLAImpl):
 
     def _launch_decode(self, q, cache, extra, output, new_tokens, prepare: bool) -> Optional[tuple]:
         """The decode's launches (see the class docstring); with ``prepare``, returns them prepared as
-        :func:`~attnbackends.compat.launch_prepared_sequence` takes them for the call (q, output) or
+        :func:`~attnbackends.ops.launch.launch_prepared_sequence` takes them for the call (q, output) or
         (q, kv_c, k_pe, output), or None where one of them cannot be (a matmul, the interpreter)."""
         absorb, plan = extra["absorb"], extra["plan"]
         launches: Optional[list] = []

@@ -30,7 +30,7 @@ from ..ops.merge_attn_states import merge_attn_states
 from ..ops.quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
-from .cache import concat_and_cache_mla, context_slots, gather_mla_cache
+from ..ops.mla_cache import concat_and_cache_mla, context_slots, gather_mla_cache
 from .prefill import PrefillKernel, RaggedPlan, get_prefill_kernel, select_prefill_kernel
 
 __all__ = [
@@ -282,7 +282,7 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
 
     def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> None:
-        """See :meth:`MLAAttentionImpl.update_kv_cache` (:func:`~attnbackends.mla.cache.concat_and_cache_mla`)."""
+        """See :meth:`MLAAttentionImpl.update_kv_cache` (:func:`~attnbackends.ops.mla_cache.concat_and_cache_mla`)."""
         concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, self.k_scale)
 
     def forward(self, q: torch.Tensor, kv_c_normed: Optional[torch.Tensor], k_pe: Optional[torch.Tensor],

@@ -82,7 +82,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import DescriptorLauncher, gluon_available
+from ..compat import gluon_available
+from ..ops.launch import DescriptorLauncher
 from ..platform import DeviceInfo, is_triton_interpreted
 
 __all__ = ["HOPPER_BLOCK_H", "HOPPER_BLOCK_N", "HOPPER_CONSTEXPRS", "gluon_available", "hopper_args",

@@ -12,7 +12,7 @@ decode-only batch the same launch writing the batch's new tokens into the cache
 :class:`MLACacheState` holds what depends on one cache tensor only (its TMA descriptors, its page count, its part
 of the key, what a launch that writes into it needs), built once per cache.
 :func:`launch_mla_decode` then adds the queries and launches through the kernels' cached launchers
-(:class:`~attnbackends.compat.DescriptorLauncher`): no argument binding, no descriptor encoding, no decisions.
+(:class:`~attnbackends.ops.launch.DescriptorLauncher`): no argument binding, no descriptor encoding, no decisions.
 
 A compiled kernel is specialised on its integer arguments (== 1, multiple of 16) and on its pointers' 16-byte
 alignment, so its key holds those properties of every argument: the batch's (planned), the cache's (per cache) and
@@ -28,12 +28,12 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import DescriptorLauncher, PreparedLaunch, launch_keeping_prepared
+from ..ops.launch import DescriptorLauncher, PreparedLaunch, launch_keeping_prepared
 from ..ops.launch_math import cdiv, next_power_of_2
 from ..ops.page_guard import fault_record, raise_pending_faults
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted
-from .cache import cache_dtype_constexprs
+from ..ops.mla_cache import cache_dtype_constexprs
 from .decode_hopper import (
     HOPPER_BLOCK_H, HOPPER_NUM_WARPS, hopper_args, hopper_constexprs, hopper_descriptors, hopper_launcher,
     hopper_reason,
@@ -133,7 +133,7 @@ class MLACacheState:
         """(key, args, constexprs) of this cache in a launch that writes new tokens into it
         (:func:`launch_mla_absorb_and_write`), built on first use: its part of the compiled-kernel key, its runtime
         arguments (the cache, its page and row strides, block size, slot count, its device's fault record) and the
-        constexprs of its dtype (:func:`~attnbackends.mla.cache.cache_dtype_constexprs`)."""
+        constexprs of its dtype (:func:`~attnbackends.ops.mla_cache.cache_dtype_constexprs`)."""
         w = self._writer
         if w is None:
             cache = self.cache
@@ -370,7 +370,7 @@ def launch_mla_up_projection(plan: MLADecodePlan, w_uv: torch.Tensor, w_state: t
 
     w_uv : [H, Lkv, V] the layer's up-projection weight (model dtype); w_state : its :func:`weight_launch_state`.
     output : [>= T, H, V] in the model dtype, any strides with a unit last one; rows past T are not written.
-    prepare : also return this launch prepared (:meth:`~attnbackends.compat.DescriptorLauncher.prepare`), the
+    prepare : also return this launch prepared (:meth:`~attnbackends.ops.launch.DescriptorLauncher.prepare`), the
     output its one leading argument (None where it cannot be prepared).
     """
     out_key = tensor_key(output)
@@ -454,7 +454,7 @@ def launch_mla_absorb_and_write(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: to
                                 k_scale: float, prepare: bool = False) -> Optional[PreparedLaunch]:
     """:func:`launch_mla_absorb` and, in the same launch, the cache write of the plan's T new tokens (a plan made
     with ``slot_mapping``): [kv_c[t] ; k_pe[t]] into cache slot ``slot_mapping[t]``, exactly as
-    :func:`~attnbackends.mla.cache.concat_and_cache_mla` writes it (-1 is padding, skipped; a slot outside the
+    :func:`~attnbackends.ops.mla_cache.concat_and_cache_mla` writes it (-1 is padding, skipped; a slot outside the
     cache is skipped and recorded by the page guard, raised here under the interpreter and at the next check point
     on CUDA).
 

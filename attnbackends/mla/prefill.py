@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import DirectLauncher, efficient_attention_with_lse, flash_attn_cute_available, import_flashinfer
-from ..flashinfer.plan_guard import planning
-from ..flashinfer.wrapper_pool import ragged_prefill_wrapper
+from ..compat import efficient_attention_with_lse, flash_attn_cute_available, import_flashinfer
+from ..ops.launch import DirectLauncher
+from ..ops.flashinfer.plan_guard import planning
+from ..ops.flashinfer.wrapper_pool import ragged_prefill_wrapper
 from ..platform import DeviceInfo, is_triton_interpreted, package_available
 from ..ops.launch_math import cdiv, next_power_of_2
 

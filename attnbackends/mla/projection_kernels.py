@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..ops.launch_math import next_power_of_2
-from .cache import write_latent_token
+from ..ops.mla_cache import write_latent_token
 
 __all__ = ["absorb_blocks", "reduce_up_blocks"]
 
@@ -229,7 +229,7 @@ def _mla_absorb_write_kernel(
     FP8_MIN_EXP: tl.constexpr,
 ):
     """The absorption of :func:`_mla_absorb_kernel` and, in the same launch, the cache write of the T new tokens
-    (:func:`~attnbackends.mla.cache.write_latent_token`: the semantics of ``concat_and_cache_mla``).
+    (:func:`~attnbackends.ops.mla_cache.write_latent_token`: the semantics of ``concat_and_cache_mla``).
 
     Grid (H + 1, cdiv(T, BLOCK_T), cdiv(KV_LORA, BLOCK_L)). Programs (h < H, tb, lb) are the absorption's tiles,
     unchanged: a head program's only extra work is one scalar comparison. The last row of axis 0 is a slice of

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import DirectLauncher
+from .launch import DirectLauncher
 from ..platform import is_triton_interpreted
 from ..validation import check_tensor
 from .launch_math import cdiv, next_power_of_2

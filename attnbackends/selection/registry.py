@@ -52,7 +52,7 @@ _Target = Union[str, type[AttentionBackend]]
 # Built-in backends, imported on first use.
 _REGISTRY: dict[str, _Target] = {
     "reference": "attnbackends.reference.backend:ReferenceBackend",
-    "reference_mla": "attnbackends.mla.reference:ReferenceMLABackend",
+    "reference_mla": "attnbackends.reference.mla:ReferenceMLABackend",
     "triton": "attnbackends.triton.backend:TritonAttentionBackend",
     "flashinfer": "attnbackends.flashinfer.backend:FlashInferBackend",
     "flash_attn": "attnbackends.flash_attn.backend:FlashAttnBackend",

@@ -357,7 +357,7 @@ def _merge_when_last(
 
 
 # Values that change from batch to batch, and pointers whose alignment no load depends on, are not specialised:
-# one compiled kernel per layout then serves every batch and can be launched directly (compat.DirectLauncher).
+# one compiled kernel per layout then serves every batch and can be launched directly (ops.launch.DirectLauncher).
 @triton.jit(
     do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
                        "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh", "stride_lse_h"],

@@ -11,7 +11,7 @@ The choices a plan is made of (tiles, split-KV count) come from :mod:`.heuristic
 :func:`attnbackends.validation.check_unified_attention_args` and its neighbours there: ``validate=True`` (the
 default) runs them on every launch, pass ``validate=False`` on the hot path once checked. A builder makes
 :class:`LaunchPlan` once per batch (:func:`plan_attention`) and :func:`launch_attention` runs it through the
-compiled kernel's launcher (:class:`attnbackends.compat.DirectLauncher`).
+compiled kernel's launcher (:class:`attnbackends.ops.launch.DirectLauncher`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..compat import DirectLauncher
+from ..ops.launch import DirectLauncher
 from ..ops.launch_math import next_power_of_2
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from ..compat import DirectLauncher, ensure_triton_scratch_allocator
+from ..compat import ensure_triton_scratch_allocator
+from ..ops.launch import DirectLauncher
 from ..ops.launch_math import cdiv
 from ..platform import is_triton_interpreted
 from .heuristics import PrefillConfig, default_prefill_config

@@ -1,4 +1,4 @@
-"""The decode re-planner (attnbackends.flashinfer.fast_plan) on the CPU: when it applies, and what it hands FlashInfer's
+"""The decode re-planner (attnbackends.ops.flashinfer.fast_plan) on the CPU: when it applies, and what it hands FlashInfer's
 scheduler and run() for a batch, on a stand-in wrapper with flashinfer 0.6.13's fields. That these are exactly what
 ``plan()`` would produce is checked on the GPU against the real wrapper, bit for bit
 (test_flashinfer_gpu.py::test_replanned_decode_equals_plan_bit_for_bit)."""
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnbackends.flashinfer.fast_plan import DecodeReplanner, replan_unsupported_reason
-from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer, paged_kv_plan_inputs
+from attnbackends.ops.flashinfer.fast_plan import DecodeReplanner, replan_unsupported_reason
+from attnbackends.ops.flashinfer.plan_inputs import DevicePlanBuffer, paged_kv_plan_inputs
 from attnbackends.metadata import build_common_metadata
 
 

@@ -10,7 +10,7 @@ parallel build (:func:`attnbackends.flashinfer.precompile`):
 - fp16, head 64, fp8 e5m2 cache with sliding window and soft-cap (fa2): mixed batches through both parts;
 - fp16, head 64, 4 query heads on 4 KV heads (no grouping: FlashInfer's CUDA-core decode kernel): mixed batches.
 
-Each of these also re-plans a run of decode batches with :mod:`attnbackends.flashinfer.fast_plan` and checks the
+Each of these also re-plans a run of decode batches with :mod:`attnbackends.ops.flashinfer.fast_plan` and checks the
 result bit for bit against a builder that calls ``plan()`` every time.
 """
 

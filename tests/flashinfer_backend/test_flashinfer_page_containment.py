@@ -19,9 +19,9 @@ from tests.flashinfer_backend.test_flashinfer_cpu import fake_flashinfer  # noqa
 
 from attnbackends import AttentionSpec  # noqa: E402
 from attnbackends.flashinfer import CascadePolicy, FlashInferBackend, FlashInferMetadataBuilder  # noqa: E402
-from attnbackends.flashinfer import page_ids  # noqa: E402
+from attnbackends.ops.flashinfer import page_ids  # noqa: E402
 from attnbackends.compat import flashinfer_installed  # noqa: E402
-from attnbackends.flashinfer.plan_inputs import paged_kv_plan_inputs  # noqa: E402
+from attnbackends.ops.flashinfer.plan_inputs import paged_kv_plan_inputs  # noqa: E402
 from attnbackends.metadata import build_common_metadata  # noqa: E402
 from attnbackends.ops import page_guard  # noqa: E402
 from attnbackends.ops.page_guard import PageTableError, raise_pending_faults  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnbackends.flashinfer.cascade import CascadePolicy, cascade_prefix_blocks
-from attnbackends.flashinfer.plan_inputs import paged_kv_plan_inputs, shared_prefix_blocks
+from attnbackends.ops.flashinfer.plan_inputs import paged_kv_plan_inputs, shared_prefix_blocks
 from attnbackends.metadata import build_common_metadata
 
 
@@ -215,7 +215,7 @@ def want_page_ids(table, counts, skip):
 def test_gather_page_ids_matches_brute_force(seed, impl, monkeypatch):
     """The device gather (Triton, interpreted on the CPU; or the host definition) takes each request's pages from
     column ``skip`` on, in request order; int64 tables are narrowed to int32."""
-    from attnbackends.flashinfer import page_ids
+    from attnbackends.ops.flashinfer import page_ids
 
     if impl == "triton" and not (torch.cuda.is_available() or page_ids.is_triton_interpreted()):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
@@ -230,7 +230,7 @@ def test_gather_page_ids_matches_brute_force(seed, impl, monkeypatch):
 
 
 def test_gather_page_ids_rejects_bad_input():
-    from attnbackends.flashinfer.page_ids import gather_page_ids
+    from attnbackends.ops.flashinfer.page_ids import gather_page_ids
 
     table = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -247,7 +247,7 @@ def test_gather_page_ids_rejects_bad_input():
 def test_device_plan_buffer_stages_the_page_table(seed):
     """One copy of the host buffer (+ the page-id gather when not done on the host) gives the four arrays; the
     buffer grows for a large batch, and the small arrays' views are reused for a batch size seen before."""
-    from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
+    from attnbackends.ops.flashinfer.plan_inputs import DevicePlanBuffer
 
     table, counts, skip = random_tables(seed)
     num_reqs, bs = counts.shape[0], 16
@@ -273,7 +273,7 @@ def test_device_plan_buffer_stages_the_page_table(seed):
 
 
 def test_select_keeps_host_arrays_and_device_page_ids():
-    from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
+    from attnbackends.ops.flashinfer.plan_inputs import DevicePlanBuffer
 
     common = build_common_metadata([1, 1, 5], [3, 16, 20], [[7], [2, 9], [4, 5, 6, 8]], 16)
     p = paged_kv_plan_inputs(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, 16,
@@ -290,7 +290,7 @@ def test_select_keeps_host_arrays_and_device_page_ids():
 def test_gather_page_ids_on_the_gpu_first_and_later_launches():
     """The first launch per table dtype goes through Triton's JIT, later ones launch the compiled kernel directly:
     both give the brute-force page ids, for int32 and int64 tables, any skip, outputs at unaligned offsets."""
-    from attnbackends.flashinfer.page_ids import gather_page_ids
+    from attnbackends.ops.flashinfer.page_ids import gather_page_ids
 
     for seed in range(8):
         table, counts, skip = random_tables(seed, torch.int64 if seed % 2 else torch.int32)
@@ -321,7 +321,7 @@ def decode_batch(seed, dtype=torch.int32):
 def test_decode_page_table_matches_brute_force(seed, impl, monkeypatch):
     """The whole decode page table built on the device from the KV lengths (Triton interpreted on the CPU, or the
     host definition) equals the brute-force one; outputs poisoned first."""
-    from attnbackends.flashinfer import page_ids
+    from attnbackends.ops.flashinfer import page_ids
 
     if impl == "triton" and not page_ids.is_triton_interpreted():
         pytest.skip("needs TRITON_INTERPRET=1 (the GPU test covers CUDA)")
@@ -337,7 +337,7 @@ def test_decode_page_table_matches_brute_force(seed, impl, monkeypatch):
 
 
 def test_decode_page_table_rejects_bad_input():
-    from attnbackends.flashinfer.page_ids import DECODE_TABLE_MAX_REQS, decode_page_table
+    from attnbackends.ops.flashinfer.page_ids import DECODE_TABLE_MAX_REQS, decode_page_table
 
     common, bs, _ = decode_batch(0)
     n = common.num_reqs
@@ -356,7 +356,7 @@ def test_decode_page_table_rejects_bad_input():
 def test_device_plan_buffer_decode_table(seed):
     """DevicePlanBuffer.decode_table (here on the CPU, the kernel interpreted or the host definition): the device
     arrays are the brute-force table, the host keeps kv_indptr alone and says so when asked for more."""
-    from attnbackends.flashinfer.plan_inputs import DevicePlanBuffer
+    from attnbackends.ops.flashinfer.plan_inputs import DevicePlanBuffer
 
     common, bs, (qo, kv, indices, last) = decode_batch(seed)
     buffer = DevicePlanBuffer("cpu", initial_elements=8)
@@ -375,7 +375,7 @@ def test_device_plan_buffer_decode_table(seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decode_page_table_on_the_gpu():
-    from attnbackends.flashinfer.page_ids import decode_page_table
+    from attnbackends.ops.flashinfer.page_ids import decode_page_table
 
     for seed in range(8):  # first and later (direct) launches, two table dtypes, several batch sizes
         common, bs, (_, kv, indices, last) = decode_batch(seed, torch.int64 if seed % 2 else torch.int32)
@@ -392,7 +392,7 @@ def test_host_page_table_definition_matches_python(seed):
     loop on random lengths, page sizes, skips and table dtypes; ``kv_last_page_len`` only when asked for."""
     import numpy as np
 
-    from attnbackends.flashinfer.page_ids import csr_page_table, gather_page_ids_on_host
+    from attnbackends.ops.flashinfer.page_ids import csr_page_table, gather_page_ids_on_host
 
     rng = np.random.default_rng(seed)
     num_reqs = int(rng.integers(0, 12)) if seed else 0
@@ -428,7 +428,7 @@ def test_host_gather_wider_than_the_column_table():
     """Rows of more pages than the precomputed column numbers hold."""
     import numpy as np
 
-    from attnbackends.flashinfer.page_ids import gather_page_ids_on_host
+    from attnbackends.ops.flashinfer.page_ids import gather_page_ids_on_host
 
     table = np.arange(2 * 70_001, dtype=np.int32).reshape(2, 70_001)
     num_pages = np.array([70_000, 3], dtype=np.int32)

@@ -9,11 +9,11 @@ import torch
 
 from attnbackends import AttentionConfig, DeviceInfo, explain, select
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
-from attnbackends.mla.cache import concat_and_cache_mla, concat_and_cache_mla_torch
+from attnbackends.ops.mla_cache import concat_and_cache_mla, concat_and_cache_mla_torch
 from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode_torch
 from attnbackends.mla.decode_launch import mla_decode
 from attnbackends.mla.prefill import SdpaPrefill, TritonPrefill
-from attnbackends.mla.reference import ReferenceMLABackend
+from attnbackends.reference.mla import ReferenceMLABackend
 from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.ops.quant import dequantize_from_cache
 from attnbackends.spec import AttentionSpec

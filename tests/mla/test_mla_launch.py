@@ -6,7 +6,7 @@
   cache-write launch), exactly as ``concat_and_cache_mla`` does: 16-bit and fp8 caches, padding slots skipped, the
   other slots untouched, an out-of-range slot skipped and raised as the same ``PageTableError``; a batch with
   prefills, and the bmm absorption, still write through ``concat_and_cache_mla``.
-- :class:`attnbackends.compat.DescriptorLauncher` hands Triton's C launcher the same arguments as Triton's own
+- :class:`attnbackends.ops.launch.DescriptorLauncher` hands Triton's C launcher the same arguments as Triton's own
   descriptor-encoding wrapper does (checked against Triton's wrapper itself, with a recording launcher).
 - The decode writes the absorbed queries and the latent output through the planned buffers and ``output``'s own
   strides (no copies), and matches the oracle.
@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from attnbackends import compat
+from attnbackends.ops import launch as ops_launch
 from attnbackends.mla import backends as mla_backends
-from attnbackends.mla import cache as mla_cache
+from attnbackends.ops import mla_cache
 from attnbackends.mla import decode_launch
 from attnbackends.mla.backends import TritonMLABackend
 from attnbackends.spec import AttentionSpec
@@ -145,22 +146,21 @@ def test_descriptor_launcher_passes_what_tritons_wrapper_passes(monkeypatch):
     args = (x, d1, 7, d3, 0.5)
     # Triton's path: CudaLauncher.__call__ hands the wrapper the base arguments, then the kernel's
     wrapped(2, 3, 4, 99, 1234, False, False, None, None, ("meta",), None, None, None, *args, 16)
-    raw, reason = compat._raw_descriptor_launch(compiled, (1, 3))
+    raw, reason = compat.raw_descriptor_launch(compiled, (1, 3))
     assert raw is not None, reason
-    launcher = compat.DescriptorLauncher(lambda: None, ("C",), (1, 3))
+    launcher = ops_launch.DescriptorLauncher(lambda: None, ("C",), (1, 3))
     for _ in range(2):  # the second launch uses the encodings of the first
         raw[0](2, 3, 4, 99, *raw[1], *launcher.encoded_args("k", args, raw[2]), 16)
     assert received[1] == received[0] and received[2] == received[0]
     # the same launch prepared once (launch_prepared on the current stream)
     launcher._raw["k"] = raw
     prepared = launcher.prepare("k", args, (16,))
-    monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 99)
-    monkeypatch.setattr(compat, "_current_device", lambda: 0)
-    assert compat.launch_prepared(prepared, (2, 3, 4))
+    monkeypatch.setattr(ops_launch, "_current_stream", lambda: 99)
+    assert ops_launch.launch_prepared(prepared, (2, 3, 4))
     assert received[3] == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in received[0])
     assert prepared.keep and all(kept is x for kept in prepared.keep)
     assert launcher.prepare("not compiled", args, (16,)) is None
-    assert compat._raw_descriptor_launch(compiled, (1,))[0] is None  # positions must match the signature's
+    assert compat.raw_descriptor_launch(compiled, (1,))[0] is None  # positions must match the signature's
 
 
 def test_mla_modules_use_the_platform_interpreted_check():
@@ -168,7 +168,8 @@ def test_mla_modules_use_the_platform_interpreted_check():
     import inspect
     import re
 
-    from attnbackends.mla import cache, decode_hopper, decode_kernel, prefill
+    from attnbackends.mla import decode_hopper, decode_kernel, prefill
+    from attnbackends.ops import mla_cache as cache
 
     for mod in (cache, decode_kernel, decode_hopper, decode_launch, prefill, mla_backends):
         src = inspect.getsource(mod)
@@ -395,8 +396,8 @@ def test_folded_cache_write_equals_concat_and_cache_mla(kv_cache_dtype, query_le
     the one ``concat_and_cache_mla`` (its Triton kernel and its torch path) writes, a token with slot -1 is skipped,
     every slot no request reads keeps its poison, padding rows past T are ignored; the output matches the reference
     backend's on the same cache."""
-    from attnbackends.mla.cache import concat_and_cache_mla
-    from attnbackends.mla.reference import ReferenceMLABackend
+    from attnbackends.ops.mla_cache import concat_and_cache_mla
+    from attnbackends.reference.mla import ReferenceMLABackend
     from attnbackends.ops.page_guard import raise_pending_faults
     from attnbackends.testing import assert_close_to_oracle, tolerance_for
     from attnbackends.testing.mla import run_mla_backend
@@ -434,7 +435,7 @@ def test_absorb_write_kernel_matches_concat_and_cache_mla(cache_dtype, num_token
     programs per token block) and token blocks (70 tokens), kv_c and k_pe read through wider rows, slots -1 and
     unused slots poisoned; ql and q_pe bit for bit those of the absorption alone, the cache those of
     ``concat_and_cache_mla``."""
-    from attnbackends.mla.cache import concat_and_cache_mla
+    from attnbackends.ops.mla_cache import concat_and_cache_mla
     from attnbackends.mla.decode_launch import (
         MLACacheState, launch_mla_absorb, launch_mla_absorb_and_write, plan_mla_absorb, weight_launch_state,
     )
@@ -476,7 +477,7 @@ def test_absorb_write_kernel_matches_concat_and_cache_mla(cache_dtype, num_token
 def test_folded_write_raises_a_slot_outside_the_cache(bad):
     """An out-of-range slot in a folded forward: the same PageTableError as the separate write raises (its Triton
     kernel and its torch path), the other tokens written, nothing written for the bad one, the fault cleared."""
-    from attnbackends.mla.cache import concat_and_cache_mla
+    from attnbackends.ops.mla_cache import concat_and_cache_mla
     from attnbackends.ops.page_guard import PageTableError, raise_pending_faults
 
     spec = _fold_spec("auto")
@@ -579,15 +580,14 @@ def test_a_layers_launches_are_prepared_on_its_second_forward_of_a_plan(monkeypa
     second forward of a plan over a cache; later forwards launch them back to back, passing only the call's
     tensors' addresses (queries, new tokens; output). Another layer, or queries of another layout, launch in full.
     The launchers are stand-ins that prepare a recording launch (the interpreter prepares none)."""
-    monkeypatch.setattr(compat, "_current_raw_stream", lambda device: 0)
-    monkeypatch.setattr(compat, "_current_device", lambda: 0)
+    monkeypatch.setattr(ops_launch, "_current_stream", lambda: 0)
     log: list = []
 
     class Preparing(_Recorder):
         def prepare(self, key, args, constexprs, leading=0):
             def run(*launch_args, _name=self.name):
                 log.append((_name + " prepared", launch_args[4:]))
-            return compat.PreparedLaunch(run, (), ())
+            return ops_launch.PreparedLaunch(run, (), ())
 
     for name in ("_ABSORB_WRITE", "_POINTER", "_REDUCE_UP"):
         monkeypatch.setattr(decode_launch, name, Preparing(getattr(decode_launch, name), name, log))

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnbackends.mla.backends import TritonMLABackend  # noqa: E402
-from attnbackends.mla.cache import gather_mla_cache  # noqa: E402
+from attnbackends.ops.mla_cache import gather_mla_cache  # noqa: E402
 from attnbackends.mla.decode_kernel import MLADecodeConfig, tma_decode_applies  # noqa: E402
 from attnbackends.mla.decode_launch import mla_decode  # noqa: E402
 from attnbackends.testing.mla import make_random_mla_batch, run_mla_backend  # noqa: E402

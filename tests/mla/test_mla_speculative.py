@@ -12,7 +12,7 @@ from attnbackends import DeviceInfo, explain
 from attnbackends.interface import QueryLenSupport
 from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, TritonMLAMetadataBuilder
 from attnbackends.mla.decode_kernel import MLADecodeConfig
-from attnbackends.mla.reference import ReferenceMLABackend
+from attnbackends.reference.mla import ReferenceMLABackend
 from attnbackends.speculative.tree_mask import chain_parents
 from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
 from attnbackends.spec import AttentionSpec

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import PRIVATE_SURFACES, surface_unsupported_reason
+from ...compat import PRIVATE_SURFACES, surface_unsupported_reason
 from .plan_guard import planning
 from .plan_inputs import PagedKVPlanInputs
 

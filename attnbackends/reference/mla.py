@@ -14,10 +14,10 @@ import torch
 
 from ..interface import AttentionBackend, CudaGraphSupport, MLAAttentionImpl
 from ..ops.quant import dequantize_from_cache
-from ..reference.backend import ReferenceMetadata, ReferenceMetadataBuilder
-from ..reference.functional import sequence_attention
+from .backend import ReferenceMetadata, ReferenceMetadataBuilder
+from .functional import sequence_attention
 from ..spec import KV_CACHE_DTYPES, AttentionSpec
-from .cache import MLA_KV_CACHE_LAYOUT, concat_and_cache_mla, mla_kv_cache_shape
+from ..ops.mla_cache import MLA_KV_CACHE_LAYOUT, concat_and_cache_mla, mla_kv_cache_shape
 
 __all__ = ["ReferenceMLABackend", "ReferenceMLAImpl"]
 

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from ..ops.page_guard import contain_page_ids
+from ..page_guard import contain_page_ids
 from .page_ids import csr_page_table, decode_page_table, gather_page_ids, gather_page_ids_on_host
 
 __all__ = [

@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import fallback_reason
-from ..spec import AttentionSpec
+from ...compat import fallback_reason
+from ...spec import AttentionSpec
 from .fast_plan import DecodeReplanner, replan_unsupported_reason
 from .plan_inputs import DevicePlanBuffer
 from .workspace import shared_workspace

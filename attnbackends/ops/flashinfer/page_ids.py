@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import DirectLauncher
-from ..platform import is_triton_interpreted
-from ..ops.launch_math import cdiv, next_power_of_2
-from ..ops.page_guard import contain_page_ids, fault_record, record_first_bad_page, safe_page
+from ..launch import DirectLauncher
+from ...platform import is_triton_interpreted
+from ..launch_math import cdiv, next_power_of_2
+from ..page_guard import contain_page_ids, fault_record, record_first_bad_page, safe_page
 
 __all__ = [
     "DECODE_TABLE_MAX_REQS", "csr_page_table", "decode_page_table", "gather_page_ids", "gather_page_ids_on_host",
@@ -87,7 +87,7 @@ def gather_page_ids_on_host(
 
 
 # Nothing is specialised on values or alignment, so one compiled kernel per (device, table dtype) serves every call
-# and later calls can launch it directly (compat.DirectLauncher).
+# and later calls can launch it directly (ops.launch.DirectLauncher).
 @triton.jit
 def _copy_page_ids(table_ptr, table_row_stride, req, skip_pages, out_ptr, start, count, num_blocks, fault_ptr,
                    fault_flag_ptr, BLOCK: tl.constexpr, CONTAIN: tl.constexpr):

@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import DirectLauncher
-from ..ops.launch_math import cdiv, next_power_of_2
-from ..ops.page_guard import (
+from .launch import DirectLauncher
+from .launch_math import cdiv, next_power_of_2
+from .page_guard import (
     FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault, safe_page,
 )
-from ..ops.quant import (
+from .quant import (
     FP8_DTYPES, dequantize_from_cache, fp8_grid, fp8_max, quantize_for_cache, round_to_bf16_grid, saturate_to_fp8,
 )
 from ..platform import is_triton_interpreted
