@@ -4,6 +4,8 @@ An engine describes a layer once (:class:`AttentionSpec`), asks :func:`select` f
 backend's metadata builder (once per batch) and impl (once per layer).
 """
 
+from importlib import metadata as _metadata
+
 from .interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from .layer_groups import (
     GroupedMetadata,
@@ -39,7 +41,12 @@ from .selection.registry import (
 )
 from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec, AttentionType
 
-__version__ = "0.1.0"
+# pyproject.toml's version as installed: one source, which tune profile keys read too (through importlib.metadata:
+# a module of the package importing this one would close an import loop)
+try:
+    __version__ = _metadata.version("attnbackends")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AttentionBackend",

@@ -260,6 +260,26 @@ class AttentionBackend(ABC):
         return []
 
     @classmethod
+    def warmup(cls, specs: typing.Sequence[AttentionSpec], device: DeviceInfo) -> list[str]:
+        """Build ahead of time what serving ``specs`` on ``device`` would otherwise compile during the first steps and
+        a first step of each kind does not already build (FlashInfer's JIT modules); returns the names of what was
+        built, empty when there is nothing to build.
+
+        :func:`attnbackends.selection.warmup.warmup` calls it in a background thread for every backend that
+        overrides it, runs the warm-up steps of the other backends meanwhile, and those of this backend after it.
+        Default: nothing to build (kernels compile on a step's first use)."""
+        return []
+
+    @classmethod
+    def environment_facts(cls) -> dict[str, Optional[str]]:
+        """What is installed behind this backend that changes its speed, as ``{library: version}`` (None: not
+        installed), e.g. ``{"flashinfer": "0.6.13"}``; imports nothing. Facts are named by library, so backends
+        over one library report the same fact. A tune profile's key holds the facts of every registered backend
+        (:func:`attnbackends.selection.registry.environment_facts`): a profile measured with other versions is not
+        used. Default: none (torch's and triton's versions are in every key)."""
+        return {}
+
+    @classmethod
     @abstractmethod
     def get_builder_cls(cls) -> type["AttentionMetadataBuilder"]:
         """The metadata builder class."""

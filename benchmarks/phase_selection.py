@@ -26,6 +26,7 @@ import torch
 
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, explain, get_backend_class
 from attnbackends.selection.tune_timing import run_tune, time_us, timing_batch, tune_candidates
+from attnbackends.selection.registry import environment_facts
 from attnbackends.selection.tuning import choose, default_profile_dir, load_profile
 
 logger = logging.getLogger("phase_selection")
@@ -90,7 +91,7 @@ def measured_choice(spec: AttentionSpec, device: DeviceInfo, profile_dir: Option
     """(the measured ranking, where it came from): the stored profile's, else an in-process tune's."""
     config = AttentionConfig(selection="measured", profile_dir=profile_dir)
     if device.is_cuda:
-        found = load_profile(spec, device, default_profile_dir(config))
+        found = load_profile(spec, device, default_profile_dir(config), environment_facts())
         if found is not None:
             result = explain(spec, device, config)
             logger.info("%s", result.measured.render())

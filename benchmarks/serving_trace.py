@@ -792,12 +792,12 @@ def _start_flashinfer_build(specs: list[AttentionSpec], device: torch.device,
     build them one after another); None when there is nothing to build."""
     if not specs or device.type != "cuda":
         return None
-    from attnbackends.flashinfer import precompile
+    from attnbackends.flashinfer import FlashInferMetadataBuilder, precompile
 
     def build() -> None:
         start = time.perf_counter()
         try:
-            modules = precompile(specs, device, cascade=cascade)
+            modules = precompile(specs, device, builder_cls=FlashInferMetadataBuilder, cascade=cascade)
             logger.info("FlashInfer modules built in %.0f s: %s", time.perf_counter() - start, ", ".join(modules))
         except Exception as exc:  # the kernels then compile on first use, inside the warm-up passes
             logger.warning("FlashInfer ahead-of-time build failed (%s: %s); modules compile on first use",
@@ -814,12 +814,13 @@ def _tune_missing(specs: list[AttentionSpec], device: DeviceInfo, profile_dir: s
     returns how each spec's profile came about, by a short description of the spec."""
     from attnbackends.selection.phased import is_phased_name, parse_phased_name
     from attnbackends.selection.tune_timing import run_tune, tune_candidates
+    from attnbackends.selection.registry import environment_facts
     from attnbackends.selection.tuning import choose, load_profile
 
     status = {}
     for spec in specs:
         label = _spec_label(spec)
-        found = load_profile(spec, device, profile_dir)
+        found = load_profile(spec, device, profile_dir, environment_facts())
         if found is not None:
             status[label] = f"stored profile {found[0]}"
             continue

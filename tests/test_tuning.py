@@ -8,7 +8,7 @@ import pytest
 from attnbackends import AttentionConfig, AttentionSpec, DeviceInfo, explain, select
 from attnbackends.cli import main
 from attnbackends.selection import phased_backend, phased_name
-from attnbackends.selection.registry import get_backend_class
+from attnbackends.selection.registry import environment_facts, get_backend_class
 from attnbackends.selection.tune_timing import GRIDS, run_tune
 from attnbackends.selection.tuning import Profile, choose, default_profile_dir, environment_key, load_profile, profile_path
 
@@ -24,7 +24,8 @@ def times(decode, prefill, mixed):
 
 
 def store(tmp_path, times_us, spec=SPEC, device=H100, errors=None):
-    profile = Profile(key=environment_key(spec, device), shapes=SHAPES, times_us=times_us, errors=errors or {})
+    profile = Profile(key=environment_key(spec, device, environment_facts()), shapes=SHAPES, times_us=times_us,
+                      errors=errors or {})
     return profile.save(tmp_path)
 
 
@@ -34,13 +35,29 @@ def config(tmp_path, **kw):
 
 def test_profile_round_trip_and_key(tmp_path):
     path = store(tmp_path, {"triton": times(10, 20, 30)})
-    assert path == profile_path(environment_key(SPEC, H100), tmp_path) and path.name.startswith("nvidia-h100-80gb-hbm3-")
-    found_path, profile = load_profile(SPEC, H100, tmp_path)
+    facts = environment_facts()
+    assert path == profile_path(environment_key(SPEC, H100, facts), tmp_path)
+    assert path.name.startswith("nvidia-h100-80gb-hbm3-")
+    found_path, profile = load_profile(SPEC, H100, tmp_path, facts)
     assert found_path == path and profile.times_us["triton"][SHAPES[0]["label"]] == 10
     key = json.loads(path.read_text())["key"]
-    assert {"gpu", "driver", "torch", "triton", "flashinfer", "flash_attn", "spec"} <= set(key)
-    assert load_profile(SPEC.model_copy(update={"head_size": 64}), H100, tmp_path) is None
-    assert load_profile(SPEC, DeviceInfo.cuda(9, 0, name="NVIDIA H200"), tmp_path) is None
+    assert {"gpu", "driver", "torch", "triton", "flashinfer", "flash_attn", "attnbackends", "spec"} <= set(key)
+    assert load_profile(SPEC.model_copy(update={"head_size": 64}), H100, tmp_path, facts) is None
+    assert load_profile(SPEC, DeviceInfo.cuda(9, 0, name="NVIDIA H200"), tmp_path, facts) is None
+    assert load_profile(SPEC, H100, tmp_path, {**facts, "flashinfer": "0.0-other"}) is None
+
+
+def test_the_key_holds_what_the_backend_classes_report():
+    """Selection learns what is installed behind a backend from its class (AttentionBackend.environment_facts),
+    never from the backend's modules; a fact cannot replace one of the key's own entries."""
+    from attnbackends.flash_attn.backend import FlashAttnBackend
+    from attnbackends.flashinfer.backend import FlashInferBackend
+
+    facts = environment_facts()
+    assert facts["flashinfer"] == FlashInferBackend.environment_facts()["flashinfer"]
+    assert facts["flash_attn"] == FlashAttnBackend.environment_facts()["flash_attn"]
+    key = environment_key(SPEC, H100, {"gpu": "elsewhere", "mylib": "1.2"})
+    assert key["gpu"] == H100.name and key["mylib"] == "1.2"
 
 
 def test_default_profile_dir(monkeypatch, tmp_path):

@@ -260,6 +260,12 @@ class FlashAttnBackend(AttentionBackend):
         return reasons
 
     @classmethod
+    def environment_facts(cls) -> dict[str, Optional[str]]:
+        """The installed flash-attn generation and version (:func:`.library.installed_flash_attn`), None without one."""
+        install = library.installed_flash_attn()
+        return {"flash_attn": install.describe() if install is not None else None}
+
+    @classmethod
     def allocate_kv_cache(
         cls, num_blocks: int, spec: AttentionSpec, device: "torch.device | str" = "cpu"
     ) -> torch.Tensor:

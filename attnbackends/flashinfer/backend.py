@@ -41,6 +41,7 @@ import torch
 from ..compat import import_flashinfer
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
+from ..platform import DeviceInfo
 from ..spec import AttentionSpec, AttentionType
 from ..speculative.tree_mask import expand_tree_mask
 from ..validation import check_forward_inputs
@@ -578,3 +579,20 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def get_impl_cls(cls) -> type[FlashInferImpl]:
         return FlashInferImpl
+
+    @classmethod
+    def warmup(cls, specs: Sequence[AttentionSpec], device: DeviceInfo) -> list[str]:
+        """Build the JIT modules ``specs`` need, side by side (:func:`attnbackends.flashinfer.warmup.precompile`);
+        on a CUDA device only (FlashInfer runs nowhere else)."""
+        from .warmup import precompile
+
+        if not device.is_cuda:
+            return []
+        return precompile(specs, device.torch_device, builder_cls=cls.get_builder_cls())
+
+    @classmethod
+    def environment_facts(cls) -> dict[str, Optional[str]]:
+        """The installed flashinfer's version (None: not installed)."""
+        from ..compat import package_version
+
+        return {"flashinfer": package_version("flashinfer-python") or package_version("flashinfer")}

@@ -19,10 +19,8 @@ from typing import Iterable
 
 import torch
 
-from ..compat import fallback_reason, flashinfer_jit_generators
+from ..compat import fallback_reason, flashinfer_jit_generators, import_flashinfer
 from ..spec import AttentionSpec
-from ..compat import import_flashinfer
-from .backend import FlashInferMetadataBuilder
 
 __all__ = ["precompile"]
 
@@ -35,13 +33,18 @@ def precompile(
     specs: Iterable[AttentionSpec],
     device: "torch.device | str | None" = None,
     *,
+    builder_cls: type,
     decode: bool = True,
     prefill: bool = True,
     cascade: bool = False,
 ) -> list[str]:
     """Build the kernel modules ``specs`` use (decode, prefill, and the cascade merge if asked); returns their names.
 
-    Returns an empty list (after logging why) when flashinfer's generators do not match what this expects.
+    ``builder_cls`` is the metadata builder whose choices decide the decode modules (tensor-core decode or not, as
+    it decides by default): :class:`~attnbackends.flashinfer.FlashInferMetadataBuilder`, which
+    :meth:`FlashInferBackend.warmup <attnbackends.flashinfer.FlashInferBackend.warmup>` passes (this module does not
+    import the backend's: the backend class reaches it). Returns an empty list (after logging why) when
+    flashinfer's generators do not match what this expects.
     """
     fi = import_flashinfer()
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -60,7 +63,7 @@ def precompile(
             )
             chosen = []
             if decode:
-                if FlashInferMetadataBuilder(spec, "cpu").use_tensor_cores:
+                if builder_cls(spec, "cpu").use_tensor_cores:
                     # The tensor-core decode path runs FlashInfer's fa2 prefill kernels (fp8 KV with 16-bit queries
                     # also resolves to fa2).
                     chosen.append(gen_batch_prefill_module("fa2", *args, False))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -190,6 +190,16 @@ class PhasedBackend(AttentionBackend):
         if decode.is_mla != prefill.is_mla:
             reasons.append(f"{decode.name} and {prefill.name} serve different kinds of layer (MLA and standard)")
         return reasons
+
+    @classmethod
+    def warmup(cls, specs: Sequence[AttentionSpec], device: DeviceInfo) -> list[str]:
+        """Both parts' ahead-of-time builds."""
+        built = cls.decode_backend.warmup(specs, device) + cls.prefill_backend.warmup(specs, device)
+        return list(dict.fromkeys(built))
+
+    @classmethod
+    def environment_facts(cls) -> dict[str, Optional[str]]:
+        return {**cls.decode_backend.environment_facts(), **cls.prefill_backend.environment_facts()}
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ __all__ = [
     "Explanation",
     "ENTRY_POINT_GROUP",
     "backend_names",
+    "environment_facts",
     "explain",
     "get_backend_class",
     "phased_backend",
@@ -235,6 +236,20 @@ def resolve_backend(name: str) -> tuple[Optional[type[AttentionBackend]], list[s
     return cls, []
 
 
+def environment_facts() -> dict[str, Optional[str]]:
+    """What the registered backends report about the libraries they run on (each one's
+    :meth:`AttentionBackend.environment_facts`, merged: ``{"flashinfer": "0.6.13", "flash_attn": None, ...}``); a
+    backend that cannot be imported reports nothing. A tune profile's key holds them
+    (:func:`attnbackends.selection.tuning.environment_key`)."""
+    _load_entry_points()
+    facts: dict[str, Optional[str]] = {}
+    for name in sorted(_REGISTRY):
+        cls, _ = resolve_backend(name)
+        if cls is not None:
+            facts.update(cls.environment_facts())
+    return facts
+
+
 def get_backend_class(name: str) -> type[AttentionBackend]:
     """The backend class registered as ``name``; ValueError if unknown or not importable."""
     _load_entry_points()
@@ -302,7 +317,8 @@ def explain(
     elif phased:
         candidates = [_phase_choice(config, order, by_name)]
     elif config.selection == "measured":
-        candidates = measured_candidates(spec, device, config, order, by_name, result, _reasons_of_any)
+        candidates = measured_candidates(spec, device, config, order, by_name, result, _reasons_of_any,
+                                         environment_facts())
     else:
         candidates = order
     for name in candidates:

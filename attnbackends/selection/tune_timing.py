@@ -18,21 +18,23 @@ import dataclasses
 import datetime
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ..interface import AttentionBackend, AttentionImplBase
 from ..metadata import CommonAttentionMetadata, build_common_metadata
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from .phased import phased_name
-from .registry import backend_names, get_backend_class, priority_list
+from .registry import backend_names, environment_facts, get_backend_class, priority_list
 from .tuning import Profile, environment_key
 
 __all__ = ["GRIDS", "LAYERS_PER_STEP", "TUNE_ROUNDS", "TuneShape", "TimingBatch", "run_tune", "time_us", "timing_batch",
-           "tune_candidates"]
+           "timing_impl", "tune_candidates"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,10 @@ GRIDS: dict[str, tuple[TuneShape, ...]] = {
 
 @dataclass
 class TimingBatch:
-    """query [T, Hq, D]; key, value [T, Hkv, D] / [T, Hkv, Dv] (the step's new tokens); kv_cache in the standard
-    layout filled with random values; output [T, Hq, Dv]."""
+    """A step's inputs. Standard layers: query [T, Hq, D]; key, value [T, Hkv, D] / [T, Hkv, Dv] (the step's new
+    tokens); kv_cache [num_blocks, 2, block_size, Hkv, D]; output [T, Hq, Dv]. MLA layers, in the same places of
+    ``forward``: query [T, N, P + R]; key = kv_c_normed [T, Lkv]; value = k_pe [T, R]; kv_cache
+    [num_blocks, block_size, Lkv + R]; output [T, N, V]. The cache is filled with random values."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -115,7 +119,7 @@ class TimingBatch:
 def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: Sequence[int],
                  device: "torch.device | str", seed: int = 0) -> TimingBatch:
     """A random decode-first batch over random pages (built fast: no per-token Python on the cache, the random
-    values drawn on ``device``)."""
+    values drawn on ``device``); standard or MLA inputs as ``spec`` says."""
     gen = torch.Generator().manual_seed(seed)
     device_gen = torch.Generator(device=device).manual_seed(seed)
     bs = spec.block_size
@@ -127,17 +131,39 @@ def timing_batch(spec: AttentionSpec, query_lens: Sequence[int], context_lens: S
         tables.append(perm[at: at + n])
         at += n
     common = build_common_metadata(query_lens, context_lens, tables, bs, device)
-    shape = (num_blocks, 2, bs, spec.num_kv_heads, spec.head_size)
+    if spec.is_mla:  # one latent head per token: [kv_c ; k_pe]
+        shape: tuple[int, ...] = (num_blocks, bs, spec.head_size)
+        inputs = ((spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim), (spec.kv_lora_rank,),
+                  (spec.qk_rope_head_dim,))
+    else:
+        shape = (num_blocks, 2, bs, spec.num_kv_heads, spec.head_size)
+        inputs = ((spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size),
+                  (spec.num_kv_heads, spec.value_head_size))
     kv_cache = torch.randn(shape, generator=device_gen, device=device, dtype=spec.torch_dtype)
     if spec.kv_cache_torch_dtype != spec.torch_dtype:
         kv_cache = kv_cache.to(spec.kv_cache_torch_dtype)
     tokens = sum(query_lens)
-    query, key, value = (
-        torch.randn(tokens, heads, size, generator=device_gen, device=device, dtype=spec.torch_dtype)
-        for heads, size in ((spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size),
-                            (spec.num_kv_heads, spec.value_head_size)))
+    query, key, value = (torch.randn(tokens, *size, generator=device_gen, device=device, dtype=spec.torch_dtype)
+                         for size in inputs)
     output = torch.empty(tokens, spec.num_heads, spec.value_head_size, device=device, dtype=spec.torch_dtype)
     return TimingBatch(query, key, value, kv_cache, output, common)
+
+
+def timing_impl(backend: type[AttentionBackend], spec: AttentionSpec, device: "torch.device | str",
+                seed: int = 0) -> AttentionImplBase:
+    """``backend``'s impl for ``spec`` with random weights where the layer has any: zero sink logits, and for MLA a
+    random up-projection ``kv_b_proj`` [N * (P + V), Lkv] (N(0, 1/Lkv): keys and values about N(0, 1)), processed
+    as after loading."""
+    sinks = torch.zeros(spec.num_heads) if spec.has_sinks else None
+    if not spec.is_mla:
+        return backend.get_impl_cls()(spec, sinks=sinks)
+    rows = spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    kv_b_proj = (torch.randn(rows, spec.kv_lora_rank, generator=gen) / math.sqrt(spec.kv_lora_rank)).to(
+        device=device, dtype=spec.torch_dtype)
+    impl = backend.get_impl_cls()(spec, sinks=sinks, kv_b_proj=kv_b_proj)
+    impl.process_weights_after_loading()
+    return impl
 
 
 def batch_for(spec: AttentionSpec, shape: TuneShape, device: "torch.device | str", seed: int = 0) -> TimingBatch:
@@ -225,9 +251,8 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
         try:
             if name not in objects:
                 cls = get_backend_class(name)
-                sinks = torch.zeros(spec.num_heads) if spec.has_sinks else None
                 objects[name] = (cls.get_builder_cls()(spec, torch_device, max_num_reqs=256, max_num_tokens=16384),
-                                 cls.get_impl_cls()(spec, sinks=sinks))
+                                 timing_impl(cls, spec, torch_device, seed))
             builder, impl = objects[name]
             batch = batches[shape.label]
 
@@ -257,7 +282,7 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
             logger.info("tune %d/%d: %s on %s: %s µs", i + 1, len(runs), name, shape.label,
                         _fmt(times[name].get(shape.label)))
     return Profile(
-        key=environment_key(spec, device),
+        key=environment_key(spec, device, environment_facts()),
         shapes=[s.as_dict() for s in shapes],
         times_us=times,
         errors=errors,

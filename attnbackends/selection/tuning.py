@@ -2,10 +2,12 @@
 
 A profile holds the time of every candidate (single backends and phase compositions) on a small grid of decode,
 prefill and mixed shapes, measured on one GPU. It is stored as JSON under a key of everything that can change the
-numbers: the GPU's name and compute capability, the driver, the torch / triton / flashinfer / flash-attn /
-attnbackends versions, and the spec. ``AttentionConfig(selection="measured")`` makes :func:`attnbackends.select`
-look the profile up; with one, candidates are ranked by :func:`choose` (and the explanation carries the table and
-why the winner won), without one the static priority list is used and the explanation says so.
+numbers: the GPU's name and compute capability, the driver, the torch / triton / attnbackends versions, what each
+registered backend reports about the library it runs on (flashinfer's version, flash-attn's generation:
+:meth:`attnbackends.AttentionBackend.environment_facts`), and the spec. ``AttentionConfig(selection="measured")``
+makes :func:`attnbackends.select` look the profile up; with one, candidates are ranked by :func:`choose` (and the
+explanation carries the table and why the winner won), without one the static priority list is used and the
+explanation says so.
 
 A candidate's time on a shape is its per-layer cost in a whole engine step (``build()`` shared out over the step's
 layers, see :mod:`attnbackends.selection.tune_timing`). Its score is the geometric mean, over the grid's shapes, of
@@ -27,7 +29,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -85,25 +87,27 @@ def _dist_version(*names: str) -> Optional[str]:
     return None
 
 
-def environment_key(spec: AttentionSpec, device: DeviceInfo) -> dict[str, Any]:
-    """Everything a profile's numbers depend on (compared whole: any change means "not measured here")."""
-    from .. import __version__
-    from ..flash_attn.library import installed_flash_attn
+def environment_key(spec: AttentionSpec, device: DeviceInfo, facts: Mapping[str, Optional[str]]) -> dict[str, Any]:
+    """Everything a profile's numbers depend on (compared whole: any change means "not measured here").
 
-    flash_attn = installed_flash_attn()
+    ``facts``: what the backends report about the libraries they run on
+    (:func:`attnbackends.selection.registry.environment_facts`: flashinfer's version, flash-attn's generation, ...);
+    a fact named like one of the key's own entries (``gpu``, ``torch``, ...) does not replace it.
+    """
     cc = device.compute_capability
-    return {
+    key = {
         "format": PROFILE_FORMAT,
         "gpu": device.name,
         "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
         "driver": _driver_version(),
         "torch": torch.__version__,
         "triton": _dist_version("triton"),
-        "flashinfer": _dist_version("flashinfer-python", "flashinfer"),
-        "flash_attn": flash_attn.describe() if flash_attn is not None else None,
-        "attnbackends": __version__,
+        "attnbackends": _dist_version("attnbackends"),
         "spec": spec.model_dump(mode="json"),
     }
+    for name, value in facts.items():
+        key.setdefault(name, value)
+    return key
 
 
 def profile_path(key: dict[str, Any], directory: "str | os.PathLike") -> Path:
@@ -145,10 +149,11 @@ class Profile:
 
 
 def load_profile(
-    spec: AttentionSpec, device: DeviceInfo, directory: "str | os.PathLike"
+    spec: AttentionSpec, device: DeviceInfo, directory: "str | os.PathLike", facts: Mapping[str, Optional[str]]
 ) -> Optional[tuple[Path, Profile]]:
-    """The stored profile for ``spec`` on ``device`` as this machine is now, or None."""
-    key = environment_key(spec, device)
+    """The stored profile for ``spec`` on ``device`` as this machine is now (``facts``: as
+    :func:`environment_key` takes them), or None."""
+    key = environment_key(spec, device, facts)
     path = profile_path(key, directory)
     if not path.is_file():
         return None
@@ -263,13 +268,15 @@ def _why(ranking: list[str], scores: dict[str, float], ranked: dict[str, float],
 def measured_candidates(
     spec: AttentionSpec, device: DeviceInfo, config: AttentionConfig, order: list[str], by_name: dict[str, Any],
     explanation: Any, reasons_of: "Callable[[str, AttentionSpec, DeviceInfo], Optional[list[str]]]",
+    facts: Mapping[str, Optional[str]],
 ) -> list[str]:
     """The candidates :func:`attnbackends.explain` walks under ``selection="measured"``: the profile's ranking, then
     the static order as fallback. Records the table and the reason in ``explanation`` (never silent).
-    ``reasons_of(name, spec, device)`` gives a backend's reasons, None for a name the registry does not know."""
+    ``reasons_of(name, spec, device)`` gives a backend's reasons, None for a name the registry does not know;
+    ``facts`` are the backends' environment facts (the registry passes them: this module names no backend)."""
 
     directory = default_profile_dir(config)
-    found = load_profile(spec, device, directory) if device.is_cuda else None
+    found = load_profile(spec, device, directory, facts) if device.is_cuda else None
     if found is None:
         note = (f"selection=measured, but no stored profile for {device.describe()} and this spec in {directory} "
                 "(run `attnbackends tune`): the static priority list was used")

@@ -2,9 +2,11 @@
 
 First use of a backend compiles kernels: FlashInfer builds a module per (dtypes, head size, window, soft-cap,
 fa2/fa3) with ninja (tens of seconds each), flash-attn 4 compiles CuTe kernels (seconds), Triton JITs per
-specialisation. :func:`warmup` selects the backend for each spec as the engine would, starts FlashInfer's module
-builds in the background (they run side by side: :func:`attnbackends.flashinfer.precompile`), and meanwhile runs one
-small decode, prefill and mixed step through every selected backend, logging each with its time.
+specialisation. :func:`warmup` selects the backend for each spec as the engine would, starts the ahead-of-time
+builds of the backends that have one in the background (:meth:`AttentionBackend.warmup
+<attnbackends.AttentionBackend.warmup>`: FlashInfer's modules, built side by side), and meanwhile runs one small
+decode, prefill and mixed step through every selected backend, logging each with its time. Backends are reached only
+through the classes the registry returns.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..interface import AttentionBackend
 from ..platform import DeviceInfo
 from ..spec import AttentionConfig, AttentionSpec
 from .registry import select
@@ -34,42 +37,50 @@ _STEPS = {  # (query_lens, context_lens): one of each kind of step
 
 @dataclass
 class WarmupRecord:
-    """One piece of warm-up: what (``"<backend> <step>"`` or ``"flashinfer modules"``) and how long it took."""
+    """One piece of warm-up: what (``"<backend> <step>"`` or ``"<backend> modules"``) and how long it took."""
 
     what: str
     seconds: float
     detail: str = ""
 
 
-def _uses_flashinfer(backend: type) -> bool:
-    parts = [getattr(backend, "decode_backend", None), getattr(backend, "prefill_backend", None), backend]
-    return any(p is not None and p.name == "flashinfer" for p in parts)
+def _parts(backend: type[AttentionBackend]) -> list[type[AttentionBackend]]:
+    """The plain backends that serve ``backend``'s steps: both parts of a phase composition, else itself."""
+    parts = [getattr(backend, "decode_backend", None), getattr(backend, "prefill_backend", None)]
+    return [p for p in parts if p is not None] or [backend]
+
+
+def _builds_ahead(backend: type[AttentionBackend]) -> bool:
+    """Whether ``backend`` has an ahead-of-time build (overrides :meth:`AttentionBackend.warmup`)."""
+    return getattr(backend.warmup, "__func__", None) is not AttentionBackend.warmup.__func__
 
 
 def warmup(specs: Iterable[AttentionSpec], device: Optional[DeviceInfo] = None,
            config: Optional[AttentionConfig] = None) -> list[WarmupRecord]:
     """Compile the kernels ``specs`` need on ``device`` (default: the current one); returns what ran, with times."""
-    from .tune_timing import timing_batch
+    from .tune_timing import timing_batch, timing_impl
 
     device = device or DeviceInfo.current()
     specs = list(dict.fromkeys(specs))
     chosen = [(spec, select(spec, device, config)) for spec in specs]
+    ahead: dict[type[AttentionBackend], list[AttentionSpec]] = {}  # backends with an ahead-of-time build: their specs
+    for spec, backend in chosen:
+        for part in _parts(backend):
+            if _builds_ahead(part) and spec not in ahead.setdefault(part, []):
+                ahead[part].append(spec)
     records: list[WarmupRecord] = []
-    flashinfer_specs = [spec for spec, backend in chosen if _uses_flashinfer(backend)]
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending: Optional[Future] = None
-        start_fi = time.perf_counter()
-        if flashinfer_specs and device.is_cuda:
-            from ..flashinfer import precompile
-
-            logger.info("building FlashInfer kernel modules for %d spec(s) in the background", len(flashinfer_specs))
-            pending = pool.submit(precompile, flashinfer_specs, device.torch_device)
-        # backends without FlashInfer first: they compile while FlashInfer's modules build
-        for spec, backend in sorted(chosen, key=lambda item: _uses_flashinfer(item[1])):
-            if pending is not None and _uses_flashinfer(backend):
-                pending.result()  # its first steps would otherwise build the same modules once more
+        pending: dict[type[AttentionBackend], Future] = {}
+        for part, part_specs in ahead.items():
+            logger.info("building %s's kernel modules for %d spec(s) in the background", part.name, len(part_specs))
+            pending[part] = pool.submit(_timed_warmup, part, part_specs, device)
+        # backends without an ahead-of-time build first: they compile while the builds run
+        for spec, backend in sorted(chosen, key=lambda item: any(p in pending for p in _parts(item[1]))):
+            for part in _parts(backend):
+                if part in pending:
+                    pending[part].result()  # its first steps would otherwise build the same modules once more
             builder = backend.get_builder_cls()(spec, device.torch_device)
-            impl = backend.get_impl_cls()(spec, sinks=torch.zeros(spec.num_heads) if spec.has_sinks else None)
+            impl = timing_impl(backend, spec, device.torch_device)
             for step, (query_lens, context_lens) in _STEPS.items():
                 batch = timing_batch(spec, query_lens, context_lens, device.torch_device)
                 logger.info("warm-up: %s %s step (compiling kernels on first use) ...", backend.name, step)
@@ -80,10 +91,17 @@ def warmup(specs: Iterable[AttentionSpec], device: Optional[DeviceInfo] = None,
                 seconds = time.perf_counter() - start
                 logger.info("warm-up: %s %s step took %.2f s", backend.name, step, seconds)
                 records.append(WarmupRecord(f"{backend.name} {step}", seconds, _describe(spec)))
-        if pending is not None:
-            modules = pending.result()
-            records.insert(0, WarmupRecord("flashinfer modules", time.perf_counter() - start_fi, ", ".join(modules)))
+        for at, (part, future) in enumerate(pending.items()):
+            built, seconds = future.result()
+            records.insert(at, WarmupRecord(f"{part.name} modules", seconds, ", ".join(built)))
     return records
+
+
+def _timed_warmup(backend: type[AttentionBackend], specs: list[AttentionSpec],
+                  device: DeviceInfo) -> tuple[list[str], float]:
+    start = time.perf_counter()
+    built = backend.warmup(specs, device)
+    return built, time.perf_counter() - start
 
 
 def _describe(spec: AttentionSpec) -> str:

@@ -83,6 +83,14 @@ def test_capabilities_are_data():
     assert caps["head_sizes"] == "8..256 (multiple of 8)"
 
 
+def test_environment_facts_name_the_installed_generation(monkeypatch):
+    """What a tune profile's key records about flash-attn, reached through the backend class."""
+    fake_install(monkeypatch, None)
+    assert FlashAttnBackend.environment_facts() == {"flash_attn": None}
+    fake_install(monkeypatch, 3)
+    assert FlashAttnBackend.environment_facts() == {"flash_attn": "flash-attn 3 (fake test)"}
+
+
 def test_detection_finds_flash_attn_4_in_a_namespace_package(tmp_path, monkeypatch):
     (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")

@@ -486,10 +486,32 @@ def test_precompile_builds_each_module_in_its_own_thread(fake_flashinfer, monkey
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delenv("MAX_JOBS", raising=False)
     specs = [AttentionSpec(**BASE), AttentionSpec(**{**BASE, "num_kv_heads": 4}), AttentionSpec(**BASE)]
-    names = precompile(specs, "cpu", cascade=True)
+    names = precompile(specs, "cpu", builder_cls=FlashInferMetadataBuilder, cascade=True)
     assert names == sorted(name for name, _ in built) and len(names) == 4  # fa2 (GQA decode), decode (MHA), fa3, cascade
     assert all(jobs is None for _, jobs in built)
     assert "MAX_JOBS" not in os.environ
+
+
+def test_the_backend_class_hooks_reach_precompile_and_the_installed_version(monkeypatch):
+    """Selection reaches FlashInfer's ahead-of-time build and version only through FlashInferBackend's hooks: warmup
+    delegates to precompile with the backend's builder class (on CUDA only), environment_facts names the version."""
+    from attnbackends.compat import package_version
+    from attnbackends.flashinfer import warmup as warmup_module
+
+    calls = []
+
+    def precompile(specs, device, **kw):
+        calls.append((specs, device, kw))
+        return ["m"]
+
+    monkeypatch.setattr(warmup_module, "precompile", precompile)
+    specs = [AttentionSpec(**BASE)]
+    assert FlashInferBackend.warmup(specs, DeviceInfo.cpu()) == [] and calls == []
+    gpu = DeviceInfo.cuda(9, 0)
+    assert FlashInferBackend.warmup(specs, gpu) == ["m"]
+    assert calls == [(specs, gpu.torch_device, {"builder_cls": FlashInferMetadataBuilder})]
+    version = package_version("flashinfer-python") or package_version("flashinfer")
+    assert FlashInferBackend.environment_facts() == {"flashinfer": version}
 
 
 def test_decode_replan_falls_back_to_plan_and_says_why(fake_flashinfer):

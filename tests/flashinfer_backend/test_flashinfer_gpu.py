@@ -64,7 +64,7 @@ def compiled_kernels():
         return
     t0 = time.perf_counter()
     try:
-        names = precompile(SPECS.values(), cascade=True)
+        names = precompile(SPECS.values(), builder_cls=FlashInferMetadataBuilder, cascade=True)
     except Exception as exc:  # the kernels then compile (and fail, if they must) in the tests that use them
         print(f"\nflashinfer precompile failed: {type(exc).__name__}: {exc}")
         return
