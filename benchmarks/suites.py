@@ -48,6 +48,9 @@ SUITES: dict[str, Suite] = {
                            "and the mixed step", args=("--prefill-sweep",)),
     "write_sweep": Suite("benchmarks.triton_api", "the KV-cache write kernel alone and beside the Gluon prefill on "
                          "k SMs", args=("--write-sweep",)),
+    "decode": Suite("benchmarks.decode", "decode as an engine drives it on heavy-tailed ragged, uniform and mixed "
+                    "batches vs FlashInfer's own wrappers and our adapter (eager and CUDA graphs, fp8 pages, the "
+                    "copy roof, host time)", default=True),
     "flashinfer_adapter": Suite("benchmarks.flashinfer_adapter", "the FlashInfer adapter's cost over raw "
                                 "FlashInfer wrapper calls; build() host time", default=True),
     "flashinfer_cascade": Suite("benchmarks.flashinfer_cascade", "FlashInfer's cascade attention as the adapter's "
