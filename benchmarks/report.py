@@ -144,7 +144,8 @@ _EXTRA_COLUMNS = (
     "config", "prefill_kernel", "kernel_writes_cache", "cache_write_sms", "tokens_per_program", "group", "window",
     "tree", "tokens_per_request", "drafter", "tokens_identical", "acceptance_length", "tokens_per_s",
     "speedup_vs_plain", "ranks", "exchange", "trace", "model", "mode", "shape", "ctx", "measured_choice",
-    "wall_us", "peer_wall_us", "speedup", "q_len", "products", "repeat_us", "peer_repeat_us",
+    "wall_us", "peer_wall_us", "speedup", "q_len", "products", "repeat_us", "peer_repeat_us", "batch", "GBps",
+    "roof_GBps",
 )
 
 
