@@ -407,6 +407,15 @@ if gluon_available():
             dst.slice(c, W, dim=1).store(y)
 
     @gluon.jit
+    def _widen_cols(src, dst, nvalid, C0: gl.constexpr, NC: gl.constexpr, ROWS: gl.constexpr, BITS: gl.constexpr):
+        """dst[:, C0 : C0 + NC] := src[:, C0 : C0 + NC] widened by :func:`_convert_cols` in 128-column slices, rows
+        >= nvalid zeroed in a partial tile only: a whole tile (nvalid >= ROWS) runs without the row mask."""
+        if nvalid < ROWS:
+            _convert_cols(src, dst, nvalid, C0, NC, 128, ROWS, True, BITS)
+        else:
+            _convert_cols(src, dst, nvalid, C0, NC, 128, ROWS, False, BITS)
+
+    @gluon.jit
     def _loader_partition(kv_desc, pe_desc, kv_bufs, pe_bufs, kv_ready, kv_empty, bt_row, num_blocks, start, n_tiles,
                           LKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
         """1 warp: tile j (one page-aligned [BLOCK_N, LKV] + [BLOCK_N, R] box pair) into stage j % NBUF by TMA, once
@@ -519,10 +528,7 @@ if gluon_available():
             # Our columns of the converted tile were last read by tile j-1's scores (before its p_ready) and our
             # P.V (waited), and the rope slot (P of tile j-1) by our P.V: both done.
             nvalid = end - (start + j * BLOCK_N)
-            if nvalid < BLOCK_N:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, False, FP8_BITS)
+            _widen_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, BLOCK_N, FP8_BITS)
             _convert_cols(f8_pe.index(s), cv_pe, nvalid, 0, R, 64, BLOCK_N, False, FP8_BITS)  # K only: masked scores
             fence_async_shared()  # the widened columns visible to wgmma ...
             gl.thread_barrier()  # ... of every warp, and every warp done reading the fp8 stage
@@ -570,10 +576,7 @@ if gluon_available():
             kv = cv_kvs.index(j >> 30)
             pe = cv_pes.index(j >> 30)
             # Our columns were last read by our own scores and P.V of tile j-1 (both waited).
-            if end - n0 < BLOCK_N:
-                _convert_cols(f8_kv.index(s), kv, end - n0, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), kv, end - n0, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
+            _widen_cols(f8_kv.index(s), kv, end - n0, HALF, HALF, BLOCK_N, FP8_BITS)
             fence_async_shared()  # our widened columns visible to wgmma ...
             gl.thread_barrier()  # ... of every warp, and every warp done reading the fp8 stage
             mbarrier.arrive(kv_empty.index(s), count=1)
@@ -750,10 +753,7 @@ if gluon_available():
             mbarrier.wait(kv_ready.index(s), phase)
             # our half of the converted tile was last read by our own P.V of tile j-1 (waited)
             nvalid = end - (start + j * BLOCK_N)
-            if nvalid < BLOCK_N:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, False, FP8_BITS)
+            _widen_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, BLOCK_N, FP8_BITS)
             fence_async_shared()  # the widened columns visible to wgmma ...
             gl.thread_barrier()  # ... of every warp
             mbarrier.wait(p_ready.index(s), phase)
@@ -800,10 +800,7 @@ if gluon_available():
             # fixed buffer's wgmma descriptors would be hoisted out of the loop and spill. Our half of the converted
             # tile was last read by our own P.V of tile j-1 (waited).
             cv_kv = cv_kvs.index(j >> 30)
-            if end - n0 < BLOCK_N:
-                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
+            _widen_cols(kv8, cv_kv, end - n0, HALF, HALF, BLOCK_N, FP8_BITS)
             sc = warpgroup_mma(q8_smems.index(j >> 30), kv8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q8pe_smems.index(j >> 30), f8_pe.index(s).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
