@@ -389,30 +389,24 @@ if gluon_available():
     # (prmt), shifted so that eeee mmm lands on the low exponent and top mantissa bits, the bits above masked off:
     # the value / 2^120 (bf16, bias 127) or / 2^8 (fp16, bias 15), subnormals included; one multiply by that power of
     # two is exact. Four values per call: $2 holds four bytes, $0 and $1 two 16-bit results each, in order.
-    _E4M3_TO_BF16_ASM: gl.constexpr = gl.constexpr("""{
+    def _e4m3_asm(shift: int, mask: str, scale: str, mul: str) -> str:
+        """The inline PTX for one 16-bit format: ``shift`` places eeee mmm, ``mask`` keeps sign, exponent and
+        mantissa, ``mul`` (mul.rn.bf16x2 / mul.rn.f16x2) by ``scale`` (the power of two, twice) re-biases."""
+        return f"""{{
         .reg .b32 lo, hi, sc;
         prmt.b32 lo, $2, 0, 0x9180;
         prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mov.b32 sc, 0x7B807B80;
-        mul.rn.bf16x2 $0, lo, sc;
-        mul.rn.bf16x2 $1, hi, sc;
-    }""")
-    _E4M3_TO_F16_ASM: gl.constexpr = gl.constexpr("""{
-        .reg .b32 lo, hi, sc;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 7;
-        shl.b32 hi, hi, 7;
-        and.b32 lo, lo, 0xBF80BF80;
-        and.b32 hi, hi, 0xBF80BF80;
-        mov.b32 sc, 0x5C005C00;
-        mul.rn.f16x2 $0, lo, sc;
-        mul.rn.f16x2 $1, hi, sc;
-    }""")
+        shl.b32 lo, lo, {shift};
+        shl.b32 hi, hi, {shift};
+        and.b32 lo, lo, {mask};
+        and.b32 hi, hi, {mask};
+        mov.b32 sc, {scale};
+        {mul} $0, lo, sc;
+        {mul} $1, hi, sc;
+    }}"""
+
+    _E4M3_TO_BF16_ASM: gl.constexpr = gl.constexpr(_e4m3_asm(4, "0x87F087F0", "0x7B807B80", "mul.rn.bf16x2"))
+    _E4M3_TO_F16_ASM: gl.constexpr = gl.constexpr(_e4m3_asm(7, "0xBF80BF80", "0x5C005C00", "mul.rn.f16x2"))
 
     @gluon.jit
     def _e4m3_to(x, dtype: gl.constexpr, BITS: gl.constexpr):
