@@ -57,6 +57,12 @@ buffers (16 KB) + e4m3 queries (36 KB): 194 KB. Barriers (tile j, stage s = j % 
 - l_ready: as above.
 Each half of the converted tile is written and read by one partition only, in program order: no barrier.
 
+One body serves the three: ``_pipeline`` allocates the buffers and barriers a variant uses (None for the others),
+and each partition chooses by the constexprs FP8 (fp8 pages) and FP8_QK (e4m3 score products) where it reads the
+score operands, V and P and which of the barriers above a tile passes. P and alpha sit in P_BUFS slots, tile j in
+slot j % P_BUFS with p_ready parity (j // P_BUFS) & 1: one slot for fp8 pages with 16-bit score products, one per
+stage otherwise.
+
 Widening (``_e4m3_to``): the byte sign-extended (prmt), shifted onto the 16-bit exponent and mantissa fields, masked,
 and multiplied by the power of two that re-biases the exponent (exact, subnormals included): 2 integer and 2
 FMA-pipe instructions per pair of values, where Triton's own conversion to bf16 goes through fp16 and a quarter-rate
@@ -264,6 +270,39 @@ if gluon_available():
         gl.thread_barrier()  # every warp's queries are in shared memory before the warpgroup's wgmma reads them
 
     @gluon.jit
+    def _load_queries_e4m3(Q_NOPE, Q_PE, q8_smem, q8pe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h,
+                           stride_qp_t, stride_qp_h, LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr):
+        """The rows' queries quantised to e4m3 into shared memory, one scale per row over all LKV + R columns
+        (amax / 448: the largest magnitude lands on e4m3's largest finite value; rows past the request's tokens
+        and zero rows: 0 with scale 1). Returns the row scales [BLOCK_H] (layout: the rows of a [BLOCK_H, 128]
+        blocked tile); the queries are visible to the calling warpgroup's wgmma on return."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [64, 128] chunks, 16-byte loads
+        pe_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64]
+        rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, blk))
+        row_ok = gl.expand_dims(rows < q_len * num_heads, 1)
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
+        q_ptr = gl.expand_dims(_row_pointer(Q_NOPE, q_lo, rows, num_heads, stride_q_t, stride_q_h), 1)
+        rows_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, pe_blk))
+        pe_ok = gl.expand_dims(rows_pe < q_len * num_heads, 1)
+        cols_pe = gl.arange(0, R, layout=gl.SliceLayout(0, pe_blk))
+        qpe_ptr = gl.expand_dims(_row_pointer(Q_PE, q_lo, rows_pe, num_heads, stride_qp_t, stride_qp_h), 1)
+        q_pe = gl.load(qpe_ptr + gl.expand_dims(cols_pe, 0), mask=pe_ok, other=0.0).to(gl.float32)
+        amax = gl.convert_layout(gl.max(gl.abs(q_pe), axis=1), gl.SliceLayout(1, blk))
+        for c in gl.static_range(0, LKV, 128):
+            x = gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
+        scale = gl.where(amax > 0.0, amax * (1.0 / 448.0), gl.full_like(amax, 1.0))
+        inv = gl.expand_dims(1.0 / scale, 1)
+        for c in gl.static_range(0, LKV, 128):
+            x = gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0).to(gl.float32)
+            q8_smem.slice(c, 128, dim=1).store((x * inv).to(gl.float8e4nv))
+        inv_pe = gl.expand_dims(gl.convert_layout(1.0 / scale, gl.SliceLayout(1, pe_blk)), 1)
+        q8pe_smem.store((q_pe * inv_pe).to(gl.float8e4nv))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's queries are in shared memory before the warpgroup's wgmma reads them
+        return scale
+
+    @gluon.jit
     def _softmax_state(hb, seq_len, q_len, num_heads, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
         """The softmax partition's loop state: (its rows [BLOCK_H], each row's last visible key [BLOCK_H, 1], the
@@ -350,30 +389,24 @@ if gluon_available():
     # (prmt), shifted so that eeee mmm lands on the low exponent and top mantissa bits, the bits above masked off:
     # the value / 2^120 (bf16, bias 127) or / 2^8 (fp16, bias 15), subnormals included; one multiply by that power of
     # two is exact. Four values per call: $2 holds four bytes, $0 and $1 two 16-bit results each, in order.
-    _E4M3_TO_BF16_ASM: gl.constexpr = gl.constexpr("""{
+    def _e4m3_asm(shift: int, mask: str, scale: str, mul: str) -> str:
+        """The inline PTX for one 16-bit format: ``shift`` places eeee mmm, ``mask`` keeps sign, exponent and
+        mantissa, ``mul`` (mul.rn.bf16x2 / mul.rn.f16x2) by ``scale`` (the power of two, twice) re-biases."""
+        return f"""{{
         .reg .b32 lo, hi, sc;
         prmt.b32 lo, $2, 0, 0x9180;
         prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mov.b32 sc, 0x7B807B80;
-        mul.rn.bf16x2 $0, lo, sc;
-        mul.rn.bf16x2 $1, hi, sc;
-    }""")
-    _E4M3_TO_F16_ASM: gl.constexpr = gl.constexpr("""{
-        .reg .b32 lo, hi, sc;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 7;
-        shl.b32 hi, hi, 7;
-        and.b32 lo, lo, 0xBF80BF80;
-        and.b32 hi, hi, 0xBF80BF80;
-        mov.b32 sc, 0x5C005C00;
-        mul.rn.f16x2 $0, lo, sc;
-        mul.rn.f16x2 $1, hi, sc;
-    }""")
+        shl.b32 lo, lo, {shift};
+        shl.b32 hi, hi, {shift};
+        and.b32 lo, lo, {mask};
+        and.b32 hi, hi, {mask};
+        mov.b32 sc, {scale};
+        {mul} $0, lo, sc;
+        {mul} $1, hi, sc;
+    }}"""
+
+    _E4M3_TO_BF16_ASM: gl.constexpr = gl.constexpr(_e4m3_asm(4, "0x87F087F0", "0x7B807B80", "mul.rn.bf16x2"))
+    _E4M3_TO_F16_ASM: gl.constexpr = gl.constexpr(_e4m3_asm(7, "0xBF80BF80", "0x5C005C00", "mul.rn.f16x2"))
 
     @gluon.jit
     def _e4m3_to(x, dtype: gl.constexpr, BITS: gl.constexpr):
@@ -407,6 +440,15 @@ if gluon_available():
             dst.slice(c, W, dim=1).store(y)
 
     @gluon.jit
+    def _widen_cols(src, dst, nvalid, C0: gl.constexpr, NC: gl.constexpr, ROWS: gl.constexpr, BITS: gl.constexpr):
+        """dst[:, C0 : C0 + NC] := src[:, C0 : C0 + NC] widened by :func:`_convert_cols` in 128-column slices, rows
+        >= nvalid zeroed in a partial tile only: a whole tile (nvalid >= ROWS) runs without the row mask."""
+        if nvalid < ROWS:
+            _convert_cols(src, dst, nvalid, C0, NC, 128, ROWS, True, BITS)
+        else:
+            _convert_cols(src, dst, nvalid, C0, NC, 128, ROWS, False, BITS)
+
+    @gluon.jit
     def _loader_partition(kv_desc, pe_desc, kv_bufs, pe_bufs, kv_ready, kv_empty, bt_row, num_blocks, start, n_tiles,
                           LKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
         """1 warp: tile j (one page-aligned [BLOCK_N, LKV] + [BLOCK_N, R] box pair) into stage j % NBUF by TMA, once
@@ -422,11 +464,25 @@ if gluon_available():
             tma.async_copy_global_to_shared(pe_desc, [row, LKV], bar, pe_bufs.index(s))
 
     @gluon.jit
-    def _pv_partition(kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles,
-                      O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
-                      LKV: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
-        """4 warps: O[:, :LKV/2] = sum over tiles of the alpha-rescaled P . V[:, :LKV/2] (P from shared memory, where
-        the softmax partition published it over the tile's rope-key slot); normalised by the row sums at the end."""
+    def _tile_view(bufs, j):
+        """``bufs`` [1, ...] at an index that is 0 for every tile j but not a compile-time constant: the wgmma
+        descriptors of a fixed buffer would be hoisted out of the tile loop next to the queries' (72 64-bit values)
+        and spill."""
+        return bufs.index(j >> 30)
+
+    @gluon.jit
+    def _pv_partition(kv_bufs, pe_bufs, cv_kv, cv_pe, p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, conv_ready,
+                      p_ready, l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t,
+                      stride_o_h, stride_o_s, out_scale, LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NBUF: gl.constexpr, P_BUFS: gl.constexpr, FP8: gl.constexpr,
+                      FP8_BITS: gl.constexpr, FP8_QK: gl.constexpr):
+        """4 warps: O[:, :LKV/2] = sum over tiles of the alpha-rescaled P . V[:, :LKV/2] with P from shared memory;
+        O * out_scale / l at the end with the softmax partition's row sums. 16-bit pages: V in the stage (rows past
+        the end zeroed here), P over the stage's rope-key slot, the stage released after the P.V. fp8 pages: first
+        V's columns [0, LKV/2) widened into the converted tile ``cv_kv`` (rows past the end zeroed); with 16-bit
+        score products also the rope part into ``cv_pe``, where P comes, and the fp8 stage released once widened;
+        with e4m3 score products P from the stage's buffer in ``p_bufs``, the stage released after the P.V (its P
+        is read until then). Arguments a variant does not use are None."""
         HALF: gl.constexpr = LKV // 2
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
@@ -435,444 +491,208 @@ if gluon_available():
             s = j % NBUF
             phase = (j // NBUF) & 1
             mbarrier.wait(kv_ready.index(s), phase)
-            mbarrier.wait(p_ready.index(s), phase)
-            v = kv_bufs.index(s).slice(0, HALF, dim=1)
-            o = o * gl.expand_dims(alpha_smem.index(s).load(gl.SliceLayout(1, o_layout)), 1)
             nvalid = end - (start + j * BLOCK_N)
-            if nvalid < BLOCK_N:  # the partial last tile: its V rows past the end may hold NaN
-                _zero_rows_from(v, nvalid, BLOCK_N, HALF)
-                fence_async_shared()
-                gl.thread_barrier()
-            o = warpgroup_mma(pe_bufs.index(s), v, o, is_async=True)
+            if FP8:
+                # Our columns of the converted tile were last read by our own P.V of tile j-1 (waited) and, with
+                # 16-bit score products, by tile j-1's scores (before its p_ready), the rope slot (P of tile j-1) by
+                # our P.V: all done.
+                _widen_cols(kv_bufs.index(s), cv_kv, nvalid, 0, HALF, BLOCK_N, FP8_BITS)
+                if not FP8_QK:  # K only: its rows past the end meet masked scores
+                    _convert_cols(pe_bufs.index(s), cv_pe, nvalid, 0, R, 64, BLOCK_N, False, FP8_BITS)
+                fence_async_shared()  # the widened columns visible to wgmma ...
+                gl.thread_barrier()  # ... of every warp, and every warp done reading the fp8 stage
+                if not FP8_QK:
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    mbarrier.arrive(conv_ready, count=1)
+            ps = j % P_BUFS
+            mbarrier.wait(p_ready.index(ps), (j // P_BUFS) & 1)
+            o = o * gl.expand_dims(alpha_smem.index(ps).load(gl.SliceLayout(1, o_layout)), 1)
+            if FP8:
+                p_smem = p_bufs.index(s) if FP8_QK else cv_pe
+                v = cv_kv.slice(0, HALF, dim=1)
+            else:
+                v = kv_bufs.index(s).slice(0, HALF, dim=1)
+                if nvalid < BLOCK_N:  # the partial last tile: its V rows past the end may hold NaN
+                    _zero_rows_from(v, nvalid, BLOCK_N, HALF)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                p_smem = pe_bufs.index(s)
+            o = warpgroup_mma(p_smem, v, o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(kv_empty.index(s), count=1)
+            if FP8_QK or not FP8:  # the stage's V or P was read until here
+                mbarrier.arrive(kv_empty.index(s), count=1)
 
-        _pv_epilogue(o, l_smem, l_ready, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s, 1.0,
-                     LKV, BLOCK_H)
+        _pv_epilogue(o, l_smem, l_ready, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
+                     out_scale, LKV, BLOCK_H)
 
     @gluon.jit
-    def _softmax_partition(Q_NOPE, Q_PE, q_smem, qpe_smem, kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready, kv_empty,
-                           p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb, split, num_heads,
-                           O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
-                           stride_o_s, stride_lse_t, stride_lse_h, qk_scale,
-                           LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr):
-        """Default partition, 4 warps: the rows' queries to shared memory; per tile the whole score tile, the keys
-        each row sees (causal per row with several query tokens), online softmax, P over the rope-key slot and
-        alpha published to the P.V worker, O[:, LKV/2:] += P . V with P from registers; the row sums to the worker,
-        the LSE and this half of the output."""
+    def _softmax_partition(Q_NOPE, Q_PE, q_smem, qpe_smem, kv_bufs, pe_bufs, cv_kvs, cv_pes, p_bufs, alpha_smem,
+                           l_smem, kv_ready, kv_empty, conv_ready, p_ready, l_ready, start, end, n_tiles, seq_len,
+                           q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t,
+                           stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale,
+                           out_scale, LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NBUF: gl.constexpr, P_BUFS: gl.constexpr, STORE_LSE: gl.constexpr,
+                           MAX_Q: gl.constexpr, FP8: gl.constexpr, FP8_BITS: gl.constexpr, FP8_QK: gl.constexpr):
+        """Default partition, 4 warps: the rows' queries to shared memory; per tile the whole score tile
+        [Q ; Q_pe] . [K ; K_pe]^T, the keys each row sees (causal per row with several query tokens), online softmax,
+        P and alpha published to the P.V worker, O[:, LKV/2:] += P . V with P from registers; the row sums to the
+        worker, the LSE and O * out_scale / l at the end. 16-bit pages: the scores on the stage, V rows past the end
+        zeroed in our half, P over the stage's rope-key slot. fp8 pages: first V's columns [LKV/2, LKV) widened
+        into the converted tile (rows past the end zeroed); with 16-bit score products the fp8 stage released and
+        the scores on the converted tile once the P.V worker has widened the rest, P over its rope slot; with e4m3
+        score products the queries quantised per row, the scores straight from the fp8 stage, scaled back per row,
+        P in the stage's buffer in ``p_bufs``. qk_scale includes k_scale for fp8 pages. Arguments a variant does not
+        use are None."""
         HALF: gl.constexpr = LKV // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
+                                                           instr_shape=[16, BLOCK_N, 32 if FP8_QK else 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
         # The rows' queries (the loader's first tiles fly meanwhile).
-        _load_queries(Q_NOPE, Q_PE, q_smem, qpe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h, stride_qp_t,
-                      stride_qp_h, LKV, R, BLOCK_H)
+        if FP8_QK:
+            q_scale = _load_queries_e4m3(Q_NOPE, Q_PE, q_smem.index(0), qpe_smem.index(0), q_lo, q_len, hb,
+                                         num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, LKV, R, BLOCK_H)
+            q_scale = gl.expand_dims(gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout)), 1)
+        else:
+            _load_queries(Q_NOPE, Q_PE, q_smem, qpe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h,
+                          stride_qp_t, stride_qp_h, LKV, R, BLOCK_H)
 
         rows_s, pos, offs_n, s_zero, o, m_i, l_i = _softmax_state(hb, seq_len, q_len, num_heads, s_layout, o_layout,
                                                                   BLOCK_H, BLOCK_N, HALF)
         for j in range(n_tiles):
             s = j % NBUF
             mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
-            kv = kv_bufs.index(s)
-            pe = pe_bufs.index(s)
-            sc = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(qpe_smem, pe.permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             n0 = start + j * BLOCK_N
+            # The score tile's operands and our V: the stage as loaded; for fp8 pages our half of V widened into the
+            # converted tile first (last read by our own P.V of tile j-1, and with 16-bit score products by tile
+            # j-1's scores: both waited), then with 16-bit score products K read there too once the P.V worker has
+            # widened the rest; the converted tiles and the e4m3 queries through _tile_view.
+            q, q_pe, k = q_smem, qpe_smem, kv_bufs.index(s)
+            if FP8:
+                v = _tile_view(cv_kvs, j)
+                if not FP8_QK:
+                    k_pe = _tile_view(cv_pes, j)
+                _widen_cols(k, v, end - n0, HALF, HALF, BLOCK_N, FP8_BITS)
+                if FP8_QK:
+                    q, q_pe, k_pe = _tile_view(q_smem, j), _tile_view(qpe_smem, j), pe_bufs.index(s)
+                else:
+                    k = v
+                    fence_async_shared()  # our widened columns visible to wgmma ...
+                    gl.thread_barrier()  # ... of every warp, and every warp done reading the fp8 stage
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    mbarrier.wait(conv_ready, j & 1)  # the P.V worker's columns and the rope part
+            else:
+                k_pe = pe_bufs.index(s)
+                v = k
+            sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_pe, k_pe.permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            if FP8_QK:
+                sc = sc * q_scale
             sc = _mask_scores(sc, gl.expand_dims(n0 + offs_n, 0), end, pos, MAX_Q)
-            if end - n0 < BLOCK_N:  # the partial last tile: zero our half of its V rows past the end (K is read)
-                _zero_rows_from(kv.slice(HALF, HALF, dim=1), end - n0, BLOCK_N, HALF)
+            if not FP8:
+                if end - n0 < BLOCK_N:  # the partial last tile: zero our half of its V rows past the end (K is read)
+                    _zero_rows_from(v.slice(HALF, HALF, dim=1), end - n0, BLOCK_N, HALF)
             p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, qk_scale, MAX_Q)
-            pb = p.to(pe.dtype)
-            pe.store(pb)  # P over the rope-key slot: dead once the scores are done; the worker's A operand
-            alpha_smem.index(s).store(alpha)
-            fence_async_shared()  # P and the zeroed V rows visible to wgmma ...
+            pb = p.to(v.dtype)
+            # P over the 16-bit rope-key slot (dead once the scores are done) or in the stage's P buffer, and alpha:
+            # the worker has read the ones they overwrite (the module docstring has the barriers that order it).
+            if FP8_QK:
+                p_bufs.index(s).store(pb)
+            else:
+                k_pe.store(pb)
+            ps = j % P_BUFS
+            alpha_smem.index(ps).store(alpha)
+            fence_async_shared()  # P and our widened or zeroed V rows visible to wgmma ...
             gl.thread_barrier()  # ... of every warp, before the arrive and before our own P.V
-            mbarrier.arrive(p_ready.index(s), count=1)
+            mbarrier.arrive(p_ready.index(ps), count=1)
+            if FP8_QK:
+                mbarrier.arrive(kv_empty.index(s), count=1)  # the scores and our widening are done with the fp8 stage
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            o = warpgroup_mma(gl.convert_layout(pb, p_layout), kv.slice(HALF, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma(gl.convert_layout(pb, p_layout), v.slice(HALF, HALF, dim=1), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(kv_empty.index(s), count=1)
+            if not FP8:
+                mbarrier.arrive(kv_empty.index(s), count=1)
 
         _softmax_epilogue(o, m_i, l_i, rows_s, l_smem, l_ready, O, LSE, q_lo, q_len, hb, split, num_heads, stride_o_t,
-                          stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, 1.0, LKV, BLOCK_H, STORE_LSE)
-
-    @gluon.jit
-    def _pv_partition_fp8(f8_kv, f8_pe, cv_kv, cv_pe, alpha_smem, l_smem, kv_ready, kv_empty, conv_ready, p_ready,
-                          l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h,
-                          stride_o_s, v_scale, LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr,
-                          BLOCK_N: gl.constexpr, NBUF: gl.constexpr, FP8_BITS: gl.constexpr):
-        """4 warps, fp8 pages: per tile its columns [0, LKV/2) and the rope part widened into the converted tile (rows
-        past the end zeroed), the fp8 stage released, then O[:, :LKV/2] = alpha * O + P . V[:, :LKV/2] with P from
-        the converted tile's rope slot; O * v_scale / l at the end."""
-        HALF: gl.constexpr = LKV // 2
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
-        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
-        for j in range(n_tiles):
-            s = j % NBUF
-            mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
-            # Our columns of the converted tile were last read by tile j-1's scores (before its p_ready) and our
-            # P.V (waited), and the rope slot (P of tile j-1) by our P.V: both done.
-            nvalid = end - (start + j * BLOCK_N)
-            if nvalid < BLOCK_N:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, False, FP8_BITS)
-            _convert_cols(f8_pe.index(s), cv_pe, nvalid, 0, R, 64, BLOCK_N, False, FP8_BITS)  # K only: masked scores
-            fence_async_shared()  # the widened columns visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp, and every warp done reading the fp8 stage
-            mbarrier.arrive(kv_empty.index(s), count=1)
-            mbarrier.arrive(conv_ready, count=1)
-            mbarrier.wait(p_ready, j & 1)
-            o = o * gl.expand_dims(alpha_smem.load(gl.SliceLayout(1, o_layout)), 1)
-            o = warpgroup_mma(cv_pe, cv_kv.slice(0, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-
-        _pv_epilogue(o, l_smem, l_ready, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
-                     v_scale, LKV, BLOCK_H)
-
-    @gluon.jit
-    def _softmax_partition_fp8(Q_NOPE, Q_PE, q_smem, qpe_smem, f8_kv, cv_kvs, cv_pes, alpha_smem, l_smem, kv_ready,
-                               kv_empty, conv_ready, p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb,
-                               split, num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t,
-                               stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale,
-                               LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr,
-                               FP8_BITS: gl.constexpr):
-        """Default partition, 4 warps, fp8 pages: per tile its columns [LKV/2, LKV) widened into the converted tile
-        (rows past the end zeroed), the fp8 stage released; once the P.V worker has widened the rest, the score tile
-        on the converted tile, online softmax, P over its rope slot and alpha published, O[:, LKV/2:] += P . V with
-        P from registers; the row sums, the LSE and O * v_scale / l at the end (qk_scale includes k_scale)."""
-        HALF: gl.constexpr = LKV // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-        _load_queries(Q_NOPE, Q_PE, q_smem, qpe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h, stride_qp_t,
-                      stride_qp_h, LKV, R, BLOCK_H)
-
-        rows_s, pos, offs_n, s_zero, o, m_i, l_i = _softmax_state(hb, seq_len, q_len, num_heads, s_layout, o_layout,
-                                                                  BLOCK_H, BLOCK_N, HALF)
-        for j in range(n_tiles):
-            s = j % NBUF
-            mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
-            n0 = start + j * BLOCK_N
-            # The one converted tile, through an index that is 0 but not a compile-time constant: the wgmma
-            # descriptors of a fixed tile would be hoisted out of the loop next to the queries' (72 64-bit values)
-            # and spill.
-            kv = cv_kvs.index(j >> 30)
-            pe = cv_pes.index(j >> 30)
-            # Our columns were last read by our own scores and P.V of tile j-1 (both waited).
-            if end - n0 < BLOCK_N:
-                _convert_cols(f8_kv.index(s), kv, end - n0, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), kv, end - n0, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
-            fence_async_shared()  # our widened columns visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp, and every warp done reading the fp8 stage
-            mbarrier.arrive(kv_empty.index(s), count=1)
-            mbarrier.wait(conv_ready, j & 1)  # the P.V worker's columns and the rope part
-            sc = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(qpe_smem, pe.permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            sc = _mask_scores(sc, gl.expand_dims(n0 + offs_n, 0), end, pos, MAX_Q)
-            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, qk_scale, MAX_Q)
-            pb = p.to(pe.dtype)
-            # P over the rope slot (dead once the scores are done) and alpha: the worker read tile j-1's before it
-            # arrived conv_ready for tile j.
-            pe.store(pb)
-            alpha_smem.store(alpha)
-            fence_async_shared()  # P visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp, before the arrive
-            mbarrier.arrive(p_ready, count=1)
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            o = warpgroup_mma(gl.convert_layout(pb, p_layout), kv.slice(HALF, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-
-        _softmax_epilogue(o, m_i, l_i, rows_s, l_smem, l_ready, O, LSE, q_lo, q_len, hb, split, num_heads, stride_o_t,
-                          stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, BLOCK_H,
+                          stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, out_scale, LKV, BLOCK_H,
                           STORE_LSE)
 
     @gluon.jit
-    def _pipeline_16bit(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len, q_lo,
-                        q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t,
-                        stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, LKV: gl.constexpr,
-                        R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                        NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, REGS_PV: gl.constexpr,
-                        REGS_LOAD: gl.constexpr):
-        """The 16-bit kernel's shared memory, barriers and partitions: NBUF stages [BLOCK_N, LKV] + [BLOCK_N, R]
-        filled by the loader and read by both consumers, the queries."""
+    def _pipeline(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len, q_lo, q_len,
+                  hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                  stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV: gl.constexpr, R: gl.constexpr,
+                  PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                  STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, REGS_PV: gl.constexpr, REGS_LOAD: gl.constexpr,
+                  FP8: gl.constexpr, FP8_BITS: gl.constexpr, FP8_QK: gl.constexpr):
+        """The kernel's shared memory, barriers and partitions (the module docstring has the protocol): NBUF stages
+        [BLOCK_N, LKV] + [BLOCK_N, R] in the cache dtype filled by the loader; for fp8 pages one converted 16-bit
+        tile, [BLOCK_N, LKV] + [BLOCK_N, R] with 16-bit score products and V [BLOCK_N, LKV] with e4m3 ones (then
+        also NBUF P buffers [BLOCK_H, BLOCK_N]); the queries (e4m3 score products: quantised); alpha and p_ready in
+        P_BUFS slots, one per stage but one in all for fp8 pages with 16-bit score products."""
         dtype: gl.constexpr = Q_NOPE.dtype.element_ty
+        P_BUFS: gl.constexpr = 1 if FP8 and not FP8_QK else NBUF
         kv_bufs = gl.allocate_shared_memory(kv_desc.dtype, [NBUF, BLOCK_N, LKV], kv_desc.layout)
         pe_bufs = gl.allocate_shared_memory(pe_desc.dtype, [NBUF, BLOCK_N, R], pe_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LKV], gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV],
-                                                                                                       dtype))
-        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R],
-                                                                                                      dtype))
+        cv_kvs, cv_pes, p_bufs, cv_kv, cv_pe, conv_ready = None, None, None, None, None, None
+        if FP8:
+            cv_kvs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, LKV],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_N, LKV], dtype))
+            cv_kv = cv_kvs.index(0)
+            if FP8_QK:
+                p_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_H, BLOCK_N],
+                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
+            else:
+                cv_pes = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R],
+                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
+                cv_pe = cv_pes.index(0)
+        # e4m3 queries with a leading index for _tile_view
+        if FP8_QK:
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [1, BLOCK_H, LKV],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV], gl.float8e4nv))
+            qpe_smem = gl.allocate_shared_memory(gl.float8e4nv, [1, BLOCK_H, R],
+                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.float8e4nv))
+        else:
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LKV],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV], dtype))
+            qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R],
+                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype))
         vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        alpha_smem = gl.allocate_shared_memory(gl.float32, [NBUF, BLOCK_H], vec_sl)
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFS, BLOCK_H], vec_sl)
         l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
         kv_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        if FP8 and not FP8_QK:
+            conv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFS, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_ready.index(i), count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release the stage
-            mbarrier.init(p_ready.index(i), count=1)  # the softmax partition published P and alpha
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers released the stage
+            if P_BUFS == NBUF:
+                mbarrier.init(p_ready.index(i), count=1)  # the softmax partition published P and alpha
+        if FP8 and not FP8_QK:
+            mbarrier.init(conv_ready, count=1)  # the P.V worker widened its columns and the rope part of the tile
+        if P_BUFS != NBUF:
+            mbarrier.init(p_ready.index(0), count=1)
         mbarrier.init(l_ready, count=1)
         fence_async_shared()  # the initialised barriers visible to the TMA unit
         gl.thread_barrier()
 
         gl.warp_specialize([
-            (_softmax_partition, (Q_NOPE, Q_PE, q_smem, qpe_smem, kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready,
-                                  kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb, split,
-                                  num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t,
-                                  stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, LKV, R, BLOCK_H,
-                                  BLOCK_N, NBUF, STORE_LSE, MAX_Q)),
-            (_pv_partition, (kv_bufs, pe_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end,
-                             n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s, LKV,
-                             BLOCK_H, BLOCK_N, NBUF)),
+            (_softmax_partition, (Q_NOPE, Q_PE, q_smem, qpe_smem, kv_bufs, pe_bufs, cv_kvs, cv_pes, p_bufs,
+                                  alpha_smem, l_smem, kv_ready, kv_empty, conv_ready, p_ready, l_ready, start, end,
+                                  n_tiles, seq_len, q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h,
+                                  stride_qp_t, stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
+                                  stride_lse_h, qk_scale, v_scale if FP8 else 1.0, LKV, R, BLOCK_H, BLOCK_N, NBUF,
+                                  P_BUFS, STORE_LSE, MAX_Q, FP8, FP8_BITS, FP8_QK)),
+            (_pv_partition, (kv_bufs, pe_bufs, cv_kv, cv_pe, p_bufs, alpha_smem, l_smem, kv_ready, kv_empty,
+                             conv_ready, p_ready, l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads,
+                             stride_o_t, stride_o_h, stride_o_s, v_scale if FP8 else 1.0, LKV, R, BLOCK_H, BLOCK_N,
+                             NBUF, P_BUFS, FP8, FP8_BITS, FP8_QK)),
             (_loader_partition, (kv_desc, pe_desc, kv_bufs, pe_bufs, kv_ready, kv_empty, bt_row, num_blocks, start,
-                                 n_tiles, LKV, PAGE, BLOCK_N, NBUF)),
-        ], [4, 1], [REGS_PV, REGS_LOAD])
-
-    @gluon.jit
-    def _pipeline_fp8(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len, q_lo,
-                      q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t,
-                      stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV: gl.constexpr,
-                      R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr, REGS_PV: gl.constexpr,
-                      REGS_LOAD: gl.constexpr, FP8_BITS: gl.constexpr):
-        """The fp8 kernel's shared memory, barriers and partitions (the module docstring has the protocol): NBUF
-        fp8 stages [BLOCK_N, LKV] + [BLOCK_N, R] filled by the loader, one converted 16-bit tile both consumers
-        widen their columns into, the queries."""
-        dtype: gl.constexpr = Q_NOPE.dtype.element_ty
-        f8_kv = gl.allocate_shared_memory(kv_desc.dtype, [NBUF, BLOCK_N, LKV], kv_desc.layout)
-        f8_pe = gl.allocate_shared_memory(pe_desc.dtype, [NBUF, BLOCK_N, R], pe_desc.layout)
-        cv_kvs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, LKV],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, LKV], dtype))
-        cv_pes = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R],
-                                                                                                       dtype))
-        cv_kv = cv_kvs.index(0)
-        cv_pe = cv_pes.index(0)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LKV], gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV],
-                                                                                                       dtype))
-        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R],
-                                                                                                      dtype))
-        vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
-        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        conv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NBUF):
-            mbarrier.init(kv_ready.index(i), count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers have widened their columns of the stage
-        mbarrier.init(conv_ready, count=1)  # the P.V worker widened its columns and the rope part of the tile
-        mbarrier.init(p_ready, count=1)  # the softmax partition published P and alpha
-        mbarrier.init(l_ready, count=1)
-        fence_async_shared()  # the initialised barriers visible to the TMA unit
-        gl.thread_barrier()
-
-        gl.warp_specialize([
-            (_softmax_partition_fp8, (Q_NOPE, Q_PE, q_smem, qpe_smem, f8_kv, cv_kvs, cv_pes, alpha_smem, l_smem,
-                                      kv_ready, kv_empty, conv_ready, p_ready, l_ready, start, end, n_tiles, seq_len,
-                                      q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t,
-                                      stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
-                                      qk_scale, v_scale, LKV, R, BLOCK_H, BLOCK_N, NBUF, STORE_LSE, MAX_Q,
-                                      FP8_BITS)),
-            (_pv_partition_fp8, (f8_kv, f8_pe, cv_kv, cv_pe, alpha_smem, l_smem, kv_ready, kv_empty, conv_ready,
-                                 p_ready, l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads,
-                                 stride_o_t, stride_o_h, stride_o_s, v_scale, LKV, R, BLOCK_H, BLOCK_N, NBUF,
-                                 FP8_BITS)),
-            (_loader_partition, (kv_desc, pe_desc, f8_kv, f8_pe, kv_ready, kv_empty, bt_row, num_blocks, start,
-                                 n_tiles, LKV, PAGE, BLOCK_N, NBUF)),
-        ], [4, 1], [REGS_PV, REGS_LOAD])
-
-    @gluon.jit
-    def _load_queries_e4m3(Q_NOPE, Q_PE, q8_smem, q8pe_smem, q_lo, q_len, hb, num_heads, stride_q_t, stride_q_h,
-                           stride_qp_t, stride_qp_h, LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr):
-        """The rows' queries quantised to e4m3 into shared memory, one scale per row over all LKV + R columns
-        (amax / 448: the largest magnitude lands on e4m3's largest finite value; rows past the request's tokens
-        and zero rows: 0 with scale 1). Returns the row scales [BLOCK_H] (layout: the rows of a [BLOCK_H, 128]
-        blocked tile); the queries are visible to the calling warpgroup's wgmma on return."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [64, 128] chunks, 16-byte loads
-        pe_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64]
-        rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, blk))
-        row_ok = gl.expand_dims(rows < q_len * num_heads, 1)
-        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
-        q_ptr = gl.expand_dims(_row_pointer(Q_NOPE, q_lo, rows, num_heads, stride_q_t, stride_q_h), 1)
-        rows_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, pe_blk))
-        pe_ok = gl.expand_dims(rows_pe < q_len * num_heads, 1)
-        cols_pe = gl.arange(0, R, layout=gl.SliceLayout(0, pe_blk))
-        qpe_ptr = gl.expand_dims(_row_pointer(Q_PE, q_lo, rows_pe, num_heads, stride_qp_t, stride_qp_h), 1)
-        q_pe = gl.load(qpe_ptr + gl.expand_dims(cols_pe, 0), mask=pe_ok, other=0.0).to(gl.float32)
-        amax = gl.convert_layout(gl.max(gl.abs(q_pe), axis=1), gl.SliceLayout(1, blk))
-        for c in gl.static_range(0, LKV, 128):
-            x = gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0).to(gl.float32)
-            amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
-        scale = gl.where(amax > 0.0, amax * (1.0 / 448.0), gl.full_like(amax, 1.0))
-        inv = gl.expand_dims(1.0 / scale, 1)
-        for c in gl.static_range(0, LKV, 128):
-            x = gl.load(q_ptr + gl.expand_dims(c + cols, 0), mask=row_ok, other=0.0).to(gl.float32)
-            q8_smem.slice(c, 128, dim=1).store((x * inv).to(gl.float8e4nv))
-        inv_pe = gl.expand_dims(gl.convert_layout(1.0 / scale, gl.SliceLayout(1, pe_blk)), 1)
-        q8pe_smem.store((q_pe * inv_pe).to(gl.float8e4nv))
-        fence_async_shared()
-        gl.thread_barrier()  # every warp's queries are in shared memory before the warpgroup's wgmma reads them
-        return scale
-
-    @gluon.jit
-    def _pv_partition_e4m3(f8_kv, cv_kv, p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready, l_ready, start,
-                           end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
-                           v_scale, LKV: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NBUF: gl.constexpr, FP8_BITS: gl.constexpr):
-        """4 warps, fp8 pages with e4m3 score products: per tile its V columns [0, LKV/2) widened into the
-        converted tile (rows past the end zeroed) while the softmax partition computes the scores, then
-        O[:, :LKV/2] = alpha * O + P . V[:, :LKV/2] with P from the stage's P buffer; the stage released after
-        (its P is read until then); O * v_scale / l at the end."""
-        HALF: gl.constexpr = LKV // 2
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
-        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
-        for j in range(n_tiles):
-            s = j % NBUF
-            phase = (j // NBUF) & 1
-            mbarrier.wait(kv_ready.index(s), phase)
-            # our half of the converted tile was last read by our own P.V of tile j-1 (waited)
-            nvalid = end - (start + j * BLOCK_N)
-            if nvalid < BLOCK_N:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(f8_kv.index(s), cv_kv, nvalid, 0, HALF, 128, BLOCK_N, False, FP8_BITS)
-            fence_async_shared()  # the widened columns visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp
-            mbarrier.wait(p_ready.index(s), phase)
-            o = o * gl.expand_dims(alpha_smem.index(s).load(gl.SliceLayout(1, o_layout)), 1)
-            o = warpgroup_mma(p_bufs.index(s), cv_kv.slice(0, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(kv_empty.index(s), count=1)
-
-        _pv_epilogue(o, l_smem, l_ready, O, q_lo, q_len, hb, split, num_heads, stride_o_t, stride_o_h, stride_o_s,
-                     v_scale, LKV, BLOCK_H)
-
-    @gluon.jit
-    def _softmax_partition_e4m3(Q_NOPE, Q_PE, q8_smems, q8pe_smems, f8_kv, f8_pe, cv_kvs, p_bufs, alpha_smem, l_smem,
-                                kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len, q_lo, q_len, hb,
-                                split, num_heads, O, LSE, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
-                                stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale,
-                                LKV: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                                NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr,
-                                FP8_BITS: gl.constexpr):
-        """Default partition, 4 warps, fp8 pages with e4m3 score products: the rows' queries quantised per row;
-        per tile the score tile [Q8 ; Q8_pe] . [K ; K_pe]^T straight from the fp8 stage (e4m3 wgmma) while this
-        partition widens its V columns [LKV/2, LKV) into the converted tile, the row scales applied, online
-        softmax, P and alpha published in the stage's buffers, O[:, LKV/2:] += P . V with P from registers; the
-        row sums, the LSE and O * v_scale / l at the end (qk_scale includes k_scale)."""
-        HALF: gl.constexpr = LKV // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-        q_scale = _load_queries_e4m3(Q_NOPE, Q_PE, q8_smems.index(0), q8pe_smems.index(0), q_lo, q_len, hb,
-                                     num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, LKV, R, BLOCK_H)
-        q_scale = gl.expand_dims(gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout)), 1)
-
-        rows_s, pos, offs_n, s_zero, o, m_i, l_i = _softmax_state(hb, seq_len, q_len, num_heads, s_layout, o_layout,
-                                                                  BLOCK_H, BLOCK_N, HALF)
-        for j in range(n_tiles):
-            s = j % NBUF
-            mbarrier.wait(kv_ready.index(s), (j // NBUF) & 1)
-            n0 = start + j * BLOCK_N
-            kv8 = f8_kv.index(s)
-            # The queries and the one converted tile through an index that is 0 but not a compile-time constant: a
-            # fixed buffer's wgmma descriptors would be hoisted out of the loop and spill. Our half of the converted
-            # tile was last read by our own P.V of tile j-1 (waited).
-            cv_kv = cv_kvs.index(j >> 30)
-            if end - n0 < BLOCK_N:
-                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, True, FP8_BITS)
-            else:
-                _convert_cols(kv8, cv_kv, end - n0, HALF, HALF, 128, BLOCK_N, False, FP8_BITS)
-            sc = warpgroup_mma(q8_smems.index(j >> 30), kv8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q8pe_smems.index(j >> 30), f8_pe.index(s).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            sc = _mask_scores(sc * q_scale, gl.expand_dims(n0 + offs_n, 0), end, pos, MAX_Q)
-            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, qk_scale, MAX_Q)
-            pb = p.to(cv_kv.dtype)
-            # P and alpha of stage s: the worker read tile j - NBUF's before it released the stage
-            p_bufs.index(s).store(pb)
-            alpha_smem.index(s).store(alpha)
-            fence_async_shared()  # P and our widened columns visible to wgmma ...
-            gl.thread_barrier()  # ... of every warp, before the arrive and before our own P.V
-            mbarrier.arrive(p_ready.index(s), count=1)
-            mbarrier.arrive(kv_empty.index(s), count=1)  # the scores and our widening are done with the fp8 stage
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            o = warpgroup_mma(gl.convert_layout(pb, p_layout), cv_kv.slice(HALF, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-
-        _softmax_epilogue(o, m_i, l_i, rows_s, l_smem, l_ready, O, LSE, q_lo, q_len, hb, split, num_heads, stride_o_t,
-                          stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, BLOCK_H,
-                          STORE_LSE)
-
-    @gluon.jit
-    def _pipeline_e4m3(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
-                       q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
-                       stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale,
-                       LKV: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, STORE_LSE: gl.constexpr, MAX_Q: gl.constexpr,
-                       REGS_PV: gl.constexpr, REGS_LOAD: gl.constexpr, FP8_BITS: gl.constexpr):
-        """The fp8 kernel with e4m3 score products (the module docstring has the protocol): NBUF fp8 stages
-        [BLOCK_N, LKV] + [BLOCK_N, R] filled by the loader and read by the scores' wgmma as they are, one
-        converted 16-bit V tile whose halves each consumer widens for its own P.V, NBUF P buffers, the e4m3
-        queries."""
-        dtype: gl.constexpr = Q_NOPE.dtype.element_ty
-        f8_kv = gl.allocate_shared_memory(kv_desc.dtype, [NBUF, BLOCK_N, LKV], kv_desc.layout)
-        f8_pe = gl.allocate_shared_memory(pe_desc.dtype, [NBUF, BLOCK_N, R], pe_desc.layout)
-        cv_kvs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, LKV],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, LKV], dtype))
-        p_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_H, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
-        q8_smems = gl.allocate_shared_memory(gl.float8e4nv, [1, BLOCK_H, LKV],
-                                             gl.NVMMASharedLayout.get_default_for([BLOCK_H, LKV], gl.float8e4nv))
-        q8pe_smems = gl.allocate_shared_memory(gl.float8e4nv, [1, BLOCK_H, R],
-                                               gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.float8e4nv))
-        vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        alpha_smem = gl.allocate_shared_memory(gl.float32, [NBUF, BLOCK_H], vec_sl)
-        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NBUF):
-            mbarrier.init(kv_ready.index(i), count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
-            mbarrier.init(kv_empty.index(i), count=2)  # the scores' partition and the worker's P.V are done
-            mbarrier.init(p_ready.index(i), count=1)  # the softmax partition published P and alpha
-        mbarrier.init(l_ready, count=1)
-        fence_async_shared()  # the initialised barriers visible to the TMA unit
-        gl.thread_barrier()
-
-        gl.warp_specialize([
-            (_softmax_partition_e4m3, (Q_NOPE, Q_PE, q8_smems, q8pe_smems, f8_kv, f8_pe, cv_kvs, p_bufs, alpha_smem,
-                                       l_smem, kv_ready, kv_empty, p_ready, l_ready, start, end, n_tiles, seq_len,
-                                       q_lo, q_len, hb, split, num_heads, O, LSE, stride_q_t, stride_q_h,
-                                       stride_qp_t, stride_qp_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
-                                       stride_lse_h, qk_scale, v_scale, LKV, R, BLOCK_H, BLOCK_N, NBUF, STORE_LSE,
-                                       MAX_Q, FP8_BITS)),
-            (_pv_partition_e4m3, (f8_kv, cv_kvs.index(0), p_bufs, alpha_smem, l_smem, kv_ready, kv_empty, p_ready,
-                                  l_ready, start, end, n_tiles, O, q_lo, q_len, hb, split, num_heads, stride_o_t,
-                                  stride_o_h, stride_o_s, v_scale, LKV, BLOCK_H, BLOCK_N, NBUF, FP8_BITS)),
-            (_loader_partition, (kv_desc, pe_desc, f8_kv, f8_pe, kv_ready, kv_empty, bt_row, num_blocks, start,
                                  n_tiles, LKV, PAGE, BLOCK_N, NBUF)),
         ], [4, 1], [REGS_PV, REGS_LOAD])
 
@@ -895,13 +715,14 @@ if gluon_available():
         """Grid (cdiv(H * MAX_Q, BLOCK_H), B, num_splits): request b's rows (query token, head) of one row block over
         one KV split, rows and positions as in ``_split_prologue`` of :mod:`.decode_kernel`. Warps: 4 (softmax,
         the default partition) + 4 (P.V) + 1 (TMA loader). FP8: the cache is e4m3, widened in shared memory to the
-        queries' 16-bit dtype (FP8_BITS: how, see ``_e4m3_to``)."""
+        queries' 16-bit dtype (FP8_BITS: how, see ``_e4m3_to``); FP8_QK: with e4m3 score products."""
         gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
         gl.static_assert(BLOCK_H == 64, "one wgmma M tile of rows")
         gl.static_assert(BLOCK_N == 64 and R == 64, "P [64 rows, 64 keys] is published over the [64 keys, 64] K_pe slot")
         gl.static_assert(PAGE % BLOCK_N == 0, "a TMA tile lies in one page")
         gl.static_assert(LKV % 128 == 0, "two column halves of 64-column slices")
         gl.static_assert(not FP8 or LKV % 256 == 0, "fp8: two column halves of 128-column (128-byte) slices")
+        gl.static_assert(FP8 or not FP8_QK, "e4m3 score products read fp8 pages")
 
         hb = gl.program_id(0)
         b = gl.program_id(1)
@@ -921,22 +742,10 @@ if gluon_available():
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-        if FP8 and FP8_QK:
-            _pipeline_e4m3(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
-                           q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
-                           stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, R,
-                           PAGE, BLOCK_H, BLOCK_N, NBUF, STORE_LSE, MAX_Q, REGS_PV, REGS_LOAD, FP8_BITS)
-        elif FP8:
-            _pipeline_fp8(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
-                          q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
-                          stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, R,
-                          PAGE, BLOCK_H, BLOCK_N, NBUF, STORE_LSE, MAX_Q, REGS_PV, REGS_LOAD, FP8_BITS)
-        else:
-            _pipeline_16bit(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len,
-                            q_lo, q_len, hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h,
-                            stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, qk_scale, LKV, R, PAGE,
-                            BLOCK_H, BLOCK_N, NBUF, STORE_LSE, MAX_Q, REGS_PV, REGS_LOAD)
-
+        _pipeline(Q_NOPE, Q_PE, kv_desc, pe_desc, O, LSE, bt_row, num_blocks, start, end, n_tiles, seq_len, q_lo, q_len,
+                  hb, split, num_heads, stride_q_t, stride_q_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                  stride_o_s, stride_lse_t, stride_lse_h, qk_scale, v_scale, LKV, R, PAGE, BLOCK_H, BLOCK_N, NBUF,
+                  STORE_LSE, MAX_Q, REGS_PV, REGS_LOAD, FP8, FP8_BITS, FP8_QK)
 
 # The descriptors are arguments 2 and 3 (kv_desc, pe_desc): encoded once per descriptor object.
 _LAUNCHER = DescriptorLauncher(_mla_decode_hopper_kernel, HOPPER_CONSTEXPRS, (2, 3)) if gluon_available() else None
