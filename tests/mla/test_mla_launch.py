@@ -377,6 +377,44 @@ def test_one_plan_serves_several_caches():
     assert not torch.equal(outs[0], outs[1])
 
 
+def test_pointer_fallback_is_kept_per_cache_and_leaves_the_plan_alone(monkeypatch):
+    """A TMA plan over a cache whose pages are not contiguous rows (a slice of wider rows): the portable kernel
+    serves it, planned once for that cache (kept in the cache's state, with planned queries and without), the plan
+    itself unchanged, the numbers those of the TMA kernel over a contiguous copy."""
+    from attnbackends.mla.decode_kernel import MLADecodeConfig
+
+    g = torch.Generator().manual_seed(9)
+    heads, lkv, rope, page, num_blocks = 4, 64, 16, 16, 6
+    q_nope = torch.randn(2, heads, lkv, generator=g).bfloat16()
+    q_pe = torch.randn(2, heads, rope, generator=g).bfloat16()
+    wide = torch.randn(num_blocks, page, lkv + rope + 16, generator=g).bfloat16()
+    strided, contiguous = wide[..., : lkv + rope], wide[..., : lkv + rope].contiguous()
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 23], dtype=torch.int32)
+    out = torch.full((2, heads, lkv), float("nan"), dtype=torch.bfloat16)
+    config = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, use_tma=True)
+    plan = decode_launch.plan_mla_decode(
+        num_tokens=2, num_heads=heads, kv_lora=lkv, rope=rope, page=page, cache_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16, block_table=table, seq_lens=seq_lens, output=out, num_splits=2, config=config,
+        compute_capability=None, kernel="tma")
+    fields = {name: id(value) for name, value in vars(plan).items()}
+    planned = _Counter(decode_launch.plan_mla_decode)
+    monkeypatch.setattr(decode_launch, "plan_mla_decode", planned)
+    state = decode_launch.MLACacheState(strided)
+    assert not state.rows_contiguous
+    keys = (decode_launch.tensor_key(q_nope), decode_launch.tensor_key(q_pe))
+    for q_keys in (keys, (None, None), keys):
+        decode_launch.launch_mla_decode(plan, q_nope, q_pe, state, 0.1, 1.0, *q_keys)
+    assert planned.calls == 1
+    fallback = state.plan_launches(plan).pointer_plan
+    assert fallback.kernel == "pointer" and plan.kernel == "tma"
+    assert {name: id(value) for name, value in vars(plan).items()} == fields
+    got = out.clone()
+    decode_launch.launch_mla_decode(plan, q_nope, q_pe, decode_launch.MLACacheState(contiguous), 0.1, 1.0, *keys)
+    assert planned.calls == 1
+    torch.testing.assert_close(got.float(), out.float(), rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------ the cache write folded into the absorption
 
 
