@@ -352,6 +352,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     device : where the batch tensors live.
     max_num_reqs, max_num_tokens : the largest batch ``build`` accepts (persistent buffers are sized by them: CUDA
         graphs replay on fixed addresses).
+    num_blocks : the KV cache's page count when the engine knows it (``self.num_blocks``; None: not known).
 
     Speculative decoding: a spec with ``num_speculative_tokens = k`` raises this builder's
     ``reorder_batch_threshold`` to ``1 + k`` (an instance attribute set here), so verify requests of up to 1 + k
@@ -405,15 +406,20 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         max_num_reqs: int = 256,
         max_num_tokens: int = 8192,
         debug: bool = False,
+        num_blocks: Optional[int] = None,
     ) -> None:
         for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks must be None or a positive int (the KV cache's pages), got {num_blocks!r}")
         self.spec = spec
         self.device = check_device_available(device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.debug = debug
+        self.num_blocks = num_blocks
         if spec.num_speculative_tokens:
             reasons = self.speculative_reasons(spec)
             if reasons:

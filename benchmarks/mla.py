@@ -48,6 +48,7 @@ from attnbackends.mla.decode_kernel import default_decode_config
 from attnbackends.mla.decode_launch import (
     launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode, launch_mla_up_projection,
 )
+from attnbackends.mla.decode_plan import UpProjection
 from attnbackends.mla.prefill import available_prefill_kernels
 from attnbackends.platform import package_available
 from attnbackends.spec import AttentionSpec
@@ -220,15 +221,15 @@ def flashinfer_raw(step: Step) -> Callable[[], Any]:
 
 def triton_kernel_only(impl, meta, step: Step) -> Callable[[], Any]:
     """Our decode launch alone (the planned launch over the absorbed queries already in the plan's buffer)."""
-    extra = meta.decode.extra
+    plan = meta.decode.plan
     at = [0]
     q_pe = step.q[..., P:]
 
     def run():
         cache = step.caches[at[0] % step.layers]
         at[0] += 1
-        launch_mla_decode(extra["plan"], extra["ql_t"], q_pe, impl._caches.get(cache), impl._qk_scale_log2,
-                          impl._v_scale, extra["ql_key"])
+        launch_mla_decode(plan.launch, plan.ql_t, q_pe, impl._caches.get(cache), impl._qk_scale_log2,
+                          impl._v_scale, plan.ql_key)
 
     return run
 
@@ -377,32 +378,34 @@ def run_host_parts(rows: list, log) -> None:
     _, meta, impl, forward = backend_calls(TritonMLABackend, step)
     forward()
     cache = step.caches[0]
-    extra = meta.decode.extra
+    step_plan = meta.decode.plan
     q, out = step.q, step.out
-    plan, ql, ql_t, ql_key, latent = extra["plan"], extra["ql"], extra["ql_t"], extra["ql_key"], extra["latent"]
+    plan, ql, ql_t, ql_key, latent = step_plan.launch, step_plan.ql, step_plan.ql_t, step_plan.ql_key, step_plan.latent
+    absorb = step_plan.absorb_launch
+    up_fused = step_plan.up_projection is UpProjection.FUSED
     state = impl._caches.get(cache)
     qs_t, qs_n, qs_d = q.stride()
     os_t, os_n, os_d = out.stride()
-    q_pe = lambda: q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q.storage_offset() + P * qs_d)  # noqa: E731
-    up_out = lambda: out.as_strided(extra["out_nt"], (os_n, os_t, os_d), out.storage_offset())  # noqa: E731
+    q_pe = lambda: q.as_strided(step_plan.q_pe_view, (qs_t, qs_n, qs_d), q.storage_offset() + P * qs_d)  # noqa: E731
+    up_out = lambda: out.as_strided(step_plan.out_view, (os_n, os_t, os_d), out.storage_offset())  # noqa: E731
     parts = {
         "forward": forward,
         "check_inputs": lambda: impl.check_inputs(step.q, step.kv_c, step.k_pe, cache, meta, step.out),
         "cache_write": lambda: impl.update_kv_cache(step.kv_c, step.k_pe, cache, meta.slot_mapping),
     }
-    if meta.decode.writes_cache:
+    if step_plan.writes_cache:
         parts["absorb_write_launch"] = lambda: launch_mla_absorb_and_write(
-            extra["absorb"], q, impl.W_UK_T, impl._w_uk_state, step.kv_c, step.k_pe, state, impl.k_scale)
-    if extra["absorb"] is not None:
-        parts["absorb_launch"] = lambda: launch_mla_absorb(extra["absorb"], q, impl.W_UK_T, impl._w_uk_state)
-        parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, extra["q_pe"], state, impl._qk_scale_log2,
-                                                           impl._v_scale, ql_key, extra["q_pe_key"])
+            absorb, q, impl.W_UK_T, impl._w_uk_state, step.kv_c, step.k_pe, state, impl.k_scale)
+    if absorb is not None:
+        parts["absorb_launch"] = lambda: launch_mla_absorb(absorb, q, impl.W_UK_T, impl._w_uk_state)
+        parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, step_plan.q_pe, state, impl._qk_scale_log2,
+                                                           impl._v_scale, ql_key, step_plan.q_pe_key)
     else:
         parts["absorb_bmm"] = lambda: torch.bmm(
-            q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q.storage_offset()), impl.W_UK_T, out=ql)
+            q.as_strided(step_plan.q_nope_view, (qs_n, qs_t, qs_d), q.storage_offset()), impl.W_UK_T, out=ql)
         parts["decode_launch"] = lambda: launch_mla_decode(plan, ql_t, q_pe(), state, impl._qk_scale_log2,
                                                            impl._v_scale, ql_key)
-    if extra["up_fused"]:
+    if up_fused:
         parts["reduce_up_launch"] = lambda: launch_mla_up_projection(plan, impl.W_UV, impl._w_uv_state, out)
     else:
         parts["up_bmm"] = lambda: torch.bmm(latent, impl.W_UV, out=up_out())
@@ -413,8 +416,8 @@ def run_host_parts(rows: list, log) -> None:
         "empty_torch_op": lambda: q[:, :, :P],
     })
     row = {"case": "mla_host_parts", "backend": "triton_mla", "peer": None, "B": batch, "L": seq_len, "H": H,
-           "splits": plan.num_splits, "kernel": plan.kernel, "up_fused": extra["up_fused"],
-           "triton_absorb": extra["absorb"] is not None, "write_folded": meta.decode.writes_cache}
+           "splits": plan.num_splits, "kernel": plan.kernel, "up_fused": up_fused,
+           "triton_absorb": absorb is not None, "write_folded": step_plan.writes_cache}
     for name, fn in parts.items():
         row[name] = _r(_try(log, f"host part {name}", lambda: host_time(fn, calls=100)))
     rows.append(row)

@@ -3,7 +3,8 @@ BatchMLAPagedAttentionWrapper). Both share the prefill path of :class:`~attnback
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -18,12 +19,17 @@ from ..platform import DeviceInfo, is_triton_interpreted
 from ..spec import AttentionSpec
 from ..ops.mla_cache import MLA_KV_CACHE_LAYOUT, mla_kv_cache_shape
 from .common import MLADecodeMetadata, MLAImpl, MLAMetadataBuilder
+from .decode_plan import (
+    Absorption, DecodePlanKey, FlashInferMLADecodePlan, HeadMajor, PreparedStep, TensorFacts, TokenMajor,
+    TritonMLADecodePlan, UpProjection,
+)
 from .decode_hopper import hopper_reason
 from ..ops.quant import FP8_DTYPES
 from .decode_kernel import MLADecodeConfig, choose_num_splits, default_decode_config
 from .decode_launch import (
-    LOG2E, CacheStates, launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode, launch_mla_up_projection,
-    plan_mla_absorb, plan_mla_decode, prepared_decode_launches, tensor_key, weight_launch_state,
+    LOG2E, CacheStates, MLACacheState, launch_mla_absorb, launch_mla_absorb_and_write, launch_mla_decode,
+    launch_mla_up_projection, plan_mla_absorb, plan_mla_decode, prepared_decode_launches, tensor_key,
+    weight_launch_state,
 )
 
 __all__ = [
@@ -49,33 +55,32 @@ class _MLABackendBase(AttentionBackend):
 # ---------------------------------------------------------------------------------------------------- triton_mla
 
 
-def _buffer_facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
-    """What a decode plan takes of a metadata tensor: its address, shape, strides and dtype (the kernels read its
-    values on the device, at launch time)."""
-    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
-
-
 class TritonMLAMetadataBuilder(MLAMetadataBuilder):
-    """Plans the decode once per batch for every layer (:func:`~attnbackends.mla.decode_launch.plan_mla_decode`:
-    the kernel, the KV split count from host data only, grid, constexprs) over views of the builder's persistent
-    decode buffers, shared by every layer of a batch: the absorbed queries and the latent output ([N, T, Lkv] each,
-    the layouts the absorption and up-projection matmuls write and read without copies) and the split-KV partials.
+    """Plans the decode once per batch for every layer, as a
+    :class:`~attnbackends.mla.decode_plan.TritonMLADecodePlan` (``metadata.decode.plan``): the decode kernel's
+    launch (:func:`~attnbackends.mla.decode_launch.plan_mla_decode`: the kernel, the KV split count from host data
+    only, grid, constexprs) over views of the builder's persistent decode buffers, shared by every layer of a batch:
+    the absorbed queries and the latent output ([N, T, Lkv] each, the layouts the absorption and up-projection
+    matmuls write and read without copies) and the split-KV partials. A plan is kept for later batches under its
+    :class:`~attnbackends.mla.decode_plan.DecodePlanKey` (whose docstring says when it is stale), so an engine that
+    reuses its metadata buffers plans each batch shape once.
 
-    The query absorption (q_nope -> Lkv per head) is planned here (``absorb``): "triton" runs it as one cached
-    Triton launch (:func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel`) that also copies the rotary
-    queries into a planned buffer, "bmm" as ``torch.bmm``; "auto" takes Triton for at most
-    :attr:`TRITON_ABSORB_MAX_TOKENS` decode tokens (cuBLAS for more). In a decode-only batch the Triton absorption's
-    launch also writes the new tokens into the latent cache (``decode.writes_cache``,
-    :func:`~attnbackends.mla.decode_launch.launch_mla_absorb_and_write`), so ``forward`` issues no separate
-    cache-write launch; batches with prefills, and the bmm absorption, write through ``update_kv_cache``.
+    The query absorption (q_nope -> Lkv per head) is planned here (``absorb``; the plan's ``absorption`` and
+    ``absorption_reason``): "triton" runs it as one cached Triton launch
+    (:func:`~attnbackends.mla.projection_kernels._mla_absorb_kernel`) that also copies the rotary queries into a
+    planned buffer, "bmm" as ``torch.bmm``; "auto" takes Triton for at most :attr:`TRITON_ABSORB_MAX_TOKENS` decode
+    tokens (cuBLAS for more). In a decode-only batch the Triton absorption's launch also writes the new tokens into
+    the latent cache (the plan's ``writes_cache``, :func:`~attnbackends.mla.decode_launch.launch_mla_absorb_and_write`),
+    so ``forward`` issues no separate cache-write launch; batches with prefills, and the bmm absorption, write
+    through ``update_kv_cache``.
 
-    The up-projection (latent -> V per head) is planned here too (``up_projection``): "fused" runs it as one Triton
-    launch that also merges the KV splits (:mod:`~attnbackends.mla.projection_kernels`), "bmm" as the split
-    reduction's launch (if any) then ``torch.bmm``; "auto" fuses split decodes of at most
-    :attr:`FUSED_SPLIT_MAX_TOKENS` query tokens and unsplit decodes of at most :attr:`FUSED_UP_MAX_TOKENS` (a few
-    host microseconds per torch op and cuBLAS call saved). The fused kernel merges a program's tokens one after
-    another (a head and a block of tokens per program), so a split decode of several tokens runs faster as the
-    parallel reduction and a cuBLAS matmul.
+    The up-projection (latent -> V per head) is planned here too (``up_projection``; the plan's ``up_projection``
+    and ``up_projection_reason``): "fused" runs it as one Triton launch that also merges the KV splits
+    (:mod:`~attnbackends.mla.projection_kernels`), "bmm" as the split reduction's launch (if any) then
+    ``torch.bmm``; "auto" fuses split decodes of at most :attr:`FUSED_SPLIT_MAX_TOKENS` query tokens and unsplit
+    decodes of at most :attr:`FUSED_UP_MAX_TOKENS` (a few host microseconds per torch op and cuBLAS call saved).
+    The fused kernel merges a program's tokens one after another (a head and a block of tokens per program), so a
+    split decode of several tokens runs faster as the parallel reduction and a cuBLAS matmul.
 
     Speculative decoding: decodes of up to ``max_decode_query_len`` tokens (any mix of lengths) run on the decode
     kernel, a request's query tokens x heads as the rows of its programs (the cache is read once per request), with
@@ -110,30 +115,30 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             spec.num_heads, interpreted=is_triton_interpreted())
         self.num_splits = num_splits
         self._decode_buffer = torch.empty(0, dtype=torch.float32, device=self.device)
-        self._kept_plans: dict[tuple, tuple[dict, bool]] = {}
+        self._kept_plans: dict[DecodePlanKey, TritonMLADecodePlan] = {}
 
-    def build_decode(self, decode: MLADecodeMetadata, common) -> None:
+    def build_decode_plan(self, decode: MLADecodeMetadata, common) -> TritonMLADecodePlan:
         spec = self.spec
         splits = self.num_splits or choose_num_splits(
             decode.num_decodes, spec.num_heads * decode.max_query_len, decode.max_seq_len, self.device_info.sm_count,
             self.decode_config,
         )
         decode_only = decode.num_decode_tokens == common.num_actual_tokens
-        inputs = (decode.num_decode_tokens, splits, decode.max_query_len, decode_only,
-                  *map(_buffer_facts, (decode.block_table, decode.seq_lens, decode.query_start_loc,
-                                       decode.tree_mask, decode.tree_indptr,
-                                       common.slot_mapping if decode_only else None)))
-        kept = self._kept_plans.get(inputs)
-        if kept is None:
-            kept = self._plan_decode(decode, common, splits, decode_only)
+        facts = TensorFacts.of
+        key = DecodePlanKey(decode.num_decode_tokens, splits, decode.max_query_len, decode_only,
+                            facts(decode.block_table), facts(decode.seq_lens), facts(decode.query_start_loc),
+                            facts(decode.tree_mask), facts(decode.tree_indptr),
+                            facts(common.slot_mapping) if decode_only else None)
+        plan = self._kept_plans.get(key)
+        if plan is None:
+            plan = self._plan_decode(decode, common, splits, decode_only)
             if len(self._kept_plans) >= self.KEPT_PLANS:
                 self._kept_plans.pop(next(iter(self._kept_plans)))
-            self._kept_plans[inputs] = kept
-        decode.extra.update(kept[0])
-        decode.writes_cache = kept[1]
+            self._kept_plans[key] = plan
+        return plan
 
-    def _plan_decode(self, decode: MLADecodeMetadata, common, splits: int, decode_only: bool) -> tuple[dict, bool]:
-        """(the decode's planned ``extra`` fields, whether its launches write the cache) for this batch."""
+    def _plan_decode(self, decode: MLADecodeMetadata, common, splits: int, decode_only: bool) -> TritonMLADecodePlan:
+        """This batch's decode plan (see the class docstring)."""
         spec = self.spec
         t, n, lkv = decode.num_decode_tokens, spec.num_heads, spec.kv_lora_rank
         p, r, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
@@ -154,53 +159,82 @@ class TritonMLAMetadataBuilder(MLAMetadataBuilder):
             at = 2 * part16 + pe16
             partials = (buf[at: at + t * n * splits * lkv].view(t, n, splits, lkv),
                         buf[at + t * n * splits * lkv: at + part_elems].view(t, n, splits))
-        plan = plan_mla_decode(
+        up_projection, up_reason = self._up_projection(splits, t)
+        absorption, absorb_reason = self._absorption(t)
+        launch = plan_mla_decode(
             num_tokens=t, num_heads=n, kv_lora=lkv, rope=spec.qk_rope_head_dim, page=spec.block_size,
             cache_dtype=spec.kv_cache_torch_dtype, q_dtype=spec.torch_dtype, block_table=decode.block_table,
             seq_lens=decode.seq_lens, output=latent.transpose(0, 1), num_splits=splits, config=self.decode_config,
             compute_capability=self.device_info.compute_capability, partials=partials,
             query_start_loc=decode.query_start_loc, max_query_len=decode.max_query_len, tree_mask=decode.tree_mask,
-            tree_indptr=decode.tree_indptr, fuse_up_projection=self._fuse_up(splits, t), v_dim=spec.v_head_dim,
+            tree_indptr=decode.tree_indptr, fuse_up_projection=up_projection is UpProjection.FUSED,
+            v_dim=spec.v_head_dim,
         )
         ql_t = ql.transpose(0, 1)
         # the Triton absorption writes ql and a copy of the rotary queries: the decode launch reads planned buffers;
         # in a decode-only batch its launch writes the new tokens into the cache too
-        absorb = None
-        if self._triton_absorb(t):
-            absorb = plan_mla_absorb(num_tokens=t, num_heads=n, nope=p, rope=r, kv_lora=lkv, ql=ql_t, q_pe=q_pe,
-                                     slot_mapping=common.slot_mapping if decode_only else None)
-        # the per-call views of q and output, as (size, dim order): one as_strided each, whatever rows they have
-        return dict(plan=plan, num_splits=splits, config=self.decode_config, ql=ql, ql_t=ql_t,
-                    ql_key=tensor_key(ql_t), latent=latent, q_nope_nt=(n, t, p), q_pe_tn=(t, n, r),
-                    out_nt=(n, t, v), up_fused=plan.up_grid is not None, absorb=absorb, q_pe=q_pe,
-                    q_pe_key=tensor_key(q_pe)), absorb is not None and decode_only
+        absorb_launch = None
+        if absorption is Absorption.TRITON:
+            absorb_launch = plan_mla_absorb(num_tokens=t, num_heads=n, nope=p, rope=r, kv_lora=lkv, ql=ql_t,
+                                            q_pe=q_pe, slot_mapping=common.slot_mapping if decode_only else None)
+        # the views of the call's q and output the matmuls need are one as_strided each, whatever rows they have
+        return TritonMLADecodePlan(
+            writes_cache=absorb_launch is not None and decode_only, num_splits=splits, launch=launch,
+            absorption=absorption, absorption_reason=absorb_reason, absorb_launch=absorb_launch,
+            up_projection=up_projection, up_projection_reason=up_reason, ql=ql, ql_t=ql_t, ql_key=tensor_key(ql_t),
+            q_pe=q_pe, q_pe_key=tensor_key(q_pe), latent=latent, q_nope_view=HeadMajor(n, t, p),
+            q_pe_view=TokenMajor(t, n, r), out_view=HeadMajor(n, t, v),
+        )
 
-    def _triton_absorb(self, num_tokens: int) -> bool:
-        """Whether the query absorption is the Triton launch (see the class docstring)."""
+    def _absorption(self, num_tokens: int) -> tuple[Absorption, str]:
+        """How the query absorption runs, and why (see the class docstring)."""
         if self.absorb != "auto":
-            return self.absorb == "triton"
-        return num_tokens <= self.TRITON_ABSORB_MAX_TOKENS
+            return Absorption(self.absorb), f"absorb={self.absorb!r}"
+        limit = self.TRITON_ABSORB_MAX_TOKENS
+        if num_tokens <= limit:
+            return Absorption.TRITON, f"auto: {num_tokens} decode tokens <= TRITON_ABSORB_MAX_TOKENS ({limit})"
+        return Absorption.BMM, f"auto: {num_tokens} decode tokens > TRITON_ABSORB_MAX_TOKENS ({limit})"
 
-    def _fuse_up(self, splits: int, num_tokens: int) -> bool:
-        """Whether the decode's up-projection is the fused Triton launch (see the class docstring)."""
+    def _up_projection(self, splits: int, num_tokens: int) -> tuple[UpProjection, str]:
+        """How the decode's up-projection runs, and why (see the class docstring)."""
         if self.up_projection != "auto":
-            return self.up_projection == "fused"
-        return num_tokens <= (self.FUSED_SPLIT_MAX_TOKENS if splits > 1 else self.FUSED_UP_MAX_TOKENS)
+            return UpProjection(self.up_projection), f"up_projection={self.up_projection!r}"
+        if splits > 1:
+            name, limit, what = "FUSED_SPLIT_MAX_TOKENS", self.FUSED_SPLIT_MAX_TOKENS, f"{splits} KV splits"
+        else:
+            name, limit, what = "FUSED_UP_MAX_TOKENS", self.FUSED_UP_MAX_TOKENS, "one KV split"
+        if num_tokens <= limit:
+            return UpProjection.FUSED, f"auto: {num_tokens} query tokens <= {name} ({limit}) with {what}"
+        return UpProjection.BMM, f"auto: {num_tokens} query tokens > {name} ({limit}) with {what}"
+
+
+class KeptLaunches(NamedTuple):
+    """What a :class:`TritonMLAImpl` keeps per (plan, cache tensor, call size) slot: the cache tensor (held, so the
+    ``id`` its slot names it by stays its own) and its launch state, the input layout ``check_inputs`` recorded when
+    they were launched, and the launches prepared for 16-byte aligned call tensors (None: not prepared)."""
+
+    kv_cache: torch.Tensor
+    cache: MLACacheState
+    input_layout: Optional[tuple]
+    steps: Optional[tuple[PreparedStep, ...]]
 
 
 class TritonMLAImpl(MLAImpl):
-    """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`: per decode, the absorption
-    (the planned Triton launch, which in a decode-only batch also writes the new tokens into the cache, or a matmul)
-    into the planned query buffer, the planned decode launch (its TMA descriptors built once per cache), the
-    up-projection straight into ``output``: the planned fused launch (split reduction + per-head matmul) or, where
-    the builder planned none, the split reduction (inside the decode launch) and a batched matmul.
+    """MLA with the split-KV decode kernels of :mod:`~attnbackends.mla.decode_launch`, running the builder's
+    :class:`~attnbackends.mla.decode_plan.TritonMLADecodePlan`: per decode, the absorption (the planned Triton
+    launch, which in a decode-only batch also writes the new tokens into the cache, or a matmul) into the planned
+    query buffer, the planned decode launch (its TMA descriptors built once per cache), the up-projection straight
+    into ``output``: the planned fused launch (split reduction + per-head matmul) or, where the builder planned
+    none, the split reduction (inside the decode launch) and a batched matmul.
 
     Where every one of those is a Triton launch, the second forward of a plan over a cache prepares them
     (:meth:`~attnbackends.ops.launch.DescriptorLauncher.prepare`), and later forwards whose tensors have the same
     layout (shapes, strides, dtypes: the layout ``check_inputs`` recorded) and 16-byte aligned addresses launch
     them back to back with only the call's tensors' addresses passed
-    (:func:`~attnbackends.ops.launch.launch_prepared_sequence`). A builder keeps the plan of a batch whose metadata
-    tensors an engine reuses (its persistent input buffers), so steady-state decode steps take this path.
+    (:func:`~attnbackends.ops.launch.launch_prepared_sequence`, one :class:`~attnbackends.mla.decode_plan.PreparedStep`
+    per launch). They are kept per (plan, cache tensor, call size) (:class:`KeptLaunches`); a builder keeps the plan
+    of a batch whose metadata tensors an engine reuses (its persistent input buffers), so steady-state decode steps
+    take this path.
     """
 
     #: (plan, cache) pairs whose launches an impl keeps prepared (all dropped when full).
@@ -215,9 +249,9 @@ class TritonMLAImpl(MLAImpl):
         self._nope = spec.qk_nope_head_dim
         self._w_uv_state: Optional[tuple] = None
         self._w_uk_state: Optional[tuple] = None
-        # per (plan, cache tensor, call size): ((plan, cache tensor, its state), the input layout they were launched
-        # under (check_inputs), the launches prepared for 16-byte aligned call tensors, or None)
-        self._kept_launches: dict[tuple, tuple] = {}
+        # slot (the plan itself, id(cache tensor), call size) -> what was launched there: the plan compares by
+        # identity and the cache tensor is held by the entry, so neither can stand for another object while kept
+        self._kept_launches: dict[tuple[TritonMLADecodePlan, int, int], KeptLaunches] = {}
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()
@@ -234,10 +268,9 @@ class TritonMLAImpl(MLAImpl):
         # q [>= T, N, P + R] and output [>= T, N, V] as the caller passed them (new_tokens' kv_c and k_pe too): the
         # Triton launches read them through their strides (the first T rows); each view the matmuls need is one
         # as_strided over the planned sizes (it slices the first T rows and transposes in one torch op)
-        extra = decode.extra
+        plan: TritonMLADecodePlan = decode.plan
         if self._w_uv_state is None:  # the weights were set without process_weights_after_loading
             self._weights_launch_state()
-        plan = extra["plan"]
         # the call's tensors by address: (q, output) or (q, kv_c, k_pe, output)
         if new_tokens is None:
             call = (q.data_ptr(), output.data_ptr())
@@ -245,62 +278,64 @@ class TritonMLAImpl(MLAImpl):
         else:
             call = (q.data_ptr(), new_tokens[0].data_ptr(), new_tokens[1].data_ptr(), output.data_ptr())
             aligned = not (call[0] | call[1] | call[2] | call[3]) & 15
-        slot = (id(plan), id(kv_cache), len(call))
+        slot = (plan, id(kv_cache), len(call))
         kept = self._kept_launches.get(slot)
         # check_inputs records a new layout object whenever the call's tensors change shape, strides or dtype
-        if (kept is not None and kept[2] is not None and kept[1] is self._input_layout and aligned
-                and launch_prepared_sequence(kept[2], call)):
+        if (kept is not None and kept.steps is not None and kept.input_layout is self._input_layout and aligned
+                and launch_prepared_sequence(kept.steps, call)):
             return
         cache = self._caches.get(kv_cache)
-        launches = self._launch_decode(q, cache, extra, output, new_tokens, prepare=kept is not None and aligned)
-        if kept is None or launches is not None:
+        steps = self._launch_decode(q, cache, plan, output, new_tokens, prepare=kept is not None and aligned)
+        if kept is None or steps is not None:
             if len(self._kept_launches) >= self.KEPT_LAUNCHES:
                 self._kept_launches.clear()
-            self._kept_launches[slot] = ((plan, kv_cache, cache), self._input_layout, launches)
+            self._kept_launches[slot] = KeptLaunches(kv_cache, cache, self._input_layout, steps)
 
-    def _launch_decode(self, q, cache, extra, output, new_tokens, prepare: bool) -> Optional[tuple]:
+    def _launch_decode(self, q, cache: MLACacheState, plan: TritonMLADecodePlan, output, new_tokens,
+                       prepare: bool) -> Optional[tuple[PreparedStep, ...]]:
         """The decode's launches (see the class docstring); with ``prepare``, returns them prepared as
         :func:`~attnbackends.ops.launch.launch_prepared_sequence` takes them for the call (q, output) or
         (q, kv_c, k_pe, output), or None where one of them cannot be (a matmul, the interpreter)."""
-        absorb, plan = extra["absorb"], extra["plan"]
-        launches: Optional[list] = []
+        absorb, launch = plan.absorb_launch, plan.launch
+        steps: Optional[list[PreparedStep]] = []
         if new_tokens is not None:  # the builder planned the write into the absorption's launch
-            launches.append((launch_mla_absorb_and_write(absorb, q, self.W_UK_T, self._w_uk_state, new_tokens[0],
-                                                         new_tokens[1], cache, self.k_scale, prepare),
-                             absorb.write_grid, 0, 3))
-            q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
+            steps.append(PreparedStep(
+                launch_mla_absorb_and_write(absorb, q, self.W_UK_T, self._w_uk_state, new_tokens[0], new_tokens[1],
+                                            cache, self.k_scale, prepare),
+                absorb.write_grid, 0, 3))
+            q_pe, q_pe_key = plan.q_pe, plan.q_pe_key
         elif absorb is not None:
-            launches.append((launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state, prepare), absorb.grid, 0, 1))
-            q_pe, q_pe_key = extra["q_pe"], extra["q_pe_key"]
+            steps.append(PreparedStep(launch_mla_absorb(absorb, q, self.W_UK_T, self._w_uk_state, prepare),
+                                      absorb.grid, 0, 1))
+            q_pe, q_pe_key = plan.q_pe, plan.q_pe_key
         else:
             qs_t, qs_n, qs_d = q.stride()
             q_at = q.storage_offset()
             # [N, T, P] @ [N, P, Lkv] -> the planned [N, T, Lkv] buffer
-            torch.bmm(q.as_strided(extra["q_nope_nt"], (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=extra["ql"])
-            q_pe, q_pe_key = q.as_strided(extra["q_pe_tn"], (qs_t, qs_n, qs_d), q_at + self._nope * qs_d), None
-            launches = None
-        launch_mla_decode(plan, extra["ql_t"], q_pe, cache, self._qk_scale_log2, self._v_scale, extra["ql_key"],
-                          q_pe_key)
-        if launches is not None:
-            decode_launches = prepared_decode_launches(plan, cache)
+            torch.bmm(q.as_strided(plan.q_nope_view, (qs_n, qs_t, qs_d), q_at), self.W_UK_T, out=plan.ql)
+            q_pe, q_pe_key = q.as_strided(plan.q_pe_view, (qs_t, qs_n, qs_d), q_at + self._nope * qs_d), None
+            steps = None
+        launch_mla_decode(launch, plan.ql_t, q_pe, cache, self._qk_scale_log2, self._v_scale, plan.ql_key, q_pe_key)
+        if steps is not None:
+            decode_launches = prepared_decode_launches(launch, cache)
             if decode_launches is None:
-                launches = None
+                steps = None
             else:
-                launches += [(p, grid, 0, 0) for p, grid in decode_launches]
-        if extra["up_fused"]:
-            up = launch_mla_up_projection(plan, self.W_UV, self._w_uv_state, output, prepare)
-            if launches is not None:
+                steps += [PreparedStep(p, grid, 0, 0) for p, grid in decode_launches]
+        if plan.up_projection is UpProjection.FUSED:
+            up = launch_mla_up_projection(launch, self.W_UV, self._w_uv_state, output, prepare)
+            if steps is not None:
                 last = 2 if new_tokens is None else 4
-                launches.append((up, plan.up_grid, last - 1, last))
+                steps.append(PreparedStep(up, launch.up_grid, last - 1, last))
         else:
             # [N, T, Lkv] @ [N, Lkv, V] -> [N, T, V], written through output's [T, N, V] strides
             os_t, os_n, os_d = output.stride()
-            torch.bmm(extra["latent"], self.W_UV,
-                      out=output.as_strided(extra["out_nt"], (os_n, os_t, os_d), output.storage_offset()))
-            launches = None
-        if not prepare or launches is None or any(launch[0] is None for launch in launches):
+            torch.bmm(plan.latent, self.W_UV,
+                      out=output.as_strided(plan.out_view, (os_n, os_t, os_d), output.storage_offset()))
+            steps = None
+        if not prepare or steps is None or any(step.prepared is None for step in steps):
             return None
-        return tuple(launches)
+        return tuple(steps)
 
 
 class TritonMLABackend(_MLABackendBase):
@@ -358,7 +393,13 @@ class TritonMLABackend(_MLABackendBase):
 
 
 class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
-    """Plans FlashInfer's MLA wrapper for the decode requests (once per batch, on the host).
+    """Plans FlashInfer's MLA wrapper for the decode requests (once per batch, on the host), carried as a
+    :class:`~attnbackends.mla.decode_plan.FlashInferMLADecodePlan` (``metadata.decode.plan``).
+
+    Page ids gathered from a device-only block table (no host copy: the page guard checks it on the device, after
+    the fact) are contained to the cache's pages before ``plan()`` where the builder knows them (``num_blocks``, a
+    base-class parameter); otherwise the plan marks them ``unchecked`` and ``forward`` contains them to its cache's
+    size (once per plan and cache size) before ``run()``.
 
     Speculative decoding: decodes of several tokens are planned causal (``qo_indptr`` per request, FlashInfer aligns
     the queries with the last keys). Tree verification is not offered: the MLA wrapper's plan() takes no custom mask.
@@ -389,17 +430,20 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
             self._wrapper = mla_paged_wrapper(import_flashinfer(), self.device, self.flashinfer_backend)
         return self._wrapper
 
-    def build_decode(self, decode: MLADecodeMetadata, common) -> None:
+    def build_decode_plan(self, decode: MLADecodeMetadata, common) -> FlashInferMLADecodePlan:
         spec = self.spec
-        # no host table given: the page ids are gathered on the table's device, where the wrapper reads them
+        # no host table given: the page ids are gathered on the table's device, where the wrapper reads them, and
+        # contained there when the cache size is known (a host table is checked before any kernel runs)
+        contain = not has_host_table(common)
+        bound = self.num_blocks if contain else None
         inputs = paged_kv_plan_inputs(decode.query_start_loc_cpu, decode.seq_lens_cpu, decode.block_table,
-                                      spec.block_size, pin_memory=self._pin, max_seq_len=decode.max_seq_len)
-        kv_indices = inputs.kv_indices
+                                      spec.block_size, pin_memory=self._pin, max_seq_len=decode.max_seq_len,
+                                      num_blocks=bound)
         with planning(self.wrapper):
             self.wrapper.plan(
                 inputs.qo_indptr,
                 inputs.kv_indptr,
-                kv_indices,
+                inputs.kv_indices,
                 decode.seq_lens_cpu.to(torch.int32),
                 spec.num_heads,
                 spec.kv_lora_rank,
@@ -410,36 +454,52 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
                 spec.torch_dtype,
                 spec.kv_cache_torch_dtype,
             )
-        decode.extra["wrapper"] = self.wrapper
-        if not has_host_table(common):
-            # gathered from a device-only table before the cache size is known: the first layer contains them
-            decode.extra["unchecked_page_ids"] = kv_indices
+        return FlashInferMLADecodePlan(wrapper=self.wrapper, page_ids=inputs.kv_indices, page_ids_bound=bound,
+                                       unchecked=contain and bound is None)
 
 
-def _contain_planned_page_ids(page_ids: torch.Tensor, num_blocks: int) -> None:
-    """Make the planned wrapper read no page outside the cache's ``num_blocks``: contain ``page_ids`` (the device
-    kv_indices given to ``plan()``) in place where FlashInfer is known to read that very tensor; elsewhere check them
-    on the host (one sync) and raise the page guard's error (its scan has recorded the bad entry) before ``run()``."""
+#: The cache size each plan's unchecked page ids were last contained to (or checked against) by a forward: held
+#: beside the plans, which forward never changes, and dropped with them.
+_CONTAINED: "weakref.WeakKeyDictionary[FlashInferMLADecodePlan, int]" = weakref.WeakKeyDictionary()
+
+
+def _contain_planned_page_ids(plan: FlashInferMLADecodePlan, num_blocks: int) -> None:
+    """Make the planned wrapper read no page outside the cache's ``num_blocks``: contain ``plan.page_ids`` (the
+    device kv_indices given to ``plan()``) in place where FlashInfer is known to read that very tensor; elsewhere
+    check them on the host (one sync) and raise the page guard's error (its scan has recorded the bad entry) before
+    ``run()``. Once per plan and cache size: ids within a cache's pages are within any larger cache's."""
+    done = _CONTAINED.get(plan)
+    if done is not None and done <= num_blocks:
+        return
+    page_ids = plan.page_ids
     reason = surface_unsupported_reason("flashinfer_mla_kv_indices")
     if reason is None:
         contain_page_ids(page_ids, num_blocks)
-        return
-    fallback_reason("flashinfer_mla_kv_indices", reason)
-    if bool(((page_ids < 0) | (page_ids >= num_blocks)).any()):
-        raise_pending_faults(page_ids.device)
-        raise PageTableError(f"a decode request's page id lies outside the KV cache's {num_blocks} pages")
+    else:
+        fallback_reason("flashinfer_mla_kv_indices", reason)
+        if bool(((page_ids < 0) | (page_ids >= num_blocks)).any()):
+            raise_pending_faults(page_ids.device)
+            raise PageTableError(f"a decode request's page id lies outside the KV cache's {num_blocks} pages")
+    _CONTAINED[plan] = num_blocks
 
 
 class FlashInferMLAImpl(MLAImpl):
-    """MLA with FlashInfer's BatchMLAPagedAttentionWrapper for the decode requests."""
+    """MLA with FlashInfer's BatchMLAPagedAttentionWrapper for the decode requests, planned by the builder as a
+    :class:`~attnbackends.mla.decode_plan.FlashInferMLADecodePlan`: ``forward`` contains the plan's unchecked page
+    ids to its cache's size (see :class:`FlashInferMLAMetadataBuilder`), then runs the wrapper."""
 
     def _decode_latent(self, ql, q_pe, kv_cache, decode):
-        unchecked = decode.extra.pop("unchecked_page_ids", None)
-        if unchecked is not None:
-            _contain_planned_page_ids(unchecked, kv_cache.shape[0])
+        plan: FlashInferMLADecodePlan = decode.plan
+        num_blocks = kv_cache.shape[0]
+        if plan.unchecked:
+            _contain_planned_page_ids(plan, num_blocks)
+        elif plan.page_ids_bound is not None and plan.page_ids_bound != num_blocks:
+            raise ValueError(
+                f"this batch's page ids were contained to {plan.page_ids_bound} KV-cache pages (the builder's "
+                f"num_blocks), but this layer's kv_cache has {num_blocks}: give the builder the layers' cache size")
         lkv = self.spec.kv_lora_rank
         out = torch.empty_like(ql)
-        decode.extra["wrapper"].run(ql, q_pe, kv_cache[..., :lkv], kv_cache[..., lkv:], out=out)
+        plan.wrapper.run(ql, q_pe, kv_cache[..., :lkv], kv_cache[..., lkv:], out=out)
         return out
 
 

@@ -19,7 +19,7 @@ The impl contract, :class:`~attnbackends.interface.MLAAttentionImpl`, lives besi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,6 +31,7 @@ from ..ops.quant import FP8_DTYPES, dequantize_from_cache, quantize_for_cache
 from ..platform import DeviceInfo
 from ..spec import AttentionSpec
 from ..ops.mla_cache import concat_and_cache_mla, context_slots, gather_mla_cache
+from .decode_plan import MLADecodeStepPlan
 from .prefill import PrefillKernel, RaggedPlan, get_prefill_kernel, select_prefill_kernel
 
 __all__ = [
@@ -69,9 +70,9 @@ class MLADecodeMetadata:
     (``max_query_len`` the longest, 1 without speculation); tree_mask [sum n_i^2] bool and tree_indptr [B + 1] int32
     are the batch's packed tree mask (:attr:`CommonAttentionMetadata.spec_tree_mask`) when it has one.
 
-    writes_cache : the builder folded the cache write into the decode's launches (decode-only batches of builders
-    that can): a ``forward`` given kv_c_normed and k_pe hands them to the decode instead of calling
-    ``update_kv_cache``.
+    plan : what the builder planned for these requests (:meth:`MLAMetadataBuilder.build_decode_plan`), a subclass
+    of :class:`~attnbackends.mla.decode_plan.MLADecodeStepPlan` per backend (its ``writes_cache`` says whether the
+    decode's first launch writes the new tokens into the cache); None: nothing planned.
     """
 
     num_decodes: int
@@ -85,8 +86,7 @@ class MLADecodeMetadata:
     max_query_len: int = 1
     tree_mask: Optional[torch.Tensor] = None
     tree_indptr: Optional[torch.Tensor] = None
-    writes_cache: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (split count, planned wrappers)
+    plan: Optional[MLADecodeStepPlan] = None
 
 
 @dataclass
@@ -116,7 +116,8 @@ class MLAMetadata:
 
 
 class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
-    """Builds :class:`MLAMetadata`: splits the batch (decodes first), plans the context chunks and the prefill kernel.
+    """Builds :class:`MLAMetadata`: splits the batch (decodes first), plans the context chunks and the prefill kernel,
+    and carries the subclass's plan for the decode requests (:meth:`build_decode_plan`) as ``decode.plan``.
 
     Parameters (beyond the base class)
     ----------
@@ -193,7 +194,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
                 tree_mask=common.spec_tree_mask if tree else None,
                 tree_indptr=common.spec_tree_mask_indptr[: nd + 1] if tree else None,
             )
-            self.build_decode(decode, common)
+            decode.plan = self.build_decode_plan(decode, common)
         if np_:
             prefill = self._build_prefill(common, nd, split.num_prefill_tokens)
         return MLAMetadata(
@@ -205,8 +206,11 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             debug=self.debug,
         )
 
-    def build_decode(self, decode: MLADecodeMetadata, common: CommonAttentionMetadata) -> None:
-        """Hook for backend-specific decode state (stored in ``decode.extra``)."""
+    def build_decode_plan(self, decode: MLADecodeMetadata,
+                          common: CommonAttentionMetadata) -> Optional[MLADecodeStepPlan]:
+        """The backend's plan for the batch's decode requests (``decode``, its ``plan`` not yet set), carried as
+        ``decode.plan``; None: nothing to plan."""
+        return None
 
     def _check_tree(self, common: CommonAttentionMetadata, num_decodes: int) -> None:
         """A tree mask is honoured on the decode path of builders that declare ``supports_tree_mask``: anything else
@@ -293,9 +297,10 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
             self.process_weights_after_loading()
         n_tokens = metadata.num_actual_tokens
         decode = metadata.decode
+        plan = decode.plan if decode is not None else None
         new_tokens = None
         if kv_c_normed is not None:
-            if decode is not None and decode.writes_cache:
+            if plan is not None and plan.writes_cache:
                 # the decode's first launch writes them, reading their first T rows through their strides
                 new_tokens = (kv_c_normed, k_pe)
             else:
@@ -322,12 +327,12 @@ class MLAImpl(MLAAttentionImpl[MLAMetadata]):
         """The decode requests: q [>= T, N, P + R] -> output [>= T, N, V], T = ``decode.num_decode_tokens``, the
         decodes being the first T rows of both (absorbed queries, :meth:`_decode_latent`, the up-projection of the
         latent output). Rows past T are neither read nor written. new_tokens: the batch's new tokens (kv_c
-        [>= T, Lkv] and k_pe [>= T, R], their first T rows), given only where ``decode.writes_cache`` (the decode's
-        first launch writes them into the cache at the batch's slots); impls whose builders never fold the write
-        take none."""
+        [>= T, Lkv] and k_pe [>= T, R], their first T rows), given only where ``decode.plan.writes_cache`` (the
+        decode's first launch writes them into the cache at the batch's slots); impls whose builders never fold the
+        write take none."""
         if new_tokens is not None:
             raise NotImplementedError(f"{type(self).__name__} does not write the cache in its decode launches; its "
-                                      "builder must not set MLADecodeMetadata.writes_cache")
+                                      "builder must not plan writes_cache")
         nd = decode.num_decode_tokens
         if q.shape[0] != nd:
             q = q[:nd]

@@ -10,7 +10,8 @@ the layer's W_UV and the call's output. :func:`plan_mla_absorb` plans the query 
 decode-only batch the same launch writing the batch's new tokens into the cache
 (:func:`launch_mla_absorb_and_write`: one launch instead of the cache write's and the absorption's).
 :class:`MLACacheState` holds what depends on one cache tensor only (its TMA descriptors, its page count, its part
-of the key, what a launch that writes into it needs), built once per cache.
+of the key, what a launch that writes into it needs), built once per cache, and what a plan's launches over that
+cache have worked out (their arguments, their prepared launches): a plan is not changed after planning.
 :func:`launch_mla_decode` then adds the queries and launches through the kernels' cached launchers
 (:class:`~attnbackends.ops.launch.DescriptorLauncher`): no argument binding, no descriptor encoding, no decisions.
 
@@ -109,14 +110,36 @@ def choose_decode_kernel(*, num_heads: int, kv_lora: int, rope: int, page: int, 
     return "pointer"
 
 
+class _PlanLaunches:
+    """What :func:`launch_mla_decode` keeps for one plan over one cache (:meth:`MLACacheState.plan_launches`): the
+    portable-kernel fallback plan (planned once, where the cache's pages are not contiguous rows); the decode
+    launch worked out for planned query buffers (launcher, key, arguments, plan), with the buffers and scales it was
+    worked out for, and its prepared launch; the split reduction's prepared launch."""
+
+    __slots__ = ("pointer_plan", "q_nope", "q_pe", "scales", "launch", "prepared", "reduce_prepared")
+
+    def __init__(self) -> None:
+        self.pointer_plan: Optional["MLADecodePlan"] = None
+        self.q_nope: Optional[torch.Tensor] = None
+        self.q_pe: Optional[torch.Tensor] = None
+        self.scales: Optional[tuple[float, float]] = None
+        self.launch: Optional[tuple] = None
+        self.prepared: Optional[PreparedLaunch] = None
+        self.reduce_prepared: Optional[PreparedLaunch] = None
+
+
 class MLACacheState:
     """What the decode launch needs of one latent cache [num_blocks, block_size, Lkv + R], built once per cache:
     its page count and strides, whether its pages are contiguous rows (the TMA kernels read them so), its TMA
-    descriptors (per kernel and tile), and its part of the compiled-kernel key; and what a launch that writes new
-    tokens into it needs (:meth:`writer`)."""
+    descriptors (per kernel and tile), and its part of the compiled-kernel key; what a launch that writes new
+    tokens into it needs (:meth:`writer`); and what each plan's launches over it have worked out
+    (:meth:`plan_launches`)."""
 
     __slots__ = ("cache", "num_blocks", "stride_blk", "stride_tok", "rows_contiguous", "key", "_descriptors",
-                 "_writer", "__weakref__")
+                 "_writer", "_plans", "__weakref__")
+
+    #: Plans whose launches over this cache are kept worked out (all dropped when full).
+    KEPT_PLANS = 64
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
         num_blocks, page, width = kv_cache.shape
@@ -128,6 +151,16 @@ class MLACacheState:
                     _int_key(num_blocks))
         self._descriptors: dict[tuple, Any] = {}
         self._writer: Optional[tuple] = None
+        self._plans: dict[MLADecodePlan, _PlanLaunches] = {}  # held by the key: a plan compares by identity
+
+    def plan_launches(self, plan: "MLADecodePlan") -> _PlanLaunches:
+        """What ``plan``'s launches over this cache have worked out (empty on first use)."""
+        kept = self._plans.get(plan)
+        if kept is None:
+            if len(self._plans) >= self.KEPT_PLANS:
+                self._plans.clear()
+            kept = self._plans[plan] = _PlanLaunches()
+        return kept
 
     def writer(self) -> tuple:
         """(key, args, constexprs) of this cache in a launch that writes new tokens into it
@@ -184,9 +217,10 @@ class CacheStates:
         return state
 
 
-@dataclass
+@dataclass(eq=False)
 class MLADecodePlan:
-    """One batch's decode launch (see the module docstring). Made by :func:`plan_mla_decode`.
+    """One batch's decode launch (see the module docstring). Made by :func:`plan_mla_decode`, not changed after it
+    (what launching it over a cache works out is kept in that cache's :class:`MLACacheState`); compares by identity.
 
     Attributes
     ----------
@@ -232,10 +266,6 @@ class MLADecodePlan:
     up_key: tuple = ()
     up_num_warps: int = 4
     replan: dict = field(default_factory=dict, repr=False)  # plan_mla_decode's arguments (for the fallback)
-    _pointer_plan: Optional["MLADecodePlan"] = field(default=None, repr=False)
-    # launches whose queries are planned buffers too, per cache: [cache, q_nope, q_pe, scales, launch, prepared]
-    _launches: dict = field(default_factory=dict, repr=False)
-    _reduce_prepared: Any = field(default=None, repr=False)  # the split reduction's PreparedLaunch
 
     @property
     def is_noop(self) -> bool:
@@ -477,13 +507,15 @@ def launch_mla_absorb_and_write(plan: MLAAbsorbPlan, q: torch.Tensor, w_uk_t: to
     return _ABSORB_WRITE.prepare(key, args, constexprs, 3) if prepare else None
 
 
-def _pointer_fallback(plan: MLADecodePlan) -> MLADecodePlan:
-    """The same batch on the portable kernel (a cache whose pages are not contiguous rows), planned once."""
-    if plan._pointer_plan is None:
+def _pointer_fallback(plan: MLADecodePlan, cache: MLACacheState) -> MLADecodePlan:
+    """The same batch on the portable kernel (a cache whose pages are not contiguous rows), planned once per
+    cache."""
+    kept = cache.plan_launches(plan)
+    if kept.pointer_plan is None:
         logger.info("MLA decode: the cache's pages are not contiguous rows; the %s kernel cannot read them, the "
                     "portable kernel serves this batch", plan.kernel)
-        plan._pointer_plan = plan_mla_decode(**plan.replan, kernel="pointer")
-    return plan._pointer_plan
+        kept.pointer_plan = plan_mla_decode(**plan.replan, kernel="pointer")
+    return kept.pointer_plan
 
 
 def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: MLACacheState,
@@ -492,7 +524,7 @@ def decode_launch_args(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Te
     """(launcher, compiled-kernel key, runtime arguments, plan) of the decode kernel's launch for these queries and
     this cache (arguments as :func:`launch_mla_decode`; the plan is ``plan`` or its portable-kernel fallback)."""
     if plan.kernel != "pointer" and not cache.rows_contiguous:
-        plan = _pointer_fallback(plan)
+        plan = _pointer_fallback(plan, cache)
     qn_key = q_nope_key if q_nope_key is not None else tensor_key(q_nope)
     qp_key = q_pe_key if q_pe_key is not None else tensor_key(q_pe)
     if qn_key[1][-1] != 1 or qp_key[1][-1] != 1:
@@ -527,45 +559,51 @@ def launch_mla_decode(plan: MLADecodePlan, q_nope: torch.Tensor, q_pe: torch.Ten
     cache : the :class:`MLACacheState` of the latent cache. qk_scale_log2 : scale * log2(e) (* k_scale for an fp8
     cache); v_scale : k_scale for an fp8 cache, else 1. q_nope_key : :func:`tensor_key` of ``q_nope`` when the
     caller knows it (a buffer the builder owns); q_pe_key likewise for ``q_pe``. With both keys given the queries
-    are taken for planned buffers: the launch's arguments are worked out once per cache (the same query tensors
-    and scales). Returns ``plan.output``.
+    are taken for planned buffers: the launch's arguments are worked out once per plan and cache (the same query
+    tensors and scales), kept in ``cache``. Returns ``plan.output``.
     """
     if plan.grid[1] == 0:
         return plan.output
     if q_nope_key is not None and q_pe_key is not None:
         # every argument is planned or the cache's: the launch is worked out once per cache and batch, and after
         # its first launch prepared (the C launcher's arguments fixed: launch_prepared)
-        hit = plan._launches.get(id(cache))
-        if (hit is None or hit[0] is not cache or hit[1] is not q_nope or hit[2] is not q_pe
-                or hit[3] != (qk_scale_log2, v_scale)):
-            hit = plan._launches[id(cache)] = [cache, q_nope, q_pe, (qk_scale_log2, v_scale), decode_launch_args(
-                plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key), None]
-        launcher, key, args, plan = hit[4]
-        hit[5] = launch_keeping_prepared(hit[5], launcher, key, plan.grid, args, plan.constexprs, plan.num_warps,
-                                         plan.num_stages)
+        kept = cache._plans.get(plan)
+        if kept is None:
+            kept = cache.plan_launches(plan)
+        if (kept.launch is None or kept.q_nope is not q_nope or kept.q_pe is not q_pe
+                or kept.scales != (qk_scale_log2, v_scale)):
+            kept.launch = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale, q_nope_key, q_pe_key)
+            kept.q_nope, kept.q_pe, kept.scales, kept.prepared = q_nope, q_pe, (qk_scale_log2, v_scale), None
+        launcher, key, args, plan = kept.launch
+        kept.prepared = launch_keeping_prepared(kept.prepared, launcher, key, plan.grid, args, plan.constexprs,
+                                                plan.num_warps, plan.num_stages)
     else:
-        launcher, key, args, plan = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale,
-                                                       q_nope_key, q_pe_key)
-        launcher(key, plan.grid, args, plan.constexprs, plan.num_warps, plan.num_stages)
+        launcher, key, args, run = decode_launch_args(plan, q_nope, q_pe, cache, qk_scale_log2, v_scale,
+                                                      q_nope_key, q_pe_key)
+        launcher(key, run.grid, args, run.constexprs, run.num_warps, run.num_stages)
+        kept = cache.plan_launches(plan) if run.reduce_grid is not None else None
+        plan = run
     if plan.reduce_grid is not None:
         # every argument of the split reduction is planned
-        plan._reduce_prepared = launch_keeping_prepared(plan._reduce_prepared, _REDUCE, plan.reduce_key,
-                                                        plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs,
-                                                        4, 2)
+        kept.reduce_prepared = launch_keeping_prepared(kept.reduce_prepared, _REDUCE, plan.reduce_key,
+                                                       plan.reduce_grid, plan.reduce_args, plan.reduce_constexprs,
+                                                       4, 2)
     return plan.output
+
 
 def prepared_decode_launches(plan: MLADecodePlan, cache: MLACacheState) -> Optional[tuple]:
     """((prepared launch, grid), ...) of ``plan``'s launches over ``cache`` as :func:`launch_mla_decode` with
     planned queries runs them (the decode, then the split reduction where planned), all without leading
     arguments; None until each has been launched once and prepared."""
-    hit = plan._launches.get(id(cache))
-    if hit is None or hit[0] is not cache or hit[5] is None:
+    kept = cache._plans.get(plan)
+    if kept is None or kept.prepared is None:
         return None
-    launches = ((hit[5], hit[4][3].grid),)
-    if plan.reduce_grid is not None:
-        if plan._reduce_prepared is None:
+    run = kept.launch[3]  # the plan the launch runs: ``plan`` or its portable-kernel fallback
+    launches = ((kept.prepared, run.grid),)
+    if run.reduce_grid is not None:
+        if kept.reduce_prepared is None:
             return None
-        launches += ((plan._reduce_prepared, plan.reduce_grid),)
+        launches += ((kept.reduce_prepared, run.reduce_grid),)
     return launches
 
 

@@ -42,11 +42,12 @@ PREFILL_KERNELS = ("flash_attn", "flashinfer", "triton", "sdpa")
 _LN2 = math.log(2.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RaggedPlan:
     """One ragged attention problem: queries per request against keys per request.
 
     cu_seqlens_q / cu_seqlens_k : [R + 1] int32 on the device; *_cpu the same on the host.
+    wrapper : the kernel's planned wrapper for this problem (FlashInfer's ragged prefill wrapper), else None.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -57,7 +58,7 @@ class RaggedPlan:
     max_seqlen_k: int
     causal: bool
     scale: float
-    extra: Any = None  # kernel-specific state (FlashInfer: the planned wrapper)
+    wrapper: Any = None
 
 
 class PrefillKernel:
@@ -85,6 +86,10 @@ class PrefillKernel:
         head_dim_v: int,
         dtype: torch.dtype,
     ) -> RaggedPlan:
+        return self._ragged_plan(cu_seqlens_q_cpu, cu_seqlens_k_cpu, causal=causal, scale=scale)
+
+    def _ragged_plan(self, cu_seqlens_q_cpu: torch.Tensor, cu_seqlens_k_cpu: torch.Tensor, *, causal: bool,
+                     scale: float, wrapper: Any = None) -> RaggedPlan:
         q_lens = cu_seqlens_q_cpu[1:] - cu_seqlens_q_cpu[:-1]
         k_lens = cu_seqlens_k_cpu[1:] - cu_seqlens_k_cpu[:-1]
         return RaggedPlan(
@@ -96,6 +101,7 @@ class PrefillKernel:
             max_seqlen_k=int(k_lens.max()) if k_lens.numel() else 0,
             causal=causal,
             scale=scale,
+            wrapper=wrapper,
         )
 
     def run(self, plan: RaggedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,10 +195,6 @@ class FlashInferPrefill(PrefillKernel):
         self._next = 0
 
     def plan(self, cu_seqlens_q_cpu, cu_seqlens_k_cpu, *, causal, scale, num_heads, head_dim_qk, head_dim_v, dtype):
-        plan = super().plan(
-            cu_seqlens_q_cpu, cu_seqlens_k_cpu, causal=causal, scale=scale, num_heads=num_heads,
-            head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype,
-        )
         if self._next == len(self._wrappers):
             self._wrappers.append(ragged_prefill_wrapper(import_flashinfer(), self.device))
         wrapper = self._wrappers[self._next]
@@ -210,13 +212,12 @@ class FlashInferPrefill(PrefillKernel):
                 q_data_type=dtype,
                 kv_data_type=dtype,
             )
-        plan.extra = wrapper
-        return plan
+        return self._ragged_plan(cu_seqlens_q_cpu, cu_seqlens_k_cpu, causal=causal, scale=scale, wrapper=wrapper)
 
     def run(self, plan, q, k, v):
         if plan.max_seqlen_k == 0:
             return _empty_result(q, v)
-        out, lse = plan.extra.run(q, k, v, return_lse=True)
+        out, lse = plan.wrapper.run(q, k, v, return_lse=True)
         # FlashInfer's lse is log2-based, [T, H].
         return out, (lse.float() * _LN2).transpose(0, 1).contiguous()
 

@@ -12,6 +12,7 @@ from attnbackends.mla.backends import FlashInferMLABackend, TritonMLABackend, Tr
 from attnbackends.ops.mla_cache import concat_and_cache_mla, concat_and_cache_mla_torch
 from attnbackends.mla.decode_kernel import MLADecodeConfig, mla_decode_torch
 from attnbackends.mla.decode_launch import mla_decode
+from attnbackends.mla.decode_plan import Absorption, UpProjection
 from attnbackends.mla.prefill import SdpaPrefill, TritonPrefill
 from attnbackends.reference.mla import ReferenceMLABackend
 from attnbackends.testing.mla import make_random_mla_batch, mla_oracle, run_mla_backend
@@ -89,8 +90,12 @@ def test_triton_mla_decode_only_batches(num_splits, up_projection, absorb):
     spec = tiny_spec("bfloat16", block_size=16)
     batch = make_random_mla_batch(spec, [S(1, c) for c in (0, 15, 16, 47, 70)], seed=3, pad_tokens=2)
     kw = dict(num_splits=num_splits, up_projection=up_projection, absorb=absorb)
-    extra = TritonMLAMetadataBuilder(spec, "cpu", **kw).build(batch.common).decode.extra
-    assert extra["up_fused"] == (up_projection == "fused") and (extra["absorb"] is not None) == (absorb == "triton")
+    plan = TritonMLAMetadataBuilder(spec, "cpu", **kw).build(batch.common).decode.plan
+    assert plan.up_projection is UpProjection(up_projection) and plan.absorption is Absorption(absorb)
+    assert plan.up_projection_reason == f"up_projection={up_projection!r}"
+    assert plan.absorption_reason == f"absorb={absorb!r}"
+    assert (plan.launch.up_grid is not None) == (up_projection == "fused")
+    assert (plan.absorb_launch is not None) == (absorb == "triton")
     check(TritonMLABackend, batch, builder_kwargs=kw)
 
 
@@ -378,7 +383,7 @@ def test_flashinfer_mla_through_a_stand_in(monkeypatch, shapes, threshold, num_d
 
     builder = FlashInferMLABackend.get_builder_cls()(spec, "cpu")
     builder.decode_threshold = threshold
-    planned = builder.build(batch.common).decode.extra["wrapper"].planned
+    planned = builder.build(batch.common).decode.plan.wrapper.planned
     lens = batch.common.seq_lens_cpu[:num_decodes].tolist()
     pages = [-(-n // spec.block_size) for n in lens]
     table = batch.common.block_table.tolist()

@@ -245,7 +245,7 @@ def test_folded_cache_write_on_gpu(kv_cache_dtype, query_len):
     batch.kv_cache = poison_unread_slots(batch.kv_cache, batch.common)
     builder = TritonMLABackend.get_builder_cls()(spec, "cuda")
     builder.decode_threshold = query_len
-    assert builder.build(batch.common).decode.writes_cache
+    assert builder.build(batch.common).decode.plan.writes_cache
     out, cache = run_mla_backend(TritonMLABackend, batch, decode_threshold=query_len)
     want = batch.kv_cache.clone()
     concat_and_cache_mla(batch.kv_c[:n], batch.k_pe[:n], want, batch.common.slot_mapping, batch.k_scale)
@@ -267,7 +267,7 @@ def test_folded_cache_write_reports_a_bad_slot_on_gpu():
     spec = v3_spec(num_heads=16)
     batch = make_random_mla_batch(spec, [S(1, c) for c in (5, 300, 2000)], seed=19, device="cuda")
     meta = TritonMLABackend.get_builder_cls()(spec, "cuda").build(batch.common)
-    assert meta.decode.writes_cache
+    assert meta.decode.plan.writes_cache
     num_slots = batch.kv_cache.shape[0] * spec.block_size
     skipped = batch.common.slot_mapping.clone()
     skipped[1] = -1
@@ -327,7 +327,7 @@ def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype, mo
     plans = []
     for step in range(5):
         meta, ref_meta = builder.build(base.common), ref_builder.build(base.common)
-        plans.append(meta.decode.extra["plan"])
+        plans.append(meta.decode.plan)
         for layer, (ours, ref, cache, ref_cache) in enumerate(layers):
             q = fresh(*base.q.shape, wider=8 if step >= 3 else 0)
             kv_c, k_pe = fresh(*base.kv_c.shape), fresh(*base.k_pe.shape)
@@ -340,5 +340,5 @@ def test_engine_steps_keep_plans_and_prepared_launches_on_gpu(kv_cache_dtype, mo
                                    what=f"triton_mla step {step} layer {layer}")
             assert torch.isnan(out[n:].float()).all()
     assert all(plan is plans[0] for plan in plans)
-    assert meta.decode.writes_cache and plans[0].up_grid is not None and plans[0].num_splits > 1
+    assert meta.decode.plan.writes_cache and plans[0].launch.up_grid is not None and plans[0].num_splits > 1
     assert sequences == [2] * len(layers) + [4] * len(layers), sequences

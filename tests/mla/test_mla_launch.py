@@ -117,12 +117,15 @@ def test_decode_plan_buffers_are_views_without_copies():
     as [T, N, Lkv] views, and the up-projection writes ``output`` through its strides."""
     batch = _batch(1)
     meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu").build(batch.common)
-    extra = meta.decode.extra
+    plan = meta.decode.plan
     t, n, lkv = 3, SPEC.num_heads, SPEC.kv_lora_rank
-    assert extra["ql"].shape == (n, t, lkv) and extra["ql"].is_contiguous()
-    assert extra["latent"].shape == (n, t, lkv) and extra["latent"].is_contiguous()
-    assert extra["ql_t"].data_ptr() == extra["ql"].data_ptr() and extra["ql_t"].shape == (t, n, lkv)
-    assert extra["plan"].output.data_ptr() == extra["latent"].data_ptr()
+    assert plan.ql.shape == (n, t, lkv) and plan.ql.is_contiguous()
+    assert plan.latent.shape == (n, t, lkv) and plan.latent.is_contiguous()
+    assert plan.ql_t.data_ptr() == plan.ql.data_ptr() and plan.ql_t.shape == (t, n, lkv)
+    assert plan.launch.output.data_ptr() == plan.latent.data_ptr()
+    p, r, v = SPEC.qk_nope_head_dim, SPEC.qk_rope_head_dim, SPEC.v_head_dim
+    assert plan.q_nope_view == (n, t, p) and plan.q_pe_view == (t, n, r) and plan.out_view == (n, t, v)
+    assert plan.q_pe_view.heads == n and plan.out_view.width == v
 
 
 def test_descriptor_launcher_passes_what_tritons_wrapper_passes(monkeypatch):
@@ -377,6 +380,44 @@ def test_one_plan_serves_several_caches():
     assert not torch.equal(outs[0], outs[1])
 
 
+def test_pointer_fallback_is_kept_per_cache_and_leaves_the_plan_alone(monkeypatch):
+    """A TMA plan over a cache whose pages are not contiguous rows (a slice of wider rows): the portable kernel
+    serves it, planned once for that cache (kept in the cache's state, with planned queries and without), the plan
+    itself unchanged, the numbers those of the TMA kernel over a contiguous copy."""
+    from attnbackends.mla.decode_kernel import MLADecodeConfig
+
+    g = torch.Generator().manual_seed(9)
+    heads, lkv, rope, page, num_blocks = 4, 64, 16, 16, 6
+    q_nope = torch.randn(2, heads, lkv, generator=g).bfloat16()
+    q_pe = torch.randn(2, heads, rope, generator=g).bfloat16()
+    wide = torch.randn(num_blocks, page, lkv + rope + 16, generator=g).bfloat16()
+    strided, contiguous = wide[..., : lkv + rope], wide[..., : lkv + rope].contiguous()
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 23], dtype=torch.int32)
+    out = torch.full((2, heads, lkv), float("nan"), dtype=torch.bfloat16)
+    config = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, use_tma=True)
+    plan = decode_launch.plan_mla_decode(
+        num_tokens=2, num_heads=heads, kv_lora=lkv, rope=rope, page=page, cache_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16, block_table=table, seq_lens=seq_lens, output=out, num_splits=2, config=config,
+        compute_capability=None, kernel="tma")
+    fields = {name: id(value) for name, value in vars(plan).items()}
+    planned = _Counter(decode_launch.plan_mla_decode)
+    monkeypatch.setattr(decode_launch, "plan_mla_decode", planned)
+    state = decode_launch.MLACacheState(strided)
+    assert not state.rows_contiguous
+    keys = (decode_launch.tensor_key(q_nope), decode_launch.tensor_key(q_pe))
+    for q_keys in (keys, (None, None), keys):
+        decode_launch.launch_mla_decode(plan, q_nope, q_pe, state, 0.1, 1.0, *q_keys)
+    assert planned.calls == 1
+    fallback = state.plan_launches(plan).pointer_plan
+    assert fallback.kernel == "pointer" and plan.kernel == "tma"
+    assert {name: id(value) for name, value in vars(plan).items()} == fields
+    got = out.clone()
+    decode_launch.launch_mla_decode(plan, q_nope, q_pe, decode_launch.MLACacheState(contiguous), 0.1, 1.0, *keys)
+    assert planned.calls == 1
+    torch.testing.assert_close(got.float(), out.float(), rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------ the cache write folded into the absorption
 
 
@@ -412,7 +453,7 @@ def test_folded_cache_write_equals_concat_and_cache_mla(kv_cache_dtype, query_le
     meta = TritonMLABackend.get_builder_cls()(spec, "cpu", absorb="triton")
     meta.decode_threshold = query_len
     meta = meta.build(batch.common)
-    assert meta.decode.writes_cache and meta.decode.extra["absorb"].write_grid is not None
+    assert meta.decode.plan.writes_cache and meta.decode.plan.absorb_launch.write_grid is not None
     out, cache = run_mla_backend(TritonMLABackend, batch, **kw)
     for impl in ("triton", "torch"):
         want = batch.kv_cache.clone()
@@ -485,7 +526,7 @@ def test_folded_write_raises_a_slot_outside_the_cache(bad):
     num_slots = batch.kv_cache.shape[0] * spec.block_size
     bad_slot = num_slots + 3 if bad == "past_the_end" else bad
     meta = TritonMLABackend.get_builder_cls()(spec, "cpu").build(batch.common)
-    assert meta.decode.writes_cache
+    assert meta.decode.plan.writes_cache
     good_slots = batch.common.slot_mapping.clone()
     meta.slot_mapping[1] = bad_slot  # the planned slot mapping, changed after the build (a device-side mistake)
     impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=batch.kv_b_proj)
@@ -507,7 +548,7 @@ def test_folded_write_raises_a_slot_outside_the_cache(bad):
     assert _same_bytes(cache, want)
     # the unfolded forward (bmm absorption) raises the same error
     unfolded = TritonMLABackend.get_builder_cls()(spec, "cpu", absorb="bmm").build(batch.common)
-    assert not unfolded.decode.writes_cache
+    assert not unfolded.decode.plan.writes_cache
     with pytest.raises(PageTableError) as err:
         impl.forward(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache.clone(), unfolded, batch.new_output())
     assert str(err.value) == str(folded.value)
@@ -538,7 +579,7 @@ def test_cache_write_launch_only_where_not_folded(monkeypatch):
     for what, shapes, kw, new_tokens, want in cases:
         batch = make_random_mla_batch(spec, shapes, seed=41)
         meta = TritonMLABackend.get_builder_cls()(spec, "cpu", **kw).build(batch.common)
-        assert meta.decode.writes_cache == (want == ["_ABSORB_WRITE"] or want == ["_ABSORB"]), what
+        assert meta.decode.plan.writes_cache == (want == ["_ABSORB_WRITE"] or want == ["_ABSORB"]), what
         impl = TritonMLABackend.get_impl_cls()(spec, kv_b_proj=batch.kv_b_proj)
         impl.process_weights_after_loading()
         recorded.clear()
@@ -556,23 +597,22 @@ def test_builder_keeps_the_plan_of_a_batch_with_the_same_inputs():
     or a batch with prefills plans anew."""
     batch = _batch()
     builder = TritonMLABackend.get_builder_cls()(SPEC, "cpu")
-    first = builder.build(batch.common).decode
-    again = builder.build(batch.common).decode
-    assert again.extra["plan"] is first.extra["plan"] and again.extra["absorb"] is first.extra["absorb"]
-    assert again.writes_cache and first.writes_cache
+    first = builder.build(batch.common).decode.plan
+    again = builder.build(batch.common).decode.plan
+    assert again is first and again.writes_cache
     builder.num_splits = 3
-    assert builder.build(batch.common).decode.extra["plan"] is not first.extra["plan"]
+    assert builder.build(batch.common).decode.plan is not first
     builder.num_splits = None
     common = batch.common
     moved = dataclasses.replace(common, slot_mapping=common.slot_mapping.clone())
-    assert builder.build(moved).decode.extra["plan"] is not first.extra["plan"]
-    assert builder.build(batch.common).decode.extra["plan"] is first.extra["plan"]
+    assert builder.build(moved).decode.plan is not first
+    assert builder.build(batch.common).decode.plan is first
     for _ in range(builder.KEPT_PLANS):  # the oldest kept plans make room for new ones
         builder.num_splits = (builder.num_splits or 1) + 1
         builder.build(batch.common)
     builder.num_splits = None
     assert len(builder._kept_plans) == builder.KEPT_PLANS
-    assert builder.build(batch.common).decode.extra["plan"] is not first.extra["plan"]
+    assert builder.build(batch.common).decode.plan is not first
 
 
 def test_a_layers_launches_are_prepared_on_its_second_forward_of_a_plan(monkeypatch):
