@@ -89,6 +89,7 @@ import torch
 from ..compat import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
+from .prefill_hopper_common import hopper_device_reason, launch_plan
 
 __all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "cache_write_reason",
            "fresh_prefills", "hopper_prefill_args", "hopper_prefill_items", "hopper_prefill_reason",
@@ -185,13 +186,7 @@ def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, i
                           (deterministic, "deterministic mode")):
         if present:
             return what
-    if interpreted:
-        return "the Triton interpreter (Gluon compiles for the GPU only)"
-    if compute_capability != (9, 0):
-        return "compute capability is not 9.0"
-    if not gluon_available():
-        return "triton.experimental.gluon is not installed"
-    return ""
+    return hopper_device_reason(compute_capability, interpreted, gluon_available())
 
 
 def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first_seq: int) -> bool:
@@ -297,17 +292,8 @@ def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: tor
     todo : (``writes_cache``) [>= num_tokens] int8, zero on entry: the kernel sets the tokens it did not write;
         :func:`attnbackends.ops.kv_cache_write.finish_cache_write` writes them and clears the flags.
     """
-    if plan.grid[0] <= 0:
-        return output
-    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale,
-                                             kv_cache, slot_mapping, todo)
-    device = query.device
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _prefill_hopper_kernel[grid](*args, **kwargs)
-    else:
-        _prefill_hopper_kernel[grid](*args, **kwargs)
-    return output
+    return launch_plan(_prefill_hopper_kernel, hopper_prefill_args, plan, output, query, key, value, output,
+                       query_start_loc, softmax_scale, kv_cache, slot_mapping, todo)
 
 
 if gluon_available():

@@ -1,4 +1,4 @@
-"""The device code the two warp-specialised Gluon Hopper prefill kernels share: :mod:`.prefill_hopper` (fresh
+"""The code the two warp-specialised Gluon Hopper prefill kernels share: :mod:`.prefill_hopper` (fresh
 prompts, keys with the forward) and :mod:`.prefill_hopper_paged` (every key from the cache's pages). Both run the
 work order, the shared-memory stages and barriers, the ping-pong turns and the consumer warpgroups described in
 :mod:`.prefill_hopper`'s docstring; their loaders (and the fresh kernel's cache writer) differ and stay in their
@@ -17,9 +17,43 @@ Pointers a kernel does not have (the fresh kernel's sequence lengths and sinks) 
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import torch
+
 from ..compat import gluon_available
 
-__all__: list[str] = []
+__all__ = ["hopper_device_reason", "launch_plan"]
+
+
+def hopper_device_reason(compute_capability: "tuple[int, int] | None", interpreted: bool, has_gluon: bool) -> str:
+    """Why a device of ``compute_capability`` (None: not a CUDA device) cannot run the kernels ("" if it can):
+    compute capability 9.0 (wgmma, setmaxnreg), not under the Triton interpreter, Gluon installed (``has_gluon``:
+    the caller's own check, which its tests replace)."""
+    if interpreted:
+        return "the Triton interpreter (Gluon compiles for the GPU only)"
+    if compute_capability != (9, 0):
+        return "compute capability is not 9.0"
+    if not has_gluon:
+        return "triton.experimental.gluon is not installed"
+    return ""
+
+
+def launch_plan(kernel: Any, args_of: Callable[..., tuple], plan: Any, output: torch.Tensor,
+                *args: Any) -> torch.Tensor:
+    """Launch ``kernel`` as ``plan`` says (nothing for an empty grid) with the (grid, args, kwargs) of
+    ``args_of(plan, *args)``, on ``output``'s device (a JIT launch goes to the current device's stream); returns
+    ``output``."""
+    if plan.grid[0] <= 0:
+        return output
+    grid, kernel_args, kwargs = args_of(plan, *args)
+    device = output.device
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            kernel[grid](*kernel_args, **kwargs)
+    else:
+        kernel[grid](*kernel_args, **kwargs)
+    return output
 
 
 if gluon_available():

@@ -48,7 +48,8 @@ import torch
 from ..compat import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
-from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, hopper_prefill_items
+from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, HopperPrefillConfig, hopper_prefill_items
+from .prefill_hopper_common import hopper_device_reason, launch_plan
 
 __all__ = ["PAGED_KERNEL_NOTE", "PAGED_PREFILL_DEFAULT", "paged_default_reason", "PAGED_HEAD_SIZES", "plan_paged_split", "PagedPrefillConfig", "PagedPrefillPlan", "default_paged_config",
            "launch_paged_prefill", "paged_prefill_args", "paged_prefill_reason", "plan_paged_prefill",
@@ -88,27 +89,16 @@ SOFTCAP_TANH = {"approx": 1, "exact": 2}
 
 
 @dataclass(frozen=True)
-class PagedPrefillConfig:
-    """Tile and schedule options (fields as :class:`.prefill_hopper.HopperPrefillConfig`)."""
+class PagedPrefillConfig(HopperPrefillConfig):
+    """Tile and schedule options: those of :class:`.prefill_hopper.HopperPrefillConfig`, and how a soft-capped
+    layer computes tanh."""
 
-    block_n: int = 128
-    nbuf: int = 2
-    pingpong: bool = True
-    persistent: bool = True
-    epi_tma: bool = True
-    regs: tuple[int, int] = (240, 24)
-    softcap_tanh: str = "approx"  # how a soft-capped layer computes tanh (:data:`SOFTCAP_TANH`)
+    softcap_tanh: str = "approx"  # :data:`SOFTCAP_TANH`
 
     def __post_init__(self) -> None:
         if self.softcap_tanh not in SOFTCAP_TANH:
             raise ValueError(f"softcap_tanh must be one of {tuple(SOFTCAP_TANH)}, got {self.softcap_tanh!r}")
-        if self.block_n not in (64, 128) or self.nbuf < 2:
-            raise ValueError(f"block_n must be 64 or 128 and nbuf >= 2, got block_n {self.block_n}, nbuf {self.nbuf}")
-        regs = tuple(self.regs)
-        if len(regs) != 2 or regs[0] % 8 or regs[1] % 8 or not 24 <= regs[1] <= regs[0] <= 256:
-            raise ValueError(f"regs must be (consumer, loader) multiples of 8 with 24 <= loader <= consumer <= 256, "
-                             f"got {self.regs}")
-        object.__setattr__(self, "regs", regs)
+        super().__post_init__()
 
 
 def default_paged_config(head_size: int) -> PagedPrefillConfig:
@@ -164,13 +154,7 @@ def paged_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, in
         return "ALiBi"
     if deterministic:
         return "deterministic mode"
-    if interpreted:
-        return "the Triton interpreter (Gluon compiles for the GPU only)"
-    if compute_capability != (9, 0):
-        return "compute capability is not 9.0"
-    if not gluon_available():
-        return "triton.experimental.gluon is not installed"
-    return ""
+    return hopper_device_reason(compute_capability, interpreted, gluon_available())
 
 
 def paged_default_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
@@ -265,17 +249,8 @@ def launch_paged_prefill(plan: PagedPrefillPlan, query: torch.Tensor, output: to
     softmax_scale : the scale of q.k; soft_cap : the cap (``plan.use_softcap``);
     sinks : [num_heads] float32 (``plan.use_sinks``).
     """
-    if plan.grid[0] <= 0:
-        return output
-    grid, args, kwargs = paged_prefill_args(plan, query, output, kv_cache, block_table, seq_lens, query_start_loc,
-                                            softmax_scale, soft_cap, sinks)
-    device = query.device
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _paged_prefill_kernel[grid](*args, **kwargs)
-    else:
-        _paged_prefill_kernel[grid](*args, **kwargs)
-    return output
+    return launch_plan(_paged_prefill_kernel, paged_prefill_args, plan, output, query, output, kv_cache,
+                       block_table, seq_lens, query_start_loc, softmax_scale, soft_cap, sinks)
 
 
 if gluon_available():
