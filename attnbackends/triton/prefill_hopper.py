@@ -69,6 +69,9 @@ Registers: ``gl.warp_specialize`` pads the 5 worker warps to 2 warpgroups (12 wa
 .maxnreg 168, one program per SM); setmaxnreg gives the consumer worker REGS_CONSUMER, the loader's warpgroup
 REGS_LOAD and the default partition what is left: (240, 24) gives both consumers 240.
 
+The consumers, the work order and the shared memory are the code of :mod:`.prefill_hopper_common`, which the paged
+kernel (:mod:`.prefill_hopper_paged`) runs too; the loader and the writer are this module's.
+
 Gluon does not run under the Triton interpreter: the GPU tests (``tests/triton_backend/test_prefill_hopper.py``)
 check the kernel against the oracle; on a CPU it is only compiled for sm_90
 (``python -m benchmarks.compile_check``).
@@ -86,6 +89,7 @@ import torch
 from ..compat import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
+from .prefill_hopper_common import hopper_device_reason, launch_plan
 
 __all__ = ["HOPPER_PREFILL_HEAD_SIZE", "HopperPrefillConfig", "HopperPrefillPlan", "cache_write_reason",
            "fresh_prefills", "hopper_prefill_args", "hopper_prefill_items", "hopper_prefill_reason",
@@ -100,14 +104,17 @@ _LOG2E = 1.4426950408889634
 if gluon_available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    from .prefill_hopper_common import (
+        _alloc_barriers,
+        _consumer_partition,
+        _init_barriers,
+        _load_q,
+        _stage_buffers,
+        _work_item,
+    )
 
 
 @dataclass(frozen=True)
@@ -179,13 +186,7 @@ def hopper_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, i
                           (deterministic, "deterministic mode")):
         if present:
             return what
-    if interpreted:
-        return "the Triton interpreter (Gluon compiles for the GPU only)"
-    if compute_capability != (9, 0):
-        return "compute capability is not 9.0"
-    if not gluon_available():
-        return "triton.experimental.gluon is not installed"
-    return ""
+    return hopper_device_reason(compute_capability, interpreted, gluon_available())
 
 
 def fresh_prefills(query_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first_seq: int) -> bool:
@@ -291,59 +292,11 @@ def launch_hopper_prefill(plan: HopperPrefillPlan, query: torch.Tensor, key: tor
     todo : (``writes_cache``) [>= num_tokens] int8, zero on entry: the kernel sets the tokens it did not write;
         :func:`attnbackends.ops.kv_cache_write.finish_cache_write` writes them and clears the flags.
     """
-    if plan.grid[0] <= 0:
-        return output
-    grid, args, kwargs = hopper_prefill_args(plan, query, key, value, output, query_start_loc, softmax_scale,
-                                             kv_cache, slot_mapping, todo)
-    device = query.device
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _prefill_hopper_kernel[grid](*args, **kwargs)
-    else:
-        _prefill_hopper_kernel[grid](*args, **kwargs)
-    return output
+    return launch_plan(_prefill_hopper_kernel, hopper_prefill_args, plan, output, query, key, value, output,
+                       query_start_loc, softmax_scale, kv_cache, slot_mapping, todo)
 
 
 if gluon_available():
-
-    @gluon.jit
-    def _masked_scores(s, j, m0, n_unmasked, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """S with the keys above the causal diagonal at -inf (tiles below the diagonal pass unchanged)."""
-        if j >= n_unmasked:
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1)
-            s = gl.where(keep, s, gl.full_like(s, float("-inf")))
-        return s
-
-    @gluon.jit
-    def _softmax_step(s, l_i, m_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
-        """Online softmax of a score tile in the log2 domain: (P as the A operand of P.V, l_i, m_new, alpha)."""
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2((m_i - m_new) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return gl.convert_layout(p.to(dtype), p_layout), l_i, m_new, alpha
-
-    @gluon.jit
-    def _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, BLOCK_M: gl.constexpr):
-        """This program's item of round r -> (head, first token of the sequence, its length, first row of the query
-        tile, whether there is work). Items run head fastest (the query heads of one KV head side by side), then
-        sequence, then query block from the last (heaviest) down; round r gives item r * P + p to program p of P, in
-        reverse order on odd rounds (a snake: the programs that got the heavier item of one round get the lighter
-        one of the next). Past the last item, or a tile that starts past its sequence's end, there is no work."""
-        P = gl.num_programs(0)
-        p = gl.program_id(0)
-        w = r * P + p + (r & 1) * (P - 1 - 2 * p)
-        wc = gl.minimum(w, num_items - 1)
-        h = wc % HQ
-        rest = wc // HQ
-        seq = rest % num_seqs
-        qb = num_q_blocks - 1 - rest // num_seqs
-        start = gl.load(QSL + seq)
-        q_len = gl.load(QSL + seq + 1) - start
-        m0 = qb * BLOCK_M
-        return h, start, q_len, m0, (w < num_items) & (m0 < q_len)
 
     @gluon.jit
     def _load_tile(desc, bufs, ready, empty, row, col, g, NBUF: gl.constexpr):
@@ -417,13 +370,11 @@ if gluon_available():
         cnt0 = 0
         cnt1 = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
+            h, _, start, q_len, _, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
             if has_work:
                 col_kv = (h // (HQ // HKV)) * HEAD
                 n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
-                mbarrier.wait(q_empty, (i & 1) ^ 1)
-                mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
+                _load_q(q_desc, q_smem, q_ready, q_empty, i, start, m0, h, HEAD)
                 if CACHE_WRITE:
                     pk0, pk1 = _wait_stored(k_stored, it % NBUF, pk0, pk1, cnt0, cnt1)
                 _load_tile(k_desc, k_bufs, k_ready, k_empty, start, col_kv, it, NBUF)
@@ -464,7 +415,7 @@ if gluon_available():
         cnt0 = 0
         cnt1 = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
+            h, _, start, q_len, _, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
             if has_work:
                 n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
                 if h % (HQ // HKV) == 0:
@@ -486,118 +437,6 @@ if gluon_available():
                     cnt1 = gl.where(s == 0, cnt1, cnt1 + 1)
                 it += n_tiles
 
-    @gluon.jit
-    def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: wait for this warpgroup's k-th turn to issue wgmma (consumer 0's first turn is free)."""
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
-
-    @gluon.jit
-    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: this warpgroup's wgmma are issued; the other warpgroup's turn."""
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-
-    @gluon.jit
-    def _attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, r0, n_tiles, it, t, qk_scale,
-                WG: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-                PINGPONG: gl.constexpr):
-        """One warpgroup's 64 query rows (from r0) against key tiles 0 .. n_tiles - 1 of its sequence: (O
-        unnormalised [64, HEAD] float32, row sums [64]). ``it``: the program's running tile count before this item
-        (stage and parity of every tile), ``t``: its running turn count (n_tiles + 1 turns per item)."""
-        ROWS: gl.constexpr = 64
-        dtype: gl.constexpr = q.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        n_unmasked = r0 // BLOCK_N  # tiles whose last key is <= r0: visible to every row of this warpgroup
-
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        o = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
-
-        s0 = it % NBUF
-        mbarrier.wait(k_ready.index(s0), (it // NBUF) & 1)
-        _turn_wait(turn, t, WG, PINGPONG)
-        s_tok = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _turn_pass(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(s0), count=1)
-        s = _masked_scores(s, 0, r0, n_unmasked, s_layout, ROWS, BLOCK_N)
-        p, l_i, m_i, alpha = _softmax_step(s, l_i, m_i, qk_scale, p_layout, dtype)
-        for j in range(1, n_tiles):
-            g = it + j
-            buf = g % NBUF
-            prev = (g - 1) % NBUF
-            mbarrier.wait(k_ready.index(buf), (g // NBUF) & 1)
-            mbarrier.wait(v_ready.index(prev), ((g - 1) // NBUF) & 1)
-            _turn_wait(turn, t + j, WG, PINGPONG)
-            s_tok = warpgroup_mma(q, k_bufs.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # wgmma groups retire in order: S_j is done
-            mbarrier.arrive(k_empty.index(buf), count=1)
-            s = _masked_scores(s, j, r0, n_unmasked, s_layout, ROWS, BLOCK_N)
-            p_next, l_i, m_i, alpha = _softmax_step(s, l_i, m_i, qk_scale, p_layout, dtype)
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))  # P_{j-1} lives until P.V is done
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            p = p_next
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        mbarrier.arrive(q_empty, count=1)  # every Q.K^T of the item is complete: the loader may bring the next Q
-        last = (it + n_tiles - 1) % NBUF
-        mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NBUF) & 1)
-        _turn_wait(turn, t + n_tiles, WG, PINGPONG)
-        o_tok = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
-        _turn_pass(turn, WG, PINGPONG)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-        mbarrier.arrive(v_empty.index(last), count=1)
-        return o, l_i
-
-    @gluon.jit
-    def _consumer_partition(q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t, qk_scale,
-                            WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
-                            EPI_TMA: gl.constexpr):
-        """One consumer warpgroup: rows r0 = m0 + 64 * WG .. r0 + 63 of each work item's query tile; normalises and
-        stores them (masked pointer stores, or a TMA store staged in ``o_smem`` when all 64 rows are valid)."""
-        ROWS: gl.constexpr = 64
-        dtype: gl.constexpr = q_smem.dtype
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD, 16])
-        q = q_smem.slice(WG * ROWS, ROWS, dim=0)
-        o_stage = o_smem.slice(WG * ROWS, ROWS, dim=0)
-        it = 0
-        i = 0
-        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            h, start, q_len, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M)
-            if has_work:
-                r0 = m0 + WG * ROWS
-                n_tiles = gl.cdiv(gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
-                mbarrier.wait(q_ready, i & 1)
-                o, l_i = _attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, r0, n_tiles,
-                                 it, it + i, qk_scale, WG, HEAD, BLOCK_N, NBUF, PINGPONG)
-                it += n_tiles
-                i += 1
-
-                inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
-                out = (o * gl.expand_dims(inv, 1)).to(dtype)
-                if EPI_TMA and r0 + ROWS <= q_len:
-                    o_stage.store(out)
-                    fence_async_shared()
-                    gl.thread_barrier()  # every warp's rows in shared memory before one thread issues the store
-                    tma.async_copy_shared_to_global(o_desc, [start + r0, h * HEAD], o_stage)
-                    tma.store_wait(0)  # o_stage is rewritten by the next item
-                else:
-                    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-                    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-                    ptrs = (O + gl.expand_dims((start + rows).to(gl.int64) * stride_o_t, 1) + h * HEAD
-                            + gl.expand_dims(cols, 0))
-                    gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
-
     @gluon.jit(do_not_specialize=["num_seqs", "num_q_blocks", "num_slots"],
                do_not_specialize_on_alignment=["QSL", "SLOTS", "TODO"])
     def _prefill_hopper_kernel(
@@ -612,45 +451,23 @@ if gluon_available():
         PAGE: gl.constexpr, REGS_CONSUMER: gl.constexpr, REGS_LOAD: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Grid (programs,): each program runs its share of the HQ * num_seqs * num_q_blocks work items in rounds
-        (:func:`_work_item`; one item each when programs = items, persistent when programs = SMs). Warps: 4
-        (consumer 0, the default partition) + 4 (consumer 1) + 1 (TMA loader). The batch's sizes are not
-        specialised on (one compiled kernel serves every batch of a layer)."""
+        (:func:`.prefill_hopper_common._work_item`; one item each when programs = items, persistent when programs =
+        SMs). Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (TMA loader), + 1 (writer) with
+        ``CACHE_WRITE``. The batch's sizes are not specialised on (one compiled kernel serves every batch of a
+        layer)."""
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows each")
-        gl.static_assert(BLOCK_M % BLOCK_N == 0, "a query tile ends on a key tile boundary")
-        gl.static_assert(NBUF >= 2, "the next tile flies while this one is read")
         gl.static_assert(not CACHE_WRITE or (BLOCK_N == BLOCK_M and BLOCK_N % PAGE == 0 and PAGE >= 8
                                              and NBUF == 2),
                          "the cache write stores whole pages of each query block's diagonal key tile, two stages")
-        dtype: gl.constexpr = q_desc.dtype
         num_items = HQ * num_seqs * num_q_blocks
 
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], v_desc.layout)
-        if EPI_TMA:
-            o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], o_desc.layout)
-        else:
-            o_smem = q_smem  # not written: the masked pointer stores need no staging
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_smem, k_bufs, v_bufs, o_smem = _stage_buffers(q_desc, k_desc, v_desc, o_desc, BLOCK_M, BLOCK_N, HEAD,
+                                                        NBUF, EPI_TMA)
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = _alloc_barriers(NBUF)
         store_go = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         k_stored = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         v_stored = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)  # the loader's expect-tx arrival (+ the TMA bytes)
-        mbarrier.init(q_empty, count=2)  # both consumers' last Q.K^T of the item is complete
-        for s in gl.static_range(NBUF):
-            mbarrier.init(k_ready.index(s), count=1)
-            mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=2)  # both consumers release the stage
-            mbarrier.init(v_empty.index(s), count=2)
-        for s in gl.static_range(2):
-            mbarrier.init(turn.index(s), count=1)  # the other consumer's arrival
+        _init_barriers(q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, NBUF)
         for s in gl.static_range(NBUF):
             mbarrier.init(store_go.index(s), count=1)  # CACHE_WRITE: the loader issued a stored tile's loads
             mbarrier.init(k_stored.index(s), count=1)  # the writer's K stores have read the stage
@@ -658,30 +475,20 @@ if gluon_available():
         fence_async_shared()  # the initialised barriers visible to the async proxy (TMA complete-tx)
         gl.thread_barrier()
 
-        if CACHE_WRITE:
-            gl.warp_specialize([
-                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                       qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                       qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-                (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                     v_ready, k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs,
-                                     num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
-                (_writer_partition, (c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, k_stored, v_stored, QSL,
-                                     SLOTS, TODO, num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD,
-                                     BLOCK_M, BLOCK_N, NBUF, PAGE)),
-            ], [4, 1, 1], [REGS_CONSUMER, REGS_LOAD, REGS_LOAD])
-        else:
-            gl.warp_specialize([
-                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                       qk_scale, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-                (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                       v_empty, turn, o_desc, O, QSL, num_seqs, num_q_blocks, num_items, stride_o_t,
-                                       qk_scale, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA)),
-                (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                     v_ready, k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs,
-                                     num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
-            ], [4, 1], [REGS_CONSUMER, REGS_LOAD])
+        PARTITIONS: gl.constexpr = 4 if CACHE_WRITE else 3  # the writer warp only where the kernel writes the cache
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turn, o_desc, O, QSL, None, None, stride_o_t, num_seqs, num_q_blocks,
+                                   num_items, qk_scale, 0.0, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
+                                   0, 0, False)),
+            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turn, o_desc, O, QSL, None, None, stride_o_t, num_seqs, num_q_blocks,
+                                   num_items, qk_scale, 0.0, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
+                                   0, 0, False)),
+            (_loader_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, store_go, k_stored, v_stored, QSL, num_seqs, num_q_blocks,
+                                 num_items, HQ, HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, CACHE_WRITE)),
+            (_writer_partition, (c_desc, k_bufs, v_bufs, k_ready, v_ready, store_go, k_stored, v_stored, QSL, SLOTS,
+                                 TODO, num_slots, num_seqs, num_q_blocks, num_items, HQ, HKV, HEAD, BLOCK_M,
+                                 BLOCK_N, NBUF, PAGE)),
+        ][:PARTITIONS], [4, 1, 1][:PARTITIONS - 1], [REGS_CONSUMER, REGS_LOAD, REGS_LOAD][:PARTITIONS - 1])

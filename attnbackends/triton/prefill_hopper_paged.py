@@ -9,7 +9,8 @@ Query row i of a sequence with ``ctx = seq_len - query_len`` cached tokens sits 
 causal diagonal of the sequence's query block m0 .. m0 + 127 ends at key ``ctx + m0 + 127``, so a work item
 (head, sequence, query block) reads key tiles ``j0 .. cdiv(ctx + min(query_len, m0 + 128), BLOCK_N) - 1``
 (``j0`` past the tiles left of every row's sliding window, else 0). The work order, the barriers, the ping-pong
-turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring); what differs:
+turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring), and so is the code of all but
+the loader (:mod:`.prefill_hopper_common`, with its ``PAGED`` and option switches); what differs:
 
 - **K/V tiles from pages.** A key tile of BLOCK_N keys is BLOCK_N / BOX TMA boxes of ``BOX = min(PAGE, BLOCK_N)``
   rows of one KV head (``[BOX, HEAD]``, rows ``(2 * page + kv) * PAGE + offset`` of the cache viewed as
@@ -21,7 +22,8 @@ turns and the epilogue are those of :mod:`.prefill_hopper` (its module docstring
   again (the block table is read only within the sequence). Those keys lie above every valid row's diagonal: their
   scores are replaced by -inf, NaN included. Their values enter P.V with weight 0, so they must be finite: before
   the P.V of an item's last tile (the only one that reaches past ``seq_len``) each consumer warpgroup zeroes the
-  stage's value rows past the end (:func:`_zero_value_tail`), so the slots past a sequence's end may hold anything.
+  stage's value rows past the end (:func:`.prefill_hopper_common._zero_value_tail`), so the slots past a
+  sequence's end may hold anything.
 - **Options** (constexpr, off for the plain causal layer): a sliding window (``WINDOW`` keys: key n visible from
   position p iff p - WINDOW < n <= p; tiles left of the item's first row's window skipped, the left edge masked,
   the running max guarded while a row has seen no key), a logit soft-cap (``cap * tanh(s * scale / cap)`` before
@@ -46,7 +48,8 @@ import torch
 from ..compat import gluon_available
 from ..ops.launch_math import cdiv
 from ..spec import AttentionSpec, AttentionType
-from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, hopper_prefill_items
+from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, HopperPrefillConfig, hopper_prefill_items
+from .prefill_hopper_common import hopper_device_reason, launch_plan
 
 __all__ = ["PAGED_KERNEL_NOTE", "PAGED_PREFILL_DEFAULT", "paged_default_reason", "PAGED_HEAD_SIZES", "plan_paged_split", "PagedPrefillConfig", "PagedPrefillPlan", "default_paged_config",
            "launch_paged_prefill", "paged_prefill_args", "paged_prefill_reason", "plan_paged_prefill",
@@ -63,16 +66,19 @@ PAGED_KERNEL_NOTE = ("the paged Gluon Hopper kernel (every key from the cache's 
 if gluon_available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
-    from .prefill_hopper import _rows_descriptor, _smem_layout, _turn_pass, _turn_wait
+    from .prefill_hopper import _rows_descriptor, _smem_layout
+    from .prefill_hopper_common import (
+        _alloc_barriers,
+        _consumer_partition,
+        _init_barriers,
+        _key_tiles,
+        _load_q,
+        _stage_buffers,
+        _work_item,
+    )
 
 
 #: How the soft-cap's tanh is computed (the kernel's SOFTCAP constexpr; 0 is no cap): "approx", the hardware's
@@ -83,27 +89,16 @@ SOFTCAP_TANH = {"approx": 1, "exact": 2}
 
 
 @dataclass(frozen=True)
-class PagedPrefillConfig:
-    """Tile and schedule options (fields as :class:`.prefill_hopper.HopperPrefillConfig`)."""
+class PagedPrefillConfig(HopperPrefillConfig):
+    """Tile and schedule options: those of :class:`.prefill_hopper.HopperPrefillConfig`, and how a soft-capped
+    layer computes tanh."""
 
-    block_n: int = 128
-    nbuf: int = 2
-    pingpong: bool = True
-    persistent: bool = True
-    epi_tma: bool = True
-    regs: tuple[int, int] = (240, 24)
-    softcap_tanh: str = "approx"  # how a soft-capped layer computes tanh (:data:`SOFTCAP_TANH`)
+    softcap_tanh: str = "approx"  # :data:`SOFTCAP_TANH`
 
     def __post_init__(self) -> None:
         if self.softcap_tanh not in SOFTCAP_TANH:
             raise ValueError(f"softcap_tanh must be one of {tuple(SOFTCAP_TANH)}, got {self.softcap_tanh!r}")
-        if self.block_n not in (64, 128) or self.nbuf < 2:
-            raise ValueError(f"block_n must be 64 or 128 and nbuf >= 2, got block_n {self.block_n}, nbuf {self.nbuf}")
-        regs = tuple(self.regs)
-        if len(regs) != 2 or regs[0] % 8 or regs[1] % 8 or not 24 <= regs[1] <= regs[0] <= 256:
-            raise ValueError(f"regs must be (consumer, loader) multiples of 8 with 24 <= loader <= consumer <= 256, "
-                             f"got {self.regs}")
-        object.__setattr__(self, "regs", regs)
+        super().__post_init__()
 
 
 def default_paged_config(head_size: int) -> PagedPrefillConfig:
@@ -159,13 +154,7 @@ def paged_prefill_reason(spec: AttentionSpec, compute_capability: "tuple[int, in
         return "ALiBi"
     if deterministic:
         return "deterministic mode"
-    if interpreted:
-        return "the Triton interpreter (Gluon compiles for the GPU only)"
-    if compute_capability != (9, 0):
-        return "compute capability is not 9.0"
-    if not gluon_available():
-        return "triton.experimental.gluon is not installed"
-    return ""
+    return hopper_device_reason(compute_capability, interpreted, gluon_available())
 
 
 def paged_default_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *,
@@ -260,45 +249,11 @@ def launch_paged_prefill(plan: PagedPrefillPlan, query: torch.Tensor, output: to
     softmax_scale : the scale of q.k; soft_cap : the cap (``plan.use_softcap``);
     sinks : [num_heads] float32 (``plan.use_sinks``).
     """
-    if plan.grid[0] <= 0:
-        return output
-    grid, args, kwargs = paged_prefill_args(plan, query, output, kv_cache, block_table, seq_lens, query_start_loc,
-                                            softmax_scale, soft_cap, sinks)
-    device = query.device
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _paged_prefill_kernel[grid](*args, **kwargs)
-    else:
-        _paged_prefill_kernel[grid](*args, **kwargs)
-    return output
+    return launch_plan(_paged_prefill_kernel, paged_prefill_args, plan, output, query, output, kv_cache,
+                       block_table, seq_lens, query_start_loc, softmax_scale, soft_cap, sinks)
 
 
 if gluon_available():
-
-    @gluon.jit
-    def _paged_item(r, QSL, SEQ_LENS, num_seqs, num_q_blocks, num_items, HQ: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
-        """This program's item of round r (the order of :func:`.prefill_hopper._work_item`) -> (head, sequence, first
-        query token, query length, cached tokens, first row of the query tile, first key tile, key tiles past the
-        last one, whether there is work)."""
-        P = gl.num_programs(0)
-        p = gl.program_id(0)
-        w = r * P + p + (r & 1) * (P - 1 - 2 * p)
-        wc = gl.minimum(w, num_items - 1)
-        h = wc % HQ
-        rest = wc // HQ
-        seq = rest % num_seqs
-        qb = num_q_blocks - 1 - rest // num_seqs
-        start = gl.load(QSL + seq)
-        q_len = gl.load(QSL + seq + 1) - start
-        ctx = gl.load(SEQ_LENS + seq) - q_len
-        m0 = qb * BLOCK_M
-        j_end = gl.cdiv(ctx + gl.minimum(q_len, m0 + BLOCK_M), BLOCK_N)
-        if WINDOW > 0:
-            j0 = gl.maximum(ctx + m0 - WINDOW + 1, 0) // BLOCK_N
-        else:
-            j0 = 0
-        return h, seq, start, q_len, ctx, m0, j0, j_end, (w < num_items) & (m0 < q_len)
 
     @gluon.jit
     def _tile_rows(bt, j, seq_len, KV: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
@@ -343,8 +298,9 @@ if gluon_available():
         it = 0
         i = 0
         for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            h, seq, start, q_len, ctx, m0, j0, j_end, has_work = _paged_item(
-                r, QSL, SEQ_LENS, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M, BLOCK_N, WINDOW)
+            h, seq, start, q_len, ctx, m0, has_work = _work_item(r, QSL, num_seqs, num_q_blocks, num_items, HQ,
+                                                                 BLOCK_M, SEQ_LENS)
+            j0, j_end = _key_tiles(ctx, q_len, m0, BLOCK_M, BLOCK_N, WINDOW)
             if has_work:
                 col = (h // (HQ // HKV)) * HEAD
                 seq_len = ctx + q_len
@@ -352,9 +308,7 @@ if gluon_available():
                 nt = j_end - j0
                 rows = _tile_rows(bt, j0, seq_len, 0, BLOCK_N, PAGE)
                 rows_next = _tile_rows(bt, j0 + 1, seq_len, 0, BLOCK_N, PAGE)
-                mbarrier.wait(q_empty, (i & 1) ^ 1)
-                mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start + m0, h * HEAD], q_ready, q_smem)
+                _load_q(q_desc, q_smem, q_ready, q_empty, i, start, m0, h, HEAD)
                 _issue_tile(c_desc, k_bufs, k_ready, k_empty, rows, it, col, BLOCK_N, NBUF, PAGE)
                 for jj in range(nt):
                     rows_v = rows + PAGE_ROWS
@@ -365,187 +319,6 @@ if gluon_available():
                     _issue_tile(c_desc, v_bufs, v_ready, v_empty, rows_v, it + jj, col, BLOCK_N, NBUF, PAGE)
                 it += nt
                 i += 1
-
-    @gluon.jit
-    def _tanh(x, MODE: gl.constexpr):
-        """tanh(x / k) for the SOFTCAP mode ``MODE`` (:data:`SOFTCAP_TANH`; k = 1 for the hardware tanh, 2 log2(e)
-        for the exp2-based one: :func:`_tanh_input_scale`); +-1 at +-inf."""
-        if MODE == 1:
-            return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
-                                             is_pure=True, pack=1)
-        else:
-            return 1.0 - 2.0 / (gl.exp2(x) + 1.0)
-
-    @gluon.jit
-    def _scores(s, j, pos0, n_unmasked, n_left, cap_in, s_layout: gl.constexpr, ROWS: gl.constexpr,
-                BLOCK_N: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
-        """The score tile j of rows at positions pos0 .. pos0 + ROWS - 1: soft-capped (tanh of the scaled score: the
-        exponent scale holds the cap), keys above
-        the diagonal or left of the window at -inf (tiles j < n_unmasked and >= n_left pass unmasked)."""
-        if SOFTCAP:
-            s = _tanh(s * cap_in, SOFTCAP)
-        masked = j >= n_unmasked
-        if WINDOW > 0:
-            masked = masked | (j < n_left)
-        if masked:
-            pos = pos0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
-            if WINDOW > 0:
-                keep = keep & (gl.expand_dims(keys, 0) > gl.expand_dims(pos, 1) - WINDOW)
-            s = gl.where(keep, s, gl.full_like(s, float("-inf")))
-        return s
-
-    @gluon.jit
-    def _softmax(s, l_i, m_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr, WINDOW: gl.constexpr):
-        """Online softmax step (log2 domain, the scale in the exp2's FMA): (P, l_i, m_new, alpha). With a window a
-        row may have seen no key yet (max -inf): its exponents then use 0 in place of the max."""
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if WINDOW > 0:
-            m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
-        else:
-            m_use = m_new
-        alpha = gl.exp2((m_i - m_use) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use * qk_scale, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return gl.convert_layout(p.to(dtype), p_layout), l_i, m_new, alpha
-
-    @gluon.jit
-    def _zero_value_tail(buf, first, HEAD: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Rows ``first`` .. BLOCK_N - 1 of a value tile in shared memory ``buf`` [BLOCK_N, HEAD] to zero (they
-        hold the sequence's last page again, or slots past its end: anything, NaN included, and they enter P.V with
-        weight 0). Both consumer warpgroups run it on the same stage: they write the same bits (zeros, or a valid
-        row's own value), so neither disturbs the other's P.V. In pieces of 8 rows x 64 columns (one swizzle atom
-        of 16-bit values; 4 values per thread); the writes are fenced for wgmma and the warpgroup synchronised."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        for ch in gl.static_range(BLOCK_N // 8):
-            if ch * 8 + 8 > first:
-                keep = gl.expand_dims(ch * 8 + rows < first, 1) & gl.expand_dims(cols >= 0, 0)
-                for c0 in gl.static_range(0, HEAD, 64):
-                    piece = buf.slice(ch * 8, 8).slice(c0, 64, dim=1)
-                    vals = piece.load(layout)
-                    piece.store(gl.where(keep, vals, gl.zeros_like(vals)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn, pos0, j0, nt, it, t,
-                      seq_len, qk_scale, cap_in, WG: gl.constexpr, HEAD: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr, WINDOW: gl.constexpr,
-                      SOFTCAP: gl.constexpr):
-        """One warpgroup's 64 query rows at positions pos0 .. pos0 + 63 against key tiles j0 .. j0 + nt - 1 of a
-        sequence of ``seq_len`` keys: (O unnormalised [64, HEAD] float32, row sums, row maxima). Stages and turns as
-        in :func:`.prefill_hopper._attend`; the last tile's value rows past ``seq_len`` are zeroed before its
-        P.V (:func:`_zero_value_tail`)."""
-        ROWS: gl.constexpr = 64
-        dtype: gl.constexpr = q.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        n_unmasked = (pos0 + 1) // BLOCK_N  # tiles whose last key is <= pos0: below every row's diagonal
-        n_left = gl.cdiv(pos0 + ROWS - WINDOW, BLOCK_N)  # (window) tiles from here on hold no key left of it
-
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        o = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
-
-        s0 = it % NBUF
-        mbarrier.wait(k_ready.index(s0), (it // NBUF) & 1)
-        _turn_wait(turn, t, WG, PINGPONG)
-        s_tok = warpgroup_mma(q, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _turn_pass(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(s0), count=1)
-        s = _scores(s, j0, pos0, n_unmasked, n_left, cap_in, s_layout, ROWS, BLOCK_N, WINDOW, SOFTCAP)
-        p, l_i, m_i, alpha = _softmax(s, l_i, m_i, qk_scale, p_layout, dtype, WINDOW)
-        for jj in range(1, nt):
-            g = it + jj
-            buf = g % NBUF
-            prev = (g - 1) % NBUF
-            mbarrier.wait(k_ready.index(buf), (g // NBUF) & 1)
-            mbarrier.wait(v_ready.index(prev), ((g - 1) // NBUF) & 1)
-            _turn_wait(turn, t + jj, WG, PINGPONG)
-            s_tok = warpgroup_mma(q, k_bufs.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            mbarrier.arrive(k_empty.index(buf), count=1)
-            s = _scores(s, j0 + jj, pos0, n_unmasked, n_left, cap_in, s_layout, ROWS, BLOCK_N, WINDOW,
-                        SOFTCAP)
-            p_next, l_i, m_i, alpha = _softmax(s, l_i, m_i, qk_scale, p_layout, dtype, WINDOW)
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            p = p_next
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        mbarrier.arrive(q_empty, count=1)
-        last = (it + nt - 1) % NBUF
-        mbarrier.wait(v_ready.index(last), ((it + nt - 1) // NBUF) & 1)
-        tail = seq_len - (j0 + nt - 1) * BLOCK_N  # valid keys of the last tile (only it reaches past the end)
-        if tail < BLOCK_N:
-            _zero_value_tail(v_bufs.index(last), tail, HEAD, BLOCK_N)
-        _turn_wait(turn, t + nt, WG, PINGPONG)
-        o_tok = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
-        _turn_pass(turn, WG, PINGPONG)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-        mbarrier.arrive(v_empty.index(last), count=1)
-        return o, l_i, m_i
-
-    @gluon.jit
-    def _paged_consumer(q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                        o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items, qk_scale,
-                        cap_in, WG: gl.constexpr, HQ: gl.constexpr, HEAD: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PINGPONG: gl.constexpr,
-                        EPI_TMA: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr):
-        """One consumer warpgroup: rows m0 + 64 * WG .. + 63 of each item's query tile; normalises (with the head's
-        sink logit where ``SINKS``) and stores them as :func:`.prefill_hopper._consumer_partition` does."""
-        ROWS: gl.constexpr = 64
-        dtype: gl.constexpr = q_smem.dtype
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD, 16])
-        q = q_smem.slice(WG * ROWS, ROWS, dim=0)
-        o_stage = o_smem.slice(WG * ROWS, ROWS, dim=0)
-        it = 0
-        i = 0
-        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            h, seq, start, q_len, ctx, m0, j0, j_end, has_work = _paged_item(
-                r, QSL, SEQ_LENS, num_seqs, num_q_blocks, num_items, HQ, BLOCK_M, BLOCK_N, WINDOW)
-            if has_work:
-                r0 = m0 + WG * ROWS
-                nt = j_end - j0
-                mbarrier.wait(q_ready, i & 1)
-                o, l_i, m_i = _paged_attend(q, k_bufs, v_bufs, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                                            ctx + r0, j0, nt, it, it + i, ctx + q_len, qk_scale, cap_in,
-                                            WG, HEAD, BLOCK_N, NBUF, PINGPONG, WINDOW, SOFTCAP)
-                it += nt
-                i += 1
-
-                if SINKS:  # the sink's weight exp(sink - max) joins the denominator; max over both, no overflow
-                    sink = gl.load(SINK + h).to(gl.float32) * 1.4426950408889634
-                    mq = m_i * qk_scale
-                    mf = gl.maximum(mq, sink)
-                    a = gl.exp2(mq - mf)
-                    inv_rows = a / (l_i * a + gl.exp2(sink - mf))
-                else:
-                    inv_rows = 1.0 / l_i
-                inv = gl.convert_layout(inv_rows, gl.SliceLayout(1, o_layout))
-                out = (o * gl.expand_dims(inv, 1)).to(dtype)
-                if EPI_TMA and r0 + ROWS <= q_len:
-                    o_stage.store(out)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    tma.async_copy_shared_to_global(o_desc, [start + r0, h * HEAD], o_stage)
-                    tma.store_wait(0)
-                else:
-                    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-                    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-                    ptrs = (O + gl.expand_dims((start + rows).to(gl.int64) * stride_o_t, 1) + h * HEAD
-                            + gl.expand_dims(cols, 0))
-                    gl.store(ptrs, out, mask=gl.expand_dims(rows < q_len, 1) & gl.expand_dims(cols < HEAD, 0))
 
     @gluon.jit(do_not_specialize=["stride_bt", "num_seqs", "num_q_blocks", "cap_in"],
                do_not_specialize_on_alignment=["QSL", "SEQ_LENS", "BT", "SINK"])
@@ -565,48 +338,25 @@ if gluon_available():
         """Grid (programs,): the HQ * num_seqs * num_q_blocks work items in rounds, as :mod:`.prefill_hopper`'s
         kernel; warps 4 (consumer 0) + 4 (consumer 1) + 1 (loader)."""
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows each")
-        gl.static_assert(BLOCK_M % BLOCK_N == 0, "a query tile ends on a key tile boundary")
-        gl.static_assert(NBUF >= 2, "the next tile flies while this one is read")
         gl.static_assert(PAGE >= 8, "a box of whole 8-row swizzle atoms")
-        dtype: gl.constexpr = q_desc.dtype
         num_items = HQ * num_seqs * num_q_blocks
 
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], c_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD], c_desc.layout)
-        if EPI_TMA:
-            o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], o_desc.layout)
-        else:
-            o_smem = q_smem  # not written
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)
-        for s in gl.static_range(NBUF):
-            mbarrier.init(k_ready.index(s), count=1)  # the loader's expect-tx of the tile (:func:`_issue_tile`)
-            mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=2)
-            mbarrier.init(v_empty.index(s), count=2)
-        for s in gl.static_range(2):
-            mbarrier.init(turn.index(s), count=1)
-        fence_async_shared()
+        q_smem, k_bufs, v_bufs, o_smem = _stage_buffers(q_desc, c_desc, c_desc, o_desc, BLOCK_M, BLOCK_N, HEAD,
+                                                        NBUF, EPI_TMA)
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = _alloc_barriers(NBUF)
+        _init_barriers(q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, NBUF)
+        fence_async_shared()  # the initialised barriers visible to the async proxy (TMA complete-tx)
         gl.thread_barrier()
 
         gl.warp_specialize([
-            (_paged_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                               turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items,
-                               qk_scale, cap_in, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
-                               WINDOW, SOFTCAP, SINKS)),
-            (_paged_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                               turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks, num_items,
-                               qk_scale, cap_in, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG, EPI_TMA,
-                               WINDOW, SOFTCAP, SINKS)),
+            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks,
+                                   num_items, qk_scale, cap_in, 0, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG,
+                                   EPI_TMA, WINDOW, SOFTCAP, SINKS)),
+            (_consumer_partition, (q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turn, o_desc, O, QSL, SEQ_LENS, SINK, stride_o_t, num_seqs, num_q_blocks,
+                                   num_items, qk_scale, cap_in, 1, HQ, HEAD, BLOCK_M, BLOCK_N, NBUF, PINGPONG,
+                                   EPI_TMA, WINDOW, SOFTCAP, SINKS)),
             (_paged_loader, (q_desc, c_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, QSL, SEQ_LENS, BT, stride_bt, num_seqs, num_q_blocks, num_items, HQ,
                              HKV, HEAD, BLOCK_M, BLOCK_N, NBUF, PAGE, WINDOW)),
