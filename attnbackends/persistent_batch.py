@@ -166,9 +166,10 @@ class PersistentBatch:
         self._staging_np = [tuple(v.numpy() for v in views) for views in self._staging_views]
         for qsl, _, _, _ in self._staging_np:
             qsl[0] = 0  # never written again: every step's cumulative sums go from index 1
-        # The page-table entries changed on the host, as (row, first column, end column), and how far into this
-        # log each staging buffer has copied: a step copies what changed since its buffer's previous step.
-        self._changes: list[tuple[int, int, int]] = []
+        # The page-table entries changed on the host, as runs (flat index of the first, length), and how far into
+        # this log each staging buffer has copied: a step copies what changed since its buffer's previous step.
+        self._change_at: list[int] = []
+        self._change_len: list[int] = []
         self._synced = [0, 0]
         self._next = 0
         self._events = [torch.cuda.Event() for _ in range(2)] if self._cuda else None
@@ -265,6 +266,11 @@ class PersistentBatch:
                              "(exclusive_pages: live requests share no page)")
         self._owner[arr] = serial
 
+    def _changed(self, row: int, first: int, count: int) -> None:
+        """Entries [first, first + count) of ``row`` changed: the staging buffers copy them at their next steps."""
+        self._change_at.append(row * self.max_pages_per_req + first)
+        self._change_len.append(count)
+
     def add_request(self, req_id: Hashable, pages: Any = (), num_computed_tokens: int = 0) -> None:
         """Add a request in the next free row.
 
@@ -306,7 +312,7 @@ class PersistentBatch:
         self._ids.append(req_id)
         self._row[req_id] = row
         if k:
-            self._changes.append((row, 0, k))
+            self._changed(row, 0, k)
 
     def append_pages(self, req_id: Hashable, pages: Any) -> None:
         """Give the request more pages, after the ones it holds.
@@ -326,7 +332,7 @@ class PersistentBatch:
             self._claim(req_id, arr, int(self._serial[row]))
         self._table[row, have : have + k] = arr
         self._num_pages[row] = have + k
-        self._changes.append((row, have, have + k))
+        self._changed(row, have, k)
 
     def truncate_pages(self, req_id: Hashable, num_pages: int) -> np.ndarray:
         """Keep the request's first ``num_pages`` pages (e.g. after rejected speculative tokens); returns the pages
@@ -344,7 +350,7 @@ class PersistentBatch:
         self._table[row, num_pages:have] = 0
         self._num_pages[row] = num_pages
         if num_pages < have:
-            self._changes.append((row, int(num_pages), have))
+            self._changed(row, int(num_pages), have - int(num_pages))
         return dropped
 
     def set_num_computed_tokens(self, req_id: Hashable, num_computed_tokens: int) -> None:
@@ -379,11 +385,11 @@ class PersistentBatch:
             if self.exclusive_pages:
                 self._serial[row] = self._serial[last]
             if width:
-                self._changes.append((row, 0, width))
+                self._changed(row, 0, width)
             k = k_last
         self._table[last, :k] = 0
         if k:
-            self._changes.append((last, 0, k))
+            self._changed(last, 0, k)
         self._num_pages[last] = 0
         self._computed[last] = 0
         self._ids.pop()
@@ -451,7 +457,8 @@ class PersistentBatch:
             ids[i], ids[j] = ids[j], ids[i]
             where[ids[i]], where[ids[j]] = i, j
         if width:
-            self._changes.extend((r, 0, width) for r in rows.tolist())
+            self._change_at.extend((rows * self.max_pages_per_req).tolist())
+            self._change_len.extend([width] * rows.size)
 
     def _order_rows(self, counts: np.ndarray) -> int:
         """Move rows (and ``counts`` with them) so that decodes come first, then the other scheduled requests, then
@@ -473,25 +480,23 @@ class PersistentBatch:
 
     def _sync_staging(self, b: int) -> None:
         """Copy the page-table entries changed since staging buffer ``b`` was last used into it."""
-        changes, start = self._changes, self._synced[b]
-        count = len(changes) - start
+        at, lengths, start = self._change_at, self._change_len, self._synced[b]
+        count = len(at) - start
         if count == 0:
             return
         table = self._staging_np[b][3].reshape(-1)
         if count == 1:
-            row, lo, hi = changes[start]
-            first = row * self.max_pages_per_req + lo
-            table[first : first + hi - lo] = self._table_flat[first : first + hi - lo]
+            first, stop = at[start], at[start] + lengths[start]
+            table[first:stop] = self._table_flat[first:stop]
         else:
-            entries = np.array(changes[start:], dtype=np.int64)
-            first = self._row_base[entries[:, 0]] + entries[:, 1]
-            lengths = entries[:, 2] - entries[:, 1]
-            idx = first if lengths.max() == 1 else _ranges(first, lengths)
+            idx = np.array(at[start:], dtype=np.int64)
+            if max(lengths[start:]) > 1:
+                idx = _ranges(idx, np.array(lengths[start:], dtype=np.int64))
             table[idx] = self._table_flat[idx]
-        self._synced[b] = len(changes)
+        self._synced[b] = len(at)
         done = min(self._synced)
-        if done:  # entries both buffers have copied
-            del changes[:done]
+        if done:  # runs both buffers have copied
+            del at[:done], lengths[:done]
             self._synced = [self._synced[0] - done, self._synced[1] - done]
 
     def _views_for(self, b: int, n: int, padded: int) -> tuple:
@@ -548,6 +553,11 @@ class PersistentBatch:
                                  "be >= 0")
         if n_rows and low >= 1 and high <= thr:
             n = num_decodes = n_rows  # every request decodes: already in order
+        elif n_rows and low >= 1:  # every request runs: in order when no longer query precedes a decode
+            longer = counts > thr
+            n, num_decodes = n_rows, n_rows - int(np.count_nonzero(longer))
+            if np.count_nonzero(longer[:num_decodes]):
+                num_decodes = self._order_rows(counts)
         else:
             num_decodes = self._order_rows(counts) if n_rows else 0
             n = n_rows - int(np.count_nonzero(counts == 0))

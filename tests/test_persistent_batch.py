@@ -413,3 +413,41 @@ def test_run_ahead_on_cuda_each_step_reads_its_own_metadata():
     for got, expected in zip(seen[-2:], want[-2:]):  # the last two steps' host copies are still theirs
         for name in ("query_start_loc_cpu", "seq_lens_cpu", "block_table_cpu"):
             assert torch.equal(getattr(got["host"], name), getattr(expected, name)), name
+
+
+@pytest.mark.gpu
+def test_run_ahead_on_cuda_forwards_match_build_common_metadata():
+    from attnbackends import select
+    from attnbackends.testing.run_ahead import RUN_AHEAD_STEPS, put_host_ahead
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=128, dtype="bfloat16", block_size=16)
+    backend = select(spec, DeviceInfo.current(torch.device("cuda")))
+    batches = [make_random_batch(spec, shapes, seed=100 + i, device="cuda", num_blocks=96)
+               for i, shapes in enumerate(RUN_AHEAD_STEPS)]
+    builder = backend.get_builder_cls()(spec, "cuda")
+    impl = backend.get_impl_cls()(spec)
+
+    def run(common, batch):
+        out = batch.new_output()
+        impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), builder.build(common), out)
+        return out
+
+    expected = [run(b.common, b) for b in batches]  # compiles, then the reference outputs
+    torch.cuda.synchronize()
+    persistent = PersistentBatch(8, 256, 16, spec.block_size, "cuda", num_blocks=96)
+    put_host_ahead("cuda")
+    outputs = []
+    for i, b in enumerate(batches):  # every step a new set of requests, prepared while the GPU is behind
+        for r in persistent.req_ids:
+            persistent.finish_request(r)
+        for j, s in enumerate(b.shapes):
+            need = -(-s.seq_len // spec.block_size)
+            persistent.add_request((i, j), b.common.block_table_cpu[j, :need].numpy(), s.context_len)
+        common = persistent.prepare({(i, j): s.query_len for j, s in enumerate(b.shapes)},
+                                    num_padded_tokens=b.query.shape[0])
+        assert persistent.step_req_ids == [(i, j) for j in range(len(b.shapes))]
+        outputs.append(run(common, b))
+    torch.cuda.synchronize()
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        n = batches[i].num_actual_tokens
+        assert torch.equal(got[:n], want[:n]), f"step {i}"
