@@ -414,8 +414,10 @@ class PersistentBatch:
                                      "finished)") from None
                 self._keys, self._keys_rows = keys, rows
             counts = self._token_counts(scheduled, k)
+            if counts is None and k == n_rows:
+                return np.ones(n_rows, dtype=np.int64)
             per_row = np.zeros(n_rows, dtype=np.int64)
-            per_row[rows] = counts
+            per_row[rows] = 1 if counts is None else counts
             return per_row
         counts = np.asarray(scheduled)
         if counts.shape != (n_rows,) or (counts.dtype.kind not in "iu" and n_rows):
@@ -425,13 +427,20 @@ class PersistentBatch:
         return counts.astype(np.int64)  # a copy: the rows are reordered below
 
     @staticmethod
-    def _token_counts(scheduled: Mapping, k: int) -> np.ndarray:
-        """The mapping's values as int64 [k], each an int >= 1; ValueError naming the first that is not."""
+    def _token_counts(scheduled: Mapping, k: int) -> Optional[np.ndarray]:
+        """The mapping's values as int64 [k], each an int >= 1, or None where every one is 1 (a decode step needs
+        no array); ValueError naming the first that is not an int >= 1."""
+        values = scheduled.values()
         try:
-            counts = np.fromiter(scheduled.values(), np.int64, k)
+            total = sum(values)
+        except TypeError:
+            total = None
+        if type(total) is int and total == k and k and min(values) == 1:  # ints >= 1 summing to k: all 1
+            return None
+        try:
+            counts = np.fromiter(values, np.int64, k)
             # fromiter would cut 1.5 to 1 and read "1" as 1: a float or a string makes Python's sum differ from
-            # the counts' in type or value, or raise
-            total = sum(scheduled.values())
+            # the counts' in type or value, or fail
             good = isinstance(total, (int, np.integer)) and total == counts.sum() and (not k or counts.min() >= 1)
         except (TypeError, ValueError, OverflowError):
             good = False

@@ -15,11 +15,13 @@ copies, so it keeps up). Rows (PERF.md ``step_host`` / ``persistent`` / ``build_
 - ``mixed``: B - 4 such decodes and four 512-token chunks of prompts on 2048 cached tokens (the chunked requests
   are set back after each step, so every step has the same shape).
 
-Fields: ``us`` (appends + ``prepare`` with a ``{req_id: tokens}`` dict), ``array_us`` (the same with the token
-counts as an array in row order), ``peer_us`` (``build_common_metadata`` from lists of page ids), ``ratio`` =
-us / peer_us; ``add_us`` and ``finish_us`` (one ``add_request`` of a request with --pages-per-req pages given as a
-NumPy array, one ``finish_request``, with B requests live), ``add_list_us`` (the pages as a list); ``copy_kib`` (the
-step's one host-to-device copy).
+Fields: ``us`` (the median step: appends + ``prepare`` with a ``{req_id: tokens}`` dict; ``mean_us`` the mean),
+``array_us`` (the median step with the token counts as an array in row order), ``peer_us``
+(``build_common_metadata`` from lists of page ids), ``ratio`` = us / peer_us; ``add_us`` and ``finish_us`` (one
+``add_request`` of a request with --pages-per-req pages given as a NumPy array, one ``finish_request``, with B
+requests live; medians), ``add_list_us`` (the pages as a list); ``copy_kib`` (the step's one host-to-device copy:
+the device's rows of the block table are copied whole, max_pages_per_req wide). With ``--device cpu`` the copy is
+a memcpy on the host and counts in ``us``; on CUDA it is one asynchronous copy launch.
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_us(fn: Callable[[], float], repeats: int) -> float:
-    """Median of ``repeats`` calls of ``fn`` (each returns microseconds per step)."""
+    """Median of ``repeats`` calls of ``fn`` (each returns microseconds per call)."""
     return statistics.median(fn() for _ in range(repeats))
+
+
+def _step_times(work: "_Workload", steps: int, repeats: int, as_array: bool) -> tuple[float, float]:
+    """(median, mean) µs per step over ``repeats`` runs of ``steps`` steps: the median is what a step costs
+    (a shared host's preemptions left out), the mean what steps cost in all."""
+    times = [t for _ in range(repeats) for t in work.timed_steps(steps, as_array)]
+    return statistics.median(times), statistics.fmean(times)
 
 
 class _Workload:
@@ -82,11 +91,11 @@ class _Workload:
         self.next_page += n
         return pages
 
-    def timed_steps(self, steps: int, as_array: bool) -> float:
-        """µs per step (the step's page appends and its prepare) over ``steps`` steps."""
+    def timed_steps(self, steps: int, as_array: bool) -> list[float]:
+        """µs of each of ``steps`` steps (the step's page appends and its prepare)."""
         batch = self.batch
         counts = np.array([self.scheduled[r] for r in batch.req_ids], dtype=np.int64)  # rows never move here
-        total = 0.0
+        times = []
         for _ in range(steps):
             opening = np.flatnonzero(self.context % self.bs == 0).tolist()  # the new token opens a page
             pages = [self._take(1) for _ in opening]
@@ -94,11 +103,11 @@ class _Workload:
             for r, page in zip(opening, pages):
                 batch.append_pages(r, page)
             batch.prepare(counts if as_array else self.scheduled)
-            total += time.perf_counter() - start
+            times.append((time.perf_counter() - start) * 1e6)
             self.context += 1
             for r in self.chunks:  # the same chunk shape every step
                 batch.set_num_computed_tokens(r, CHUNK_CONTEXT)
-        return total / steps * 1e6
+        return times
 
     def peer_lists(self) -> tuple[list[int], list[int], list[list[int]]]:
         """The next step as build_common_metadata takes it (decode-first lists, page ids as Python lists), after
@@ -148,8 +157,8 @@ def measure(num_reqs: int = 256, pages_per_req: int = 256, block_size: int = 16,
         work = _Workload(kind, num_reqs, pages_per_req, block_size, steps * (2 * repeats + 1), dev)
         work.timed_steps(max(steps // 4, 2), as_array=False)  # warm: views cached, first copies done
         _sync(dev)
-        us = _median_us(lambda: work.timed_steps(steps, as_array=False), repeats)
-        array_us = _median_us(lambda: work.timed_steps(steps, as_array=True), repeats)
+        us, mean_us = _step_times(work, steps, repeats, as_array=False)
+        array_us, _ = _step_times(work, steps, repeats, as_array=True)
         _sync(dev)
         query, context, tables = work.peer_lists()
         build_common_metadata(query, context, tables, block_size, dev)
@@ -168,7 +177,7 @@ def measure(num_reqs: int = 256, pages_per_req: int = 256, block_size: int = 16,
             "B": num_reqs, "pages": num_reqs * pages_per_req, "tokens": sum(query), "block_size": block_size,
             "max_pages_per_req": batch.max_pages_per_req, "device": str(dev),
             "us": round(us, 2), "peer_us": round(peer_us, 2), "ratio": round(us / peer_us, 5),
-            "array_us": round(array_us, 2), **updates,
+            "mean_us": round(mean_us, 2), "array_us": round(array_us, 2), **updates,
             "copy_kib": round((batch._off_table + 4 * len(query) * batch.max_pages_per_req) / 1024, 1),
         })
     return rows
