@@ -509,6 +509,8 @@ class PersistentBatch:
             self._synced = [self._synced[0] - done, self._synced[1] - done]
 
     def _views_for(self, b: int, n: int, padded: int) -> tuple:
+        """The step's tensor views (device, host) and the copy's two byte ranges, kept per shape: slicing a
+        tensor costs about a microsecond, and steady steps repeat their shapes."""
         key = (b, n, padded)
         views = self._views.get(key)
         if views is None:
