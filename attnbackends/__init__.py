@@ -27,6 +27,7 @@ from .metadata import (
     split_decodes_and_prefills,
     validate_common_metadata,
 )
+from .persistent_batch import PersistentBatch
 from .platform import DeviceInfo
 from .selection.registry import (
     BackendNotSupportedError,
@@ -70,6 +71,7 @@ __all__ = [
     "encoder_slot_mapping",
     "split_decodes_and_prefills",
     "validate_common_metadata",
+    "PersistentBatch",
     "DeviceInfo",
     "BackendNotSupportedError",
     "Explanation",

@@ -59,6 +59,9 @@ def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
         return _time_target(row, 1.03, "raw wrappers")
     if case == "build_host_time" and B == 256 and L == 4096 and row.get("us") is not None:
         return "build() <= 100 us CPU time", row["us"] <= 100.0
+    if case == "step_host" and B == 256 and row.get("pages") == 65536 and row.get("us") is not None:
+        updates = max(row.get("add_us", 0.0), row.get("finish_us", 0.0))
+        return "<= 150 us per step, <= 20 us per add/finish (host)", row["us"] <= 150.0 and updates <= 20.0
     if ratio is None or backend not in ("triton", "triton_mla", "auto"):
         return None
     if case == "decode" and peer == "flashinfer":
@@ -145,7 +148,7 @@ _EXTRA_COLUMNS = (
     "tree", "tokens_per_request", "drafter", "tokens_identical", "acceptance_length", "tokens_per_s",
     "speedup_vs_plain", "ranks", "exchange", "trace", "model", "mode", "shape", "ctx", "measured_choice",
     "wall_us", "peer_wall_us", "speedup", "q_len", "products", "repeat_us", "peer_repeat_us", "batch", "GBps",
-    "roof_GBps",
+    "roof_GBps", "pages", "array_us", "add_us", "finish_us",
 )
 
 

@@ -70,6 +70,8 @@ SUITES: dict[str, Suite] = {
                                         "Gluon prefill (registers, stages, O staging) on chunk and fresh shapes"),
     "bad_input_cost": Suite("benchmarks.bad_input_cost", "host cost of the per-step bad-input checks in build() "
                             "and forward(), by how the engine passes the batch"),
+    "step_host": Suite("benchmarks.step_host", "host cost of a step's common metadata: PersistentBatch (appends + "
+                       "prepare, one copy) vs build_common_metadata from lists; add/finish per request"),
     "hf_generate_batch": Suite("benchmarks.hf_generate_batch", "transformers' generate_batch tokens/s with "
                                "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
     "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",

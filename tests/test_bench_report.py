@@ -48,6 +48,12 @@ def _row(case, backend, B, L, us, peer_us, kv="auto", peer="flashinfer"):
           "wall_overhead_us": 21.0}, False),
         (_row("build_host_time", "flashinfer", 256, 4096, 99.0, 800.0, peer="flashinfer_raw_plan"), True),
         (_row("build_host_time", "flashinfer", 256, 4096, 101.0, 800.0, peer="flashinfer_raw_plan"), False),
+        ({**_row("step_host", "persistent", 256, None, 140.0, 4000.0, peer="build_common_metadata"), "pages": 65536,
+          "add_us": 12.0, "finish_us": 8.0}, True),
+        ({**_row("step_host", "persistent", 256, None, 160.0, 4000.0, peer="build_common_metadata"), "pages": 65536,
+          "add_us": 12.0, "finish_us": 8.0}, False),
+        ({**_row("step_host", "persistent", 256, None, 140.0, 4000.0, peer="build_common_metadata"), "pages": 65536,
+          "add_us": 21.0, "finish_us": 8.0}, False),
     ],
 )
 def test_targets(row, met):
