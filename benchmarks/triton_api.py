@@ -614,7 +614,7 @@ def paged_rows(row, diff, shape_names=None) -> int:
                 kernel = "gluon_paged"
             else:
                 kernel = prefill_kernel_name(meta) if write else "unified"
-            out[name] = (do_bench_us(fn), o, kernel, builder.paged_prefill_reason)
+            out[name] = (do_bench_us(fn), o, kernel, str(builder.choices.paged_prefill))
         if write:
             b.triton(write=True)()  # FlashInfer reads the new keys from the cache
         indptr, indices, last, qsl, query = b.sub(0, len(shapes))
