@@ -61,11 +61,11 @@ from .write_beside import cache_write_bytes, cache_write_sms
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TritonMetadata:
     """One batch for the Triton kernels: the common tensors, the unified kernel's launch plan for the whole batch,
     and the step plan :meth:`TritonMetadataBuilder.build` made for it (every launch, its stream, the cache write),
-    with the builder's runner that executes it."""
+    with the builder's runner that executes it; never written after ``build()``."""
 
     common: CommonAttentionMetadata
     plan: LaunchPlan  # the whole batch on the unified kernel (split-KV factor, tile config, grid, workspace views)
