@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
+from .ops.page_guard import guard_block_table
 from .validation import check_batch_for_spec, check_batch_limits, check_device_available, check_forward_inputs
 
 __all__ = [
@@ -310,7 +311,8 @@ def _scale_value(name: str, value: Any, spec: AttentionSpec) -> float:
 
 def _with_batch_checks(build: Callable) -> Callable:
     """``build`` that first checks the batch (:func:`~attnbackends.validation.check_batch_limits`,
-    :func:`~attnbackends.validation.check_batch_for_spec`) and marks the metadata it returns with its origin."""
+    :func:`~attnbackends.validation.check_batch_for_spec`, :meth:`AttentionMetadataBuilder.check_page_ids`) and marks
+    the metadata it returns with its origin (:meth:`AttentionMetadataBuilder.mark_origin`)."""
 
     @functools.wraps(build)
     def checked_build(self: "AttentionMetadataBuilder", common: CommonAttentionMetadata, *args: Any,
@@ -320,15 +322,8 @@ def _with_batch_checks(build: Callable) -> Callable:
                              f"{type(common).__name__}")
         check_batch_limits(self, common)
         check_batch_for_spec(self.spec, common)
-        metadata = build(self, common, *args, **kwargs)
-        origin = self.__dict__.get("_metadata_origin")
-        if origin is None or origin.builder is not type(self):
-            origin = self._metadata_origin = MetadataOrigin.of(type(self), self.spec)
-        try:
-            object.__setattr__(metadata, "origin", origin)
-        except (AttributeError, TypeError):  # an object without a __dict__: nothing recorded, forward checks its type
-            pass
-        return metadata
+        self.check_page_ids(common)
+        return self.mark_origin(build(self, common, *args, **kwargs))
 
     checked_build.checks_batch = True
     return checked_build
@@ -339,12 +334,13 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     Every subclass's ``build`` and ``build_for_cudagraph_capture`` first check the batch against the builder's
     limits (:func:`attnbackends.validation.check_batch_limits`, host integers only: an empty batch, more than
-    ``max_num_reqs`` requests or ``max_num_tokens`` tokens is a ValueError) and against its spec
+    ``max_num_reqs`` requests or ``max_num_tokens`` tokens is a ValueError), against its spec
     (:func:`attnbackends.validation.check_batch_for_spec`: the page size, causality, cached context of layers
-    without a cache, and the slots against the block table where both are on the host), and mark the metadata
-    they return with its :class:`~attnbackends.metadata.MetadataOrigin` (``metadata.origin``: this builder's
-    class and the spec fields that matter), which every impl's ``forward`` compares with its own layer;
-    subclasses get this without code.
+    without a cache, and the slots against the block table where both are on the host) and, when the builder
+    knows ``num_blocks``, the page ids against the cache (:meth:`check_page_ids`); they mark the metadata they
+    return with its :class:`~attnbackends.metadata.MetadataOrigin` (``metadata.origin``: this builder's class, the
+    spec fields that matter and ``num_blocks``), which every impl's ``forward`` compares with its own layer and
+    cache; subclasses get this without code. Nothing writes to the metadata after ``build`` returns.
 
     Parameters
     ----------
@@ -352,7 +348,12 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     device : where the batch tensors live.
     max_num_reqs, max_num_tokens : the largest batch ``build`` accepts (persistent buffers are sized by them: CUDA
         graphs replay on fixed addresses).
-    num_blocks : the KV cache's page count when the engine knows it (``self.num_blocks``; None: not known).
+    num_blocks : pages of the KV cache of every layer this builder serves (``kv_cache.shape[0]``). Engines should
+        pass it: ``build`` then range-checks the batch's page ids once per batch (every build: an engine's
+        persistent block table may have been rewritten in place since the last one) and contains the page ids it
+        gathers, and ``forward`` only compares its cache's page count with it (a ValueError naming both where they
+        differ). None: ``build`` cannot check the page ids, so every layer's ``forward`` checks them (correct, but
+        one block-table check per layer instead of one per batch).
 
     Speculative decoding: a spec with ``num_speculative_tokens = k`` raises this builder's
     ``reorder_batch_threshold`` to ``1 + k`` (an instance attribute set here), so verify requests of up to 1 + k
@@ -419,12 +420,34 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.debug = debug
-        self.num_blocks = num_blocks
+        self.num_blocks: Optional[int] = None if num_blocks is None else int(num_blocks)
         if spec.num_speculative_tokens:
             reasons = self.speculative_reasons(spec)
             if reasons:
                 raise NotImplementedError(f"{type(self).__name__}: " + "; ".join(reasons))
             self.reorder_batch_threshold = max(self.reorder_batch_threshold, 1 + spec.num_speculative_tokens)
+
+    def check_page_ids(self, common: CommonAttentionMetadata) -> None:
+        """Range-check the page ids ``common`` uses against :attr:`num_blocks` (nothing when it is None or the layers
+        have no KV cache): raises a fault an earlier step recorded, then checks a host block table now
+        (:class:`~attnbackends.ops.page_guard.PageTableError` naming the entry) or scans a device-only one on the
+        device, recording a fault without a host-device sync (:func:`~attnbackends.ops.page_guard.guard_block_table`).
+        Every checked ``build`` calls it; a builder that plans outside ``build`` (draft steps) calls it itself."""
+        if self.num_blocks is not None and self.spec.attn_type.uses_kv_cache:
+            guard_block_table(common, self.num_blocks, self.spec.block_size)
+
+    def mark_origin(self, metadata: M) -> M:
+        """``metadata`` with its :class:`~attnbackends.metadata.MetadataOrigin` set (``metadata.origin``; made once
+        per builder); returns it. Only for metadata whose batch :meth:`check_page_ids` has checked: the origin's
+        ``num_blocks`` tells ``forward`` that it need not check the page ids again."""
+        origin = self.__dict__.get("_metadata_origin")
+        if origin is None or origin.builder is not type(self) or origin.num_blocks != self.num_blocks:
+            origin = self._metadata_origin = MetadataOrigin.of(type(self), self.spec, self.num_blocks)
+        try:
+            object.__setattr__(metadata, "origin", origin)
+        except (AttributeError, TypeError):  # an object without a __dict__: nothing recorded, forward checks its type
+            pass
+        return metadata
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M:

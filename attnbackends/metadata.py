@@ -61,7 +61,9 @@ class CommonAttentionMetadata:
         builder refuses a batch whose block_size differs from its spec's. None: not recorded (the builder then checks
         the slots against the block table where both are on the host).
     pages_checked_for : int or None
-        Set by the page-id guard: the cache size (pages) this batch's block table was range-checked against.
+        Set by producers that range-checked every page id they placed against a cache of this many pages
+        (:class:`~attnbackends.persistent_batch.PersistentBatch` with ``num_blocks``): a builder with the same
+        ``num_blocks`` then skips its per-build range check. Nothing else writes it; ``dataclasses.replace`` clears it.
     host_checked : bool
         Set by :func:`build_common_metadata` and :func:`build_cross_attention_metadata`, which derive the slots
         from the block table and check page ids, lengths and duplicate slots on the host lists: the builders'
@@ -133,9 +135,14 @@ class CommonAttentionMetadata:
 
 @dataclass(frozen=True)
 class MetadataOrigin:
-    """Where a backend's built metadata came from and which layers it can serve: the builder class and the spec
-    fields its plan depends on. Every builder's ``build`` sets it as ``metadata.origin``; every impl's ``forward``
-    compares it with its own spec (:meth:`attnbackends.interface.AttentionImplBase.check_metadata`)."""
+    """Where a backend's built metadata came from and which layers it can serve: the builder class, the spec
+    fields its plan depends on and the cache size its page ids were checked against. Every builder's ``build`` sets
+    it as ``metadata.origin``; every impl's ``forward`` compares it with its own spec
+    (:meth:`attnbackends.interface.AttentionImplBase.check_metadata`) and its cache's page count with
+    ``num_blocks`` (:func:`attnbackends.validation.check_forward_inputs`).
+
+    ``num_blocks``: the builder's (the KV cache's pages), against which ``build`` range-checked the batch's page ids
+    and contained any it gathered; None: the builder was not told, so ``forward`` checks the page ids itself."""
 
     builder: type
     block_size: int
@@ -146,12 +153,14 @@ class MetadataOrigin:
     qk_nope_head_dim: Optional[int]
     dtype: str
     attn_type: Any  # AttentionType
+    num_blocks: Optional[int] = None
 
     @classmethod
-    def of(cls, builder: type, spec: Any) -> "MetadataOrigin":
-        """The origin of metadata that a ``builder`` instance of ``spec`` (an AttentionSpec) builds."""
+    def of(cls, builder: type, spec: Any, num_blocks: Optional[int] = None) -> "MetadataOrigin":
+        """The origin of metadata that a ``builder`` instance of ``spec`` (an AttentionSpec) for a cache of
+        ``num_blocks`` pages (None: not told) builds."""
         return cls(builder, spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_size,
-                   spec.value_head_size, spec.qk_nope_head_dim, spec.dtype, spec.attn_type)
+                   spec.value_head_size, spec.qk_nope_head_dim, spec.dtype, spec.attn_type, num_blocks)
 
     def differences(self, spec: Any) -> list[str]:
         """The fields where ``spec`` (the layer's) differs from the spec the metadata was built for, in words."""

@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .metadata import CommonAttentionMetadata, check_slots_match_block_table, validate_common_metadata
+from .metadata import CommonAttentionMetadata, MetadataOrigin, check_slots_match_block_table, validate_common_metadata
 from .ops.page_guard import guard_block_table
 from .platform import check_device_available
 from .spec import AttentionSpec
@@ -361,6 +361,13 @@ def _same_layout(layout: tuple, n: int, query: Any, key: Any, value: Any, kv_cac
             and kv_cache.device == c[3])
 
 
+def _has_cached_context(common: CommonAttentionMetadata) -> bool:
+    """:meth:`CommonAttentionMetadata.has_cached_context` without recording the answer (``forward`` writes nothing
+    to the batch); ``build`` recorded it for the layers without a cache."""
+    known = common._cached_context
+    return not torch.equal(common.seq_lens_cpu, common.query_lens_cpu) if known is None else known
+
+
 def check_forward_inputs(
     impl: Any,
     metadata: Any,
@@ -376,11 +383,13 @@ def check_forward_inputs(
 ) -> None:
     """The hook every impl's ``forward`` calls first (the "checked" rule of the module docstring).
 
-    Range-checks the batch's page ids against the cache once per batch
-    (:func:`attnbackends.ops.page_guard.guard_block_table`). Full validation on the impl's first call, on every call
-    in debug mode, and on any call whose tensors differ from the recorded layout; otherwise one comparison per
-    tensor. ``backend``: the backend class whose ``kv_cache_shape`` and layout the cache must have. ``mla``: the
-    arguments are MLA's (q, kv_c_normed, k_pe, kv_cache, output).
+    The page ids: where the metadata's builder knew the cache size (``metadata.origin.num_blocks``), its ``build``
+    range-checked them, and this compares the cache's page count with it (a ValueError naming both); otherwise it
+    range-checks them against this cache on every call
+    (:func:`attnbackends.ops.page_guard.guard_block_table`). Then full validation on the impl's first call, on every
+    call in debug mode, and on any call whose tensors differ from the recorded layout; otherwise one comparison per
+    tensor. Writes nothing to the metadata. ``backend``: the backend class whose ``kv_cache_shape`` and layout the
+    cache must have. ``mla``: the arguments are MLA's (q, kv_c_normed, k_pe, kv_cache, output).
     """
     spec = impl.spec
     if kv_cache is not None:
@@ -388,8 +397,16 @@ def check_forward_inputs(
             raise ValueError(f"kv_cache must be None for attn_type {spec.attn_type.value!r}: the layer has no KV "
                              "cache (its keys and values are the step's own key and value)")
         if common is not None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() >= 1:
-            guard_block_table(common, kv_cache.shape[0], spec.block_size)
-    elif common is not None and spec.attn_type.uses_kv_cache and common.has_cached_context():
+            origin = getattr(metadata, "origin", None)
+            checked = origin.num_blocks if isinstance(origin, MetadataOrigin) else None
+            if checked is None:
+                guard_block_table(common, kv_cache.shape[0], spec.block_size)
+            elif kv_cache.shape[0] != checked:
+                raise ValueError(
+                    f"kv_cache has {kv_cache.shape[0]} pages (kv_cache.shape[0]), but the metadata's builder was made "
+                    f"with num_blocks={checked} and checked the batch's page ids against that: make the builder "
+                    "with the page count of the caches of the layers it serves")
+    elif common is not None and spec.attn_type.uses_kv_cache and _has_cached_context(common):
         raise ValueError(f"kv_cache is None, but the batch has cached context (seq_len > query_len) that a "
                          f"{spec.attn_type.value!r} layer reads from its KV cache: pass the layer's kv_cache")
     num_actual_tokens = common.num_actual_tokens if common is not None else metadata.num_actual_tokens

@@ -130,8 +130,8 @@ def adapter_overhead_rows(batch_sizes=(1, 64), seq_len: int = 4096) -> list[dict
     for batch in batch_sizes:
         common, cache, query = _decode_batch(batch, seq_len)
         out = torch.empty_like(query)
-        builder = FlashInferMetadataBuilder(SPEC, "cuda")
-        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
+        builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0])
+        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0], fast_plan=False)
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         meta = builder.build(common)
         raw, raw_plan = _raw_decode_peer(meta.plan_inputs)
@@ -184,9 +184,9 @@ def build_host_time_rows(batch_sizes=(64, 256), seq_len: int = 4096) -> list[dic
 
     rows = []
     for batch in batch_sizes:
-        common, _, _ = _decode_batch(batch, seq_len)
-        builder = FlashInferMetadataBuilder(SPEC, "cuda")
-        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
+        common, cache, _ = _decode_batch(batch, seq_len)
+        builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0])
+        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0], fast_plan=False)
         _, raw_plan = _raw_decode_peer(builder.build(common).plan_inputs)
 
         def build():
@@ -275,13 +275,13 @@ def profile_build(batch_sizes=(1, 64, 256), seq_len: int = 4096, steps: int = 30
     for batch in batch_sizes:
         common, cache, query = _decode_batch(batch, seq_len)
         out = torch.empty_like(query)
-        builder = FlashInferMetadataBuilder(SPEC, "cuda")
-        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", fast_plan=False)
+        builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0])
+        planning_builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0], fast_plan=False)
         impl = FlashInferBackend.get_impl_cls()(SPEC)
         impl.forward(query, None, None, cache, builder.build(common), out)
         planning_builder.build(common)
-        host_gather = FlashInferMetadataBuilder(SPEC, "cuda", host_gather_max_pages=1 << 30)
-        device_gather = FlashInferMetadataBuilder(SPEC, "cuda", host_gather_max_pages=0)
+        host_gather = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0], host_gather_max_pages=1 << 30)
+        device_gather = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0], host_gather_max_pages=0)
         pieces = {
             "translate+stage (host gather)": lambda: host_gather._plan_inputs(common),
             "translate+stage (device gather)": lambda: device_gather._plan_inputs(common),
@@ -312,7 +312,7 @@ def trace_steps(out_dir: Path, batch: int = 1, seq_len: int = 4096, reps: int = 
 
     common, cache, query = _decode_batch(batch, seq_len)
     out = torch.empty_like(query)
-    builder = FlashInferMetadataBuilder(SPEC, "cuda")
+    builder = FlashInferMetadataBuilder(SPEC, "cuda", num_blocks=cache.shape[0])
     impl = FlashInferBackend.get_impl_cls()(SPEC)
     raw, raw_plan = _raw_decode_peer(builder.build(common).plan_inputs)
 

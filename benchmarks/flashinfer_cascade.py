@@ -78,7 +78,8 @@ def shared_prefix_step(query_lens: list[int], context_lens: list[int], prefix: i
 
 
 def _step_fn(backend, common, cache, q, k, v, layers: int, **builder_kwargs):
-    builder = backend.get_builder_cls()(SPEC, "cuda", max_num_reqs=256, max_num_tokens=16384, **builder_kwargs)
+    builder = backend.get_builder_cls()(SPEC, "cuda", max_num_reqs=256, max_num_tokens=16384,
+                                        num_blocks=cache.shape[0], **builder_kwargs)
     impl = backend.get_impl_cls()(SPEC)
     out = torch.empty_like(q)
     state = {}

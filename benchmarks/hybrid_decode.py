@@ -52,7 +52,7 @@ class Step:
     def __init__(self, specs, common, caches, query, key, value, backend, device):
         self.groups = group_layers(specs, config=AttentionConfig(backend=backend))
         self.builder = GroupedMetadataBuilder(self.groups, device, max_num_reqs=common.num_reqs,
-                                              max_num_tokens=common.num_actual_tokens)
+                                              max_num_tokens=common.num_actual_tokens, num_blocks=caches[0].shape[0])
         self.impls = self.groups.make_impls()
         self.common, self.caches = common, caches
         self.query, self.key, self.value = query, key, value

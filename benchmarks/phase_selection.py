@@ -44,7 +44,8 @@ def prefill_tflops(batch: int, length: int, heads: int, head_size: int, us: floa
 def time_prefill(name: str, spec: AttentionSpec, batch: int, length: int, device: torch.device) -> float:
     cls = get_backend_class(name)
     data = timing_batch(spec, [length] * batch, [0] * batch, device)
-    builder = cls.get_builder_cls()(spec, device, max_num_tokens=batch * length)
+    builder = cls.get_builder_cls()(spec, device, max_num_tokens=batch * length,
+                                    num_blocks=data.kv_cache.shape[0])
     impl = cls.get_impl_cls()(spec)
     metadata = builder.build(data.common)
     return time_us(lambda: data.forward(impl, metadata), device)

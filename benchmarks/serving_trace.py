@@ -589,7 +589,7 @@ class BackendReplay:
         self.device = device
         self.groups: LayerGroups = group_layers(self.specs, DeviceInfo.current(device), config)
         self.builder = GroupedMetadataBuilder(self.groups, device, max_num_reqs=max_num_reqs,
-                                              max_num_tokens=max_num_tokens)
+                                              max_num_tokens=max_num_tokens, num_blocks=num_blocks)
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:

@@ -79,7 +79,7 @@ class Setup:
         cls = get_backend_class(backend_name)
         n = self.query.shape[0]
         builder = cls.get_builder_cls()(self.spec, self.device, max_num_reqs=max(256, self.common.num_reqs),
-                                        max_num_tokens=max(8192, n))
+                                        max_num_tokens=max(8192, n), num_blocks=self.kv_cache.shape[0])
         metadata = builder.build(self.common)
         impl = cls.get_impl_cls()(self.spec)
         cache = self.kv_cache.clone()

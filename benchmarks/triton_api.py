@@ -143,7 +143,7 @@ class Batch:
         self.flops = 4.0 * num_heads * head_size * visible
         self.builder = TritonAttentionBackend.get_builder_cls()(
             self.spec, DEV, max_num_reqs=max(max_num_reqs, len(shapes)), max_num_tokens=max(self.num_tokens, 8192),
-            prefill_kernel=PREFILL_KERNEL, hopper_prefill=HOPPER_PREFILL, **builder_kw)
+            num_blocks=self.kv.shape[0], prefill_kernel=PREFILL_KERNEL, hopper_prefill=HOPPER_PREFILL, **builder_kw)
         sinks = torch.randn(num_heads, device=DEV, generator=g) if self.spec.has_sinks else None
         self.impl = TritonAttentionBackend.get_impl_cls()(self.spec, k_scale=self.kv_scale, v_scale=self.kv_scale,
                                                           sinks=sinks)
@@ -346,7 +346,8 @@ def main(argv=None) -> int:
                 b.new_k, b.new_v, b.kv, b.common.slot_mapping, todo, b.num_tokens)), 2)
         if kernel == "gluon_hopper":  # the attention alone on every SM, as the peers' rows are timed
             plan = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                       hopper_cache_write=False, cache_write_sms=0).build(b.common).prefill_split[1]
+                                       num_blocks=b.kv.shape[0], hopper_cache_write=False,
+                                       cache_write_sms=0).build(b.common).prefill_split[1]
             attn_us = do_bench_us(lambda: launch_hopper_prefill(plan, b.query, b.new_k, b.new_v, b.out,
                                                                 b.common.query_start_loc, SCALE))
             extra.update(attention_only_us=round(attn_us, 2), attention_only_TFLOPs=tf(attn_us))
@@ -356,7 +357,7 @@ def main(argv=None) -> int:
             for case, opts in (("prefill_write_beside", dict(hopper_cache_write=False)),
                                ("prefill_write_first", dict(hopper_cache_write=False, cache_write_sms=0))):
                 meta = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                           **opts).build(b.common)
+                                           num_blocks=b.kv.shape[0], **opts).build(b.common)
                 other = lambda: b.impl.forward(b.query, b.new_k, b.new_v, b.kv, meta, b.out)  # noqa: E731
                 other()
                 o_us = do_bench_us(other)
@@ -366,8 +367,8 @@ def main(argv=None) -> int:
         row("prefill_kv_in_cache", B, L, cached, peer, TFLOPs=tf(cached), peer_TFLOPs=tf(peer))
         if kernel == "gluon_hopper":  # the same batch on the Triton prefill kernel: what the Gluon kernel gains
             b.metadata = TritonAttentionBackend.get_builder_cls()(
-                b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, prefill_kernel=PREFILL_KERNEL,
-                hopper_prefill=False).build(b.common)
+                b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens, num_blocks=b.kv.shape[0],
+                prefill_kernel=PREFILL_KERNEL, hopper_prefill=False).build(b.common)
             other = b.triton(write=True)
             b.out.fill_(float("nan"))
             other()
@@ -426,7 +427,7 @@ def mixed_rows(row, diff) -> int:
     # the same batch with the split forced the other way: what the builder's choice (prefill_kernel_pays) gained
     forced = not b.metadata.prefill_split
     builder = TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256, max_num_tokens=8192,
-                                                       prefill_kernel=forced)
+                                                       num_blocks=b.kv.shape[0], prefill_kernel=forced)
     b.metadata = builder.build(b.common)
     if (b.metadata.prefill_split is not None) == forced:
         other = b.triton(write=True)
@@ -463,10 +464,11 @@ def write_sweep(row, diff) -> int:
         sd = do_bench_us(sdpa_prefill(B, L))
         tf = lambda t: round(b.flops / t / 1e6, 1)  # noqa: E731
         chosen = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                     hopper_cache_write=False).build(b.common).cache_write_sms
+                                     num_blocks=b.kv.shape[0], hopper_cache_write=False).build(b.common).cache_write_sms
         for k in WRITE_SMS_SWEEP:
             b.metadata = b.builder.__class__(b.spec, DEV, max_num_reqs=256, max_num_tokens=b.num_tokens,
-                                             hopper_cache_write=False, cache_write_sms=k).build(b.common)
+                                             num_blocks=b.kv.shape[0], hopper_cache_write=False,
+                                             cache_write_sms=k).build(b.common)
             fn = b.triton(write=True)
             b.out.fill_(float("nan"))
             fn()
@@ -527,7 +529,8 @@ def prefill_sweep(row, diff) -> int:
 
     def builder(prefill_kernel, overlap=False):
         return TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256, max_num_tokens=8192,
-                                                        prefill_kernel=prefill_kernel, overlap_decodes=overlap)
+                                                        num_blocks=b.kv.shape[0], prefill_kernel=prefill_kernel,
+                                                        overlap_decodes=overlap)
 
     b.metadata = builder(False).build(b.common)
     row("mixed_sweep", 64, 4096, do_bench_us(b.triton(write=True)), peer, config="unified")
@@ -601,7 +604,7 @@ def paged_rows(row, diff, shape_names=None) -> int:
         for name, paged in (("paged", True), ("default", False)):
             builder = TritonAttentionBackend.get_builder_cls()(b.spec, DEV, max_num_reqs=256,
                                                                max_num_tokens=max(b.num_tokens, 8192),
-                                                               hopper_paged_prefill=paged,
+                                                               num_blocks=b.kv.shape[0], hopper_paged_prefill=paged,
                                                                **((paged_kw or {}) if paged else {}))
             meta = builder.build(b.common)
             o = torch.full_like(b.query, float("nan"))
@@ -614,7 +617,7 @@ def paged_rows(row, diff, shape_names=None) -> int:
                 kernel = "gluon_paged"
             else:
                 kernel = prefill_kernel_name(meta) if write else "unified"
-            out[name] = (do_bench_us(fn), o, kernel, builder.paged_prefill_reason)
+            out[name] = (do_bench_us(fn), o, kernel, str(builder.choices.paged_prefill))
         if write:
             b.triton(write=True)()  # FlashInfer reads the new keys from the cache
         indptr, indices, last, qsl, query = b.sub(0, len(shapes))

@@ -40,18 +40,26 @@ def _batch(tables, query_lens=(1, 5), context_lens=(20, 3), device=DEVICE):
 @pytest.mark.parametrize("backend", [ReferenceBackend, TritonAttentionBackend], ids=lambda b: b.name)
 @pytest.mark.parametrize("bad_page", [99, NUM_BLOCKS, -1, -7])
 @pytest.mark.parametrize("host_copy", [True, False], ids=["host-table", "device-table-only"])
-def test_forward_rejects_a_page_outside_the_cache(backend, bad_page, host_copy):
+@pytest.mark.parametrize("num_blocks", [None, NUM_BLOCKS], ids=["forward-checks", "build-checks"])
+def test_a_page_outside_the_cache_is_rejected(backend, bad_page, host_copy, num_blocks):
+    """By ``build`` where the builder knows the cache's page count, else by ``forward``."""
     common, q, k, v, cache = _batch([[3, 4], [5]])
     # a page id rewritten in place after the metadata was built (build_common_metadata refuses a negative one)
     common.block_table[0, 1] = bad_page
     common.block_table_cpu[0, 1] = bad_page
     if not host_copy:
         common.block_table_cpu = None
-    builder = backend.get_builder_cls()(SPEC, DEVICE)
+    builder = backend.get_builder_cls()(SPEC, DEVICE, num_blocks=num_blocks)
     impl = backend.get_impl_cls()(SPEC)
     out = torch.full_like(q, float("nan"))
     with pytest.raises(PageTableError, match=rf"block_table\[0, 1\] = {bad_page} is outside .*\(request 0, block-table slot 1\)"):
-        impl.forward(q, k, v, cache, builder.build(common), out)
+        metadata = builder.build(common)
+        if num_blocks is not None:
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()  # a device-only table: build() recorded the fault without a sync
+            raise_pending_faults(DEVICE)  # build() checked: raised now (host) or recorded (device-only table)
+            pytest.fail("build() with num_blocks let a bad page id through")
+        impl.forward(q, k, v, cache, metadata, out)
         raise_pending_faults(DEVICE)  # device-only table on a GPU: reported at the next check point
 
 
@@ -59,16 +67,17 @@ def test_unused_block_table_entries_are_not_checked():
     """Columns past a request's pages may hold anything (engines pad rows with -1 or stale ids)."""
     common, q, k, v, cache = _batch([[3, 4, -1, 12345], [5, 99]])
     guard_block_table(common, NUM_BLOCKS, BLOCK)
-    assert common.pages_checked_for == NUM_BLOCKS
 
 
-def test_the_guard_runs_once_per_batch_and_cache_size():
+def test_the_guard_reads_the_table_every_time_and_writes_nothing_to_the_batch():
+    """An engine's persistent batch rewritten in place is checked again: the guard keeps no memo on it."""
     common, *_ = _batch([[3, 4], [5]])
+    before = dict(vars(common))
     guard_block_table(common, NUM_BLOCKS, BLOCK)
-    common.block_table_cpu[0, 0] = 99  # not looked at again for the same cache size
-    guard_block_table(common, NUM_BLOCKS, BLOCK)
+    assert vars(common) == before and all(vars(common)[k] is v for k, v in before.items())
+    common.block_table_cpu[0, 0] = 99
     with pytest.raises(PageTableError, match=r"block_table\[0, 0\] = 99"):
-        guard_block_table(common, NUM_BLOCKS - 1, BLOCK)
+        guard_block_table(common, NUM_BLOCKS, BLOCK)
 
 
 def test_device_scan_records_the_first_bad_entry_and_is_raised_once():

@@ -217,7 +217,7 @@ class PagedEngine:
         debug = bool(attention_config.debug) if attention_config is not None else False
         self.builder = self.backend.get_builder_cls()(
             self.spec, self.device, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_batched_tokens,
-            debug=debug,
+            debug=debug, num_blocks=config.num_blocks,
         )
         self.impls = [self.backend.get_impl_cls()(self.spec, **model.impl_kwargs(i)) for i in range(model.num_layers)]
         self.kv_caches = [

@@ -116,12 +116,6 @@ class GroupedPagedEngine(PagedEngine):
         self.sequence_groups = [g.index for g in self.groups.groups if g.spec.attn_type is AttentionType.DECODER]
         if not self.sequence_groups:
             raise ValueError("the model has no decoder (causal self-attention) layers; the engine generates with them")
-        debug = any(g.config.debug for g in self.groups.groups)
-        self.builder = GroupedMetadataBuilder(self.groups, self.device, max_num_reqs=config.max_num_reqs,
-                                              max_num_tokens=config.max_num_batched_tokens, debug=debug)
-        self.spec = self.groups.groups[self.sequence_groups[0]].spec
-        self.backend = _BackendLabel(",".join(f"{g.name}={g.backend.name}" for g in self.groups.groups))
-        self.impls = self.groups.make_impls(model.impl_kwargs)
         # pages per request a group can need at once: all of a sequence's, or a window's worth
         self.page_caps: list[Optional[int]] = [
             None if g.window is None
@@ -131,10 +125,17 @@ class GroupedPagedEngine(PagedEngine):
         pool_sizes = [0 if not g.spec.attn_type.uses_kv_cache
                       else config.num_blocks if cap is None else min(config.num_blocks, config.max_num_reqs * cap)
                       for g, cap in zip(self.groups.groups, self.page_caps)]
+        pages = {g.name: n for g, n in zip(self.groups.groups, pool_sizes)}
+        debug = any(g.config.debug for g in self.groups.groups)
+        self.builder = GroupedMetadataBuilder(self.groups, self.device, max_num_reqs=config.max_num_reqs,
+                                              max_num_tokens=config.max_num_batched_tokens, debug=debug,
+                                              num_blocks={name: n for name, n in pages.items() if n})
+        self.spec = self.groups.groups[self.sequence_groups[0]].spec
+        self.backend = _BackendLabel(",".join(f"{g.name}={g.backend.name}" for g in self.groups.groups))
+        self.impls = self.groups.make_impls(model.impl_kwargs)
         self.pools = [BlockAllocator(n) for n in pool_sizes]
         self.allocator = self.pools[self.sequence_groups[0]]
-        caches = self.groups.allocate_kv_caches({g.name: n for g, n in zip(self.groups.groups, pool_sizes)},
-                                                self.device)
+        caches = self.groups.allocate_kv_caches(pages, self.device)
         self.kv_caches = [None if c is None else c.zero_() for c in caches]
         self.num_steps = 0
         self.scheduled_tokens: list[int] = []

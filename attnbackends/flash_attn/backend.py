@@ -66,9 +66,10 @@ GENERATION_CAPABILITIES: dict[int, GenerationCapabilities] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlashAttnMetadata:
-    """One batch for flash-attn: the common tensors it reads, and the host bounds it schedules with.
+    """One batch for flash-attn: the common tensors it reads, and the host bounds it schedules with (never written
+    after ``build()``).
 
     query_start_loc : [R + 1] int32 (flash-attn's cu_seqlens_q); seq_lens : [R] int32 (its seqused_k);
     block_table : [R, W] int32 (its page_table); cu_seqlens_k : [R + 1] int32, flash-attn 2 only.

@@ -14,12 +14,16 @@ into FlashInfer's page table (:mod:`.plan_inputs`), then plans
   default: see :mod:`.cascade`), the engine reports a shared prefix and :func:`.cascade.cascade_prefix_blocks` says
   it pays.
 
-Every layer's :class:`FlashInferImpl` then runs those planned wrappers into slices of the caller's output.
+Each is a step of ``build()`` returning its typed part of a frozen :class:`FlashInferStepPlan`
+(:class:`DecodePart`, :class:`PrefillPart`, :class:`CascadePart`: the planned wrapper and the output rows it
+writes); every layer's :class:`FlashInferImpl` then runs the plan's parts in order into slices of the caller's
+output, along one path, and writes nothing to the metadata.
 
 Page ids FlashInfer reads never point outside the cache. A block table with a host copy is range-checked before any
 kernel runs (:mod:`attnbackends.ops.page_guard`). From a device-only table the page ids are gathered on the GPU and
 contained there (an id outside the cache becomes page 0 and is recorded as a fault, :mod:`.page_ids`), against the
-builder's ``num_blocks``: given, or learned from the first batch, whose first ``forward`` contains them instead.
+builder's ``num_blocks``; a builder made without it leaves them to every ``forward``, which contains them to its
+cache in place (:attr:`FlashInferStepPlan.uncontained_page_ids`).
 
 Plans fix the softmax scale, the window and the soft-cap, so all layers sharing a builder must agree on them. A
 disagreement is caught twice: at builder construction when the engine passes ``layer_specs`` (a ValueError that
@@ -109,9 +113,84 @@ def _check_spec(spec: AttentionSpec) -> None:
         raise NotImplementedError("the flashinfer backend cannot serve this spec: " + "; ".join(reasons))
 
 
-@dataclass
+@dataclass(frozen=True)
+class DecodePart:
+    """The batch's leading single-token decodes on a planned decode wrapper (output rows ``[:num_tokens]``).
+
+    ``wrapper``: a ``BatchDecodeWithPagedKVCacheWrapper`` (eager, a draft step's, or a CUDA-graph one)."""
+
+    wrapper: Any
+    num_tokens: int
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, scales: dict) -> None:
+        n = self.num_tokens
+        if n == query.shape[0] and n == output.shape[0]:  # the common pure-decode step: no views to make
+            self.wrapper.run(query, kv_cache, out=output, **scales)
+        else:
+            self.wrapper.run(query[:n], kv_cache, out=output[:n], **scales)
+
+
+@dataclass(frozen=True)
+class PrefillPart:
+    """The requests after the decodes (prefills, chunked prefills, and every request of a batch with multi-token
+    decodes or a tree mask) on a planned prefill wrapper (output rows ``[first_token:num_actual_tokens]``).
+
+    ``wrapper``: a ``BatchPrefillWithPagedKVCacheWrapper`` (eager, with or without a custom mask, or a CUDA-graph
+    one of a captured verify shape)."""
+
+    wrapper: Any
+    first_token: int
+    end_token: int
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, scales: dict) -> None:
+        start, end = self.first_token, self.end_token
+        self.wrapper.run(query[start:end], kv_cache, out=output[start:end], **scales)
+
+
+@dataclass(frozen=True)
+class CascadePart:
+    """The whole batch on a planned ``MultiLevelCascadeAttentionWrapper``: every query over ``shared_blocks``
+    shared pages, then each request over its own (output rows ``[:num_tokens]``)."""
+
+    wrapper: Any
+    shared_blocks: int
+    num_tokens: int
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, scales: dict) -> None:
+        n = self.num_tokens
+        output[:n].copy_(self.wrapper.run(query[:n], kv_cache))
+
+
+@dataclass(frozen=True)
+class FlashInferStepPlan:
+    """Everything ``forward`` runs for one batch, planned by ``build()``: the parts in order, each a planned wrapper
+    with the output rows it writes.
+
+    Attributes
+    ----------
+    parts : (:class:`DecodePart`, :class:`PrefillPart`) where the batch has them, or (:class:`CascadePart`,).
+    cuda_graph : the decode wrapper (or a verify batch's prefill wrapper) runs on the builder's persistent CUDA-graph
+        buffers.
+    plan_inputs : the page table the decode / prefill wrappers were planned with (None with cascade).
+    uncontained_page_ids : page-id arrays the wrappers read that were gathered from a device-only block table by a
+        builder that was not told ``num_blocks``: every ``forward`` contains them to its cache, in place (one small
+        kernel each; idempotent), before any wrapper runs. Empty where the builder contained them (``num_blocks``
+        given) or the table was on the host (checked before any kernel).
+    """
+
+    parts: tuple[Any, ...]
+    cuda_graph: bool = False
+    plan_inputs: Optional[PagedKVPlanInputs] = None
+    uncontained_page_ids: tuple[torch.Tensor, ...] = ()
+
+    def part(self, kind: type) -> Optional[Any]:
+        """The part of type ``kind`` (:class:`DecodePart`, :class:`PrefillPart`, :class:`CascadePart`), or None."""
+        return next((p for p in self.parts if type(p) is kind), None)
+
+
+@dataclass(frozen=True)
 class FlashInferMetadata:
-    """One batch, planned; shared by every layer of the builder's group.
+    """One batch, planned; shared by every layer of the builder's group, never written after ``build()``.
 
     The wrappers hold the plan: a builder keeps one set, so build the next batch only after the last layer of this
     one has been enqueued.
@@ -121,16 +200,7 @@ class FlashInferMetadata:
     plan_key : what the plan fixed (checked against each layer's spec in forward).
     num_actual_tokens, num_decodes, num_decode_tokens, num_prefills : the batch's split (decodes first).
     slot_mapping : [num_tokens] int64 on the device (the common metadata's).
-    decode_wrapper, prefill_wrapper : planned wrappers, None where the batch has no such part or runs cascade.
-    cascade_wrapper : the planned MultiLevelCascadeAttentionWrapper when the batch runs cascade attention.
-    cascade_shared_blocks : pages served from the cascade's shared level (0 without cascade).
-    cuda_graph : the decode wrapper (or a verify batch's prefill wrapper) runs on the builder's persistent CUDA-graph
-        buffers.
-    plan_inputs : the page table the wrappers were planned with (None with cascade).
-    page_ids_bound : the cache size (pages) the page ids gathered from a device-only block table were contained to;
-        None when there are none, or not yet (then ``unchecked_page_ids`` lists them).
-    unchecked_page_ids : page-id arrays the wrappers read, gathered from a device-only block table before the cache
-        size was known; the first ``forward`` contains them in place.
+    plan : the planned wrappers ``forward`` runs (:class:`FlashInferStepPlan`).
     """
 
     plan_key: PlanKey
@@ -139,16 +209,51 @@ class FlashInferMetadata:
     num_decode_tokens: int
     num_prefills: int
     slot_mapping: torch.Tensor
-    decode_wrapper: Any = None
-    prefill_wrapper: Any = None
-    cascade_wrapper: Any = None
-    cascade_shared_blocks: int = 0
-    cuda_graph: bool = False
-    plan_inputs: Optional[PagedKVPlanInputs] = None
-    page_ids_bound: Optional[int] = None
-    unchecked_page_ids: tuple[torch.Tensor, ...] = ()
+    plan: FlashInferStepPlan
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
-    common: Optional[CommonAttentionMetadata] = None  # the batch (read by the debug-mode checks only)
+    common: Optional[CommonAttentionMetadata] = None  # the batch (read by the checks)
+
+    # Views of the plan, read by tests and benchmarks.
+    @property
+    def decode_wrapper(self) -> Any:
+        part = self.plan.part(DecodePart)
+        return None if part is None else part.wrapper
+
+    @property
+    def prefill_wrapper(self) -> Any:
+        part = self.plan.part(PrefillPart)
+        return None if part is None else part.wrapper
+
+    @property
+    def cascade_wrapper(self) -> Any:
+        part = self.plan.part(CascadePart)
+        return None if part is None else part.wrapper
+
+    @property
+    def cascade_shared_blocks(self) -> int:
+        part = self.plan.part(CascadePart)
+        return 0 if part is None else part.shared_blocks
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.plan.cuda_graph
+
+    @property
+    def plan_inputs(self) -> Optional[PagedKVPlanInputs]:
+        return self.plan.plan_inputs
+
+
+@dataclass(frozen=True)
+class _Split:
+    """How ``build()`` serves a batch's requests (decodes first): ``num_decodes`` single-token decodes on the decode
+    wrapper, the other ``num_prefills`` requests on the prefill wrapper; ``verify``: a batch of multi-token decodes
+    only (speculative verify, which a captured CUDA graph may replay); ``tree``: it carries a tree mask."""
+
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    verify: bool
+    tree: bool
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
@@ -170,8 +275,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         tested version; ``decode_replan_status`` says whether it is in use and why not. False: always ``plan()``.
     host_gather_max_pages : batches of up to this many pages gather their page ids on the host (from
         ``block_table_cpu``), larger ones on the GPU (:mod:`.page_ids`).
-    num_blocks : pages of the KV caches of this builder's layers; page ids gathered from a device-only block table
-        are contained to them in ``build()``. Default: learned from the first batch's ``forward``.
+    num_blocks : pages of the KV caches of this builder's layers (the base class's: ``build()`` range-checks the
+        batch's page ids against them); page ids gathered from a device-only block table are contained to them in
+        ``build()``. None: every ``forward`` checks the page ids and contains the gathered ones to its cache.
     """
 
     reorder_batch_threshold = 1
@@ -198,12 +304,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         host_gather_max_pages: int = DEFAULT_HOST_GATHER_MAX_PAGES,
         num_blocks: Optional[int] = None,
     ) -> None:
-        super().__init__(spec, device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug)
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
-                                       or num_blocks < 1):
-            raise ValueError(f"num_blocks must be None or a positive int (the KV cache's pages), got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self._last_meta: Optional[FlashInferMetadata] = None
+        super().__init__(spec, device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug,
+                         num_blocks=num_blocks)
         _check_spec(spec)
         self.plan_key = PlanKey.of(spec)
         for i, layer in enumerate(layer_specs or ()):
@@ -284,19 +386,68 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def build_draft_steps(self, draft) -> list[FlashInferMetadata]:
         """See :meth:`AttentionMetadataBuilder.build_draft_steps`: each step is planned on its own decode wrapper
-        (the steps share the float workspace: they run one after another)."""
-        return [self._build(common, 0, self.wrappers.draft_step(s)) for s, common in enumerate(draft.steps)]
+        (the steps share the float workspace: they run one after another); each step's page ids are checked as a
+        ``build()`` checks them."""
+        steps = []
+        for s, common in enumerate(draft.steps):
+            self.check_page_ids(common)
+            steps.append(self.mark_origin(self._build(common, 0, self.wrappers.draft_step(s))))
+        return steps
 
     def _build(self, common: CommonAttentionMetadata, common_prefix_len: int,
                draft_step: Optional[tuple[Any, DevicePlanBuffer]] = None) -> FlashInferMetadata:
-        """Plan one batch; ``draft_step``: a draft step's decode wrapper and page-table buffer (no CUDA-graph
-        wrapper, no cascade)."""
-        spec = self.spec
+        """Plan one batch: the split, then either the cascade part or the decode and prefill parts over one page
+        table. ``draft_step``: a draft step's decode wrapper and page-table buffer (no CUDA-graph wrapper, no
+        cascade)."""
         step_wrapper, buffer = draft_step if draft_step is not None else (None, None)
         if self.debug:
-            validate_common_metadata(common, block_size=spec.block_size)
+            validate_common_metadata(common, block_size=self.spec.block_size)
         if not common.causal:
             raise ValueError("the flashinfer backend serves causal decoder layers; common.causal is False")
+        split = self._split(common, draft=step_wrapper is not None)
+        num_reqs = common.num_reqs
+        graph_decode = (self.wrappers.captured_decode(num_reqs)
+                        if split.num_prefills == 0 and step_wrapper is None else None)
+        graph_verify = (self.wrappers.captured_verify(num_reqs, common.num_actual_tokens, split.tree)
+                        if split.verify else None)
+        # a device-only table: the page ids are gathered on the device, contained to num_blocks where known
+        contain = not has_host_table(common)
+        bound = self.num_blocks if contain else None
+        if (common_prefix_len > 0 and graph_decode is None and graph_verify is None and not split.tree
+                and step_wrapper is None):
+            cascade = self._plan_cascade(common, common_prefix_len, contain)
+            if cascade is not None:
+                return self._metadata(common, split, cascade)
+        decode_wrapper = None
+        if split.num_decodes:
+            decode_wrapper = step_wrapper or (graph_decode if graph_decode is not None else self.wrappers.decode())
+        inputs = self._page_table(common, split, decode_wrapper, buffer, bound)
+        parts: list[Any] = []
+        if decode_wrapper is not None:
+            parts.append(self._plan_decode(common, split, inputs, decode_wrapper))
+        if split.num_prefills:
+            parts.append(self._plan_prefill(common, split, inputs, graph_verify))
+        uncontained: tuple[torch.Tensor, ...] = ()
+        if contain and bound is None:
+            # CUDA-graph wrappers read a copy of the page ids in the builder's persistent buffer
+            graph_ids = (self.wrappers.graph_page_ids(inputs.num_pages),) if graph_decode is not None else ()
+            uncontained = (inputs.kv_indices, *graph_ids)
+        plan = FlashInferStepPlan(tuple(parts), graph_decode is not None or graph_verify is not None, inputs,
+                                  uncontained)
+        return self._metadata(common, split, plan)
+
+    def _metadata(self, common: CommonAttentionMetadata, split: _Split, plan: FlashInferStepPlan
+                  ) -> FlashInferMetadata:
+        return FlashInferMetadata(
+            plan_key=self.plan_key, num_actual_tokens=common.num_actual_tokens, num_decodes=split.num_decodes,
+            num_decode_tokens=split.num_decode_tokens, num_prefills=split.num_prefills,
+            slot_mapping=common.slot_mapping, plan=plan, debug=self.debug, common=common)
+
+    def _split(self, common: CommonAttentionMetadata, *, draft: bool) -> _Split:
+        """Which requests run on which wrapper: the leading single-token decodes on the decode wrapper, the rest on
+        the prefill wrapper; a batch with multi-token decodes or a tree mask entirely on the prefill wrapper
+        (FlashInfer's decode wrapper takes one query token per request). ``draft``: a draft step (never a verify
+        batch)."""
         num_reqs = common.num_reqs
         if common.max_query_len <= self.reorder_batch_threshold:  # all decodes: skip the split's tensor reads
             num_decodes, num_decode_tokens, num_prefills = num_reqs, common.num_actual_tokens, 0
@@ -304,119 +455,82 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
             num_decodes, num_decode_tokens, num_prefills = split.num_decodes, split.num_decode_tokens, split.num_prefills
         tree = common.spec_tree_mask is not None
-        verify = num_prefills == 0 and step_wrapper is None  # a verify batch may replay a captured graph
-        if tree or num_decode_tokens > num_decodes:  # multi-token decodes: the prefill wrapper serves every request
-            num_decodes, num_decode_tokens, num_prefills = 0, 0, num_reqs
-        else:
-            verify = False
-        graph_wrapper = self.wrappers.captured_decode(num_reqs) if num_prefills == 0 and step_wrapper is None else None
-        contain = not has_host_table(common)
-        bound = self._page_id_bound() if contain else None
-        meta = FlashInferMetadata(
-            plan_key=self.plan_key,
-            num_actual_tokens=common.num_actual_tokens,
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decode_tokens,
-            num_prefills=num_prefills,
-            slot_mapping=common.slot_mapping,
-            cuda_graph=graph_wrapper is not None,
-            page_ids_bound=bound,
-            debug=self.debug,
-            common=common,
-        )
-        self._last_meta = meta
-        captured_verify = verify and self.wrappers.captured_verify(num_reqs, common.num_actual_tokens, tree) is not None
-        if common_prefix_len > 0 and graph_wrapper is None and not tree and step_wrapper is None and not captured_verify:
-            blocks = cascade_prefix_blocks(
-                self.cascade_policy,
-                num_reqs=num_reqs,
-                common_prefix_len=common_prefix_len,
-                block_size=spec.block_size,
-                min_context_len=int(common.context_lens_cpu.min()),
-                total_kv_tokens=int(common.seq_lens_cpu.sum()),
-                sliding_window=spec.sliding_window,
-                fp8_kv_cache=spec.is_fp8_kv_cache,
-            )
-            if blocks:
-                self._plan_cascade(common, blocks, meta, contain)
-                return meta
+        if tree or num_decode_tokens > num_decodes:
+            return _Split(0, 0, num_reqs, verify=num_prefills == 0 and not draft, tree=tree)
+        return _Split(num_decodes, num_decode_tokens, num_prefills, verify=False, tree=tree)
 
-        decode_wrapper = None
-        if num_decodes:
-            decode_wrapper = step_wrapper or (graph_wrapper if graph_wrapper is not None else self.wrappers.decode())
+    def _page_table(self, common: CommonAttentionMetadata, split: _Split, decode_wrapper: Any,
+                    buffer: Optional[DevicePlanBuffer], bound: Optional[int]) -> PagedKVPlanInputs:
+        """The batch's page table for the decode and prefill wrappers: built on the GPU for the common decode step
+        (a re-planned decode wrapper, a device block table; the host computes kv_indptr alone), else by
+        :func:`.plan_inputs.paged_kv_plan_inputs`. Page ids gathered on the device are contained to ``bound``."""
         replanner = self.wrappers.replanner_for(decode_wrapper) if decode_wrapper is not None else None
-        if (replanner is not None and num_prefills == 0 and num_reqs <= DECODE_TABLE_MAX_REQS
+        if (replanner is not None and split.num_prefills == 0 and common.num_reqs <= DECODE_TABLE_MAX_REQS
                 and common.block_table.is_cuda and common.seq_lens.is_cuda):
-            # the common decode step: the page table is built on the GPU, the host computes kv_indptr alone
-            inputs = (buffer or self._device_buffer()).decode_table(
-                common.seq_lens_cpu, common.seq_lens, common.block_table, spec.block_size, common.max_seq_len, bound)
-        else:
-            inputs = self._plan_inputs(common, buffer=buffer, bound=bound)
-        meta.plan_inputs = inputs
-        if contain and bound is None:
-            # CUDA-graph wrappers read a copy of the page ids in the builder's persistent buffer
-            graph_ids = (self.wrappers.graph_page_ids(inputs.num_pages),) if graph_wrapper is not None else ()
-            meta.unchecked_page_ids = (inputs.kv_indices, *graph_ids)
+            return (buffer or self._device_buffer()).decode_table(
+                common.seq_lens_cpu, common.seq_lens, common.block_table, self.spec.block_size, common.max_seq_len,
+                bound)
+        return self._plan_inputs(common, buffer=buffer, bound=bound)
+
+    def _plan_decode(self, common: CommonAttentionMetadata, split: _Split, inputs: PagedKVPlanInputs,
+                     wrapper: Any) -> DecodePart:
+        """The decodes' part: ``wrapper`` re-planned (:mod:`.fast_plan`) where it can be, else through ``plan()``."""
+        spec, num_decodes = self.spec, split.num_decodes
+        replanner = self.wrappers.replanner_for(wrapper)
         if replanner is not None:
             replanner.replan(inputs, num_decodes, common.seq_lens_cpu,
-                             max_kv_len=common.max_seq_len if num_prefills == 0 else None)
-            meta.decode_wrapper = decode_wrapper
-        elif decode_wrapper is not None:
-            part = inputs.select(0, num_decodes)
-            with planning(decode_wrapper):
-                decode_wrapper.plan(
-                    part.kv_indptr,
-                    part.kv_indices,
-                    part.kv_last_page_len,
-                    spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
-                    pos_encoding_mode="NONE",
-                    o_data_type=spec.torch_dtype,
-                    non_blocking=True,
-                    seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
-                    **self._plan_kwargs,
-                )
-            self.wrappers.after_public_plan(decode_wrapper)
-            meta.decode_wrapper = decode_wrapper
-        if num_prefills:
-            wrapper = self.wrappers.captured_verify(num_reqs, common.num_actual_tokens, tree) if verify else None
-            meta.cuda_graph = wrapper is not None
-            wrapper = wrapper or self.wrappers.prefill(custom_mask=tree)
-            part = inputs.select(num_decodes, num_reqs)
-            qo_indptr, kv_indptr, last_page_len = part.qo_indptr, part.kv_indptr, part.kv_last_page_len
-            if tree:
-                # plan() packs a custom mask on the device with an indptr it derives from these: they must be there
-                # (plan() then copies them back to the host: tree batches pay one sync in build()).
-                qo_indptr, kv_indptr, last_page_len = (t.to(self.device) for t in (qo_indptr, kv_indptr,
-                                                                                  last_page_len))
-            with planning(wrapper):
-                wrapper.plan(
-                    qo_indptr,
-                    kv_indptr,
-                    part.kv_indices,
-                    last_page_len,
-                    spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
-                    causal=True,
-                    custom_mask=expand_tree_mask(common, num_decodes, num_reqs) if tree else None,
-                    pos_encoding_mode="NONE",
-                    o_data_type=spec.torch_dtype,
-                    non_blocking=True,
-                    seq_lens=common.seq_lens_cpu[num_decodes:num_reqs],
-                    **self._plan_kwargs,
-                )
-            meta.prefill_wrapper = wrapper
-        return meta
+                             max_kv_len=common.max_seq_len if split.num_prefills == 0 else None)
+            return DecodePart(wrapper, split.num_decode_tokens)
+        part = inputs.select(0, num_decodes)
+        with planning(wrapper):
+            wrapper.plan(
+                part.kv_indptr,
+                part.kv_indices,
+                part.kv_last_page_len,
+                spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+                pos_encoding_mode="NONE",
+                o_data_type=spec.torch_dtype,
+                non_blocking=True,
+                seq_lens=common.seq_lens_cpu[:num_decodes],  # spares plan() recomputing the KV lengths
+                **self._plan_kwargs,
+            )
+        self.wrappers.after_public_plan(wrapper)
+        return DecodePart(wrapper, split.num_decode_tokens)
+
+    def _plan_prefill(self, common: CommonAttentionMetadata, split: _Split, inputs: PagedKVPlanInputs,
+                      graph_wrapper: Any) -> PrefillPart:
+        """The part after the decodes on the prefill wrapper: ``graph_wrapper`` (a captured verify shape's) or the
+        eager one, with a custom mask for a tree."""
+        spec, tree = self.spec, split.tree
+        first, num_reqs = split.num_decodes, common.num_reqs
+        wrapper = graph_wrapper or self.wrappers.prefill(custom_mask=tree)
+        part = inputs.select(first, num_reqs)
+        qo_indptr, kv_indptr, last_page_len = part.qo_indptr, part.kv_indptr, part.kv_last_page_len
+        if tree:
+            # plan() packs a custom mask on the device with an indptr it derives from these: they must be there
+            # (plan() then copies them back to the host: tree batches pay one sync in build()).
+            qo_indptr, kv_indptr, last_page_len = (t.to(self.device) for t in (qo_indptr, kv_indptr, last_page_len))
+        with planning(wrapper):
+            wrapper.plan(
+                qo_indptr,
+                kv_indptr,
+                part.kv_indices,
+                last_page_len,
+                spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+                causal=True,
+                custom_mask=expand_tree_mask(common, first, num_reqs) if tree else None,
+                pos_encoding_mode="NONE",
+                o_data_type=spec.torch_dtype,
+                non_blocking=True,
+                seq_lens=common.seq_lens_cpu[first:num_reqs],
+                **self._plan_kwargs,
+            )
+        return PrefillPart(wrapper, split.num_decode_tokens, common.num_actual_tokens)
 
     def _device_buffer(self) -> DevicePlanBuffer:
         if self._device_plan_buffer is None:
             self._device_plan_buffer = DevicePlanBuffer(self.device)
         return self._device_plan_buffer
-
-    def _page_id_bound(self) -> Optional[int]:
-        """``num_blocks``: given, or learned from the cache size the previous batch's first ``forward`` contained
-        its page ids to (None until then)."""
-        if self.num_blocks is None and self._last_meta is not None:
-            self.num_blocks = self._last_meta.page_ids_bound
-        return self.num_blocks
 
     def _plan_inputs(self, common: CommonAttentionMetadata, skip_pages: int = 0,
                      buffer: Optional[DevicePlanBuffer] = None, bound: Optional[int] = None) -> PagedKVPlanInputs:
@@ -437,23 +551,38 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_blocks=bound,
         )
 
-    def _plan_cascade(self, common: CommonAttentionMetadata, shared_blocks: int, meta: FlashInferMetadata,
-                      contain: bool) -> None:
-        """Two levels: every query over the shared pages (one pseudo-request, no mask: they are all cached context),
-        then each request over its own remaining pages (causal). ``contain``: the block table is device-only."""
+    def _plan_cascade(self, common: CommonAttentionMetadata, common_prefix_len: int,
+                      contain: bool) -> Optional[FlashInferStepPlan]:
+        """The cascade plan where :func:`.cascade.cascade_prefix_blocks` says it pays (None: it does not). Two levels:
+        every query over the shared pages (one pseudo-request, no mask: they are all cached context), then each
+        request over its own remaining pages (causal). ``contain``: the block table is device-only."""
         spec = self.spec
         bs = spec.block_size
-        unique = self._plan_inputs(common, skip_pages=shared_blocks, bound=meta.page_ids_bound)
+        shared_blocks = cascade_prefix_blocks(
+            self.cascade_policy,
+            num_reqs=common.num_reqs,
+            common_prefix_len=common_prefix_len,
+            block_size=bs,
+            min_context_len=int(common.context_lens_cpu.min()),
+            total_kv_tokens=int(common.seq_lens_cpu.sum()),
+            sliding_window=spec.sliding_window,
+            fp8_kv_cache=spec.is_fp8_kv_cache,
+        )
+        if not shared_blocks:
+            return None
+        bound = self.num_blocks if contain else None
+        unique = self._plan_inputs(common, skip_pages=shared_blocks, bound=bound)
         top_qo = torch.tensor([0, common.num_actual_tokens], dtype=torch.int32)
         top_kv = torch.tensor([0, shared_blocks], dtype=torch.int32)
         top_last = torch.tensor([bs], dtype=torch.int32)
         top_indices = common.block_table[0, :shared_blocks]
+        uncontained: tuple[torch.Tensor, ...] = ()
         if contain:  # a copy: containment must not write the engine's block table
             top_indices = top_indices.to(torch.int32, copy=True)
-            if meta.page_ids_bound is None:
-                meta.unchecked_page_ids = (top_indices, unique.kv_indices)
+            if bound is None:
+                uncontained = (top_indices, unique.kv_indices)
             else:
-                contain_page_ids(top_indices, meta.page_ids_bound)
+                contain_page_ids(top_indices, bound)
         wrapper = self.wrappers.cascade()
         with planning(wrapper):
             wrapper.plan(
@@ -469,8 +598,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 pos_encoding_mode="NONE",
                 **self._plan_kwargs,
             )
-        meta.cascade_wrapper = wrapper
-        meta.cascade_shared_blocks = shared_blocks
+        part = CascadePart(wrapper, shared_blocks, common.num_actual_tokens)
+        return FlashInferStepPlan((part,), uncontained_page_ids=uncontained)
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
@@ -516,39 +645,16 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             raise ValueError("the flashinfer backend needs a paged kv_cache (decoder self-attention)")
         check_forward_inputs(self, metadata, metadata.common, query, key, value, kv_cache, output,
                              backend=FlashInferBackend)
-        if metadata.unchecked_page_ids:
-            _contain_unchecked_page_ids(metadata, kv_cache.shape[0])
-        elif metadata.page_ids_bound is not None and metadata.page_ids_bound != kv_cache.shape[0]:
-            raise ValueError(
-                f"this batch's page ids were contained to {metadata.page_ids_bound} KV-cache pages (the builder's "
-                f"num_blocks, given or learned from its first batch), but this layer's kv_cache has "
-                f"{kv_cache.shape[0]}: the layers of one FlashInferMetadataBuilder must share one cache size"
-            )
+        plan = metadata.plan
+        for page_ids in plan.uncontained_page_ids:  # a builder without num_blocks and a device-only table
+            contain_page_ids(page_ids, kv_cache.shape[0])
         if key is not None:
             if value is None:
                 raise ValueError("key and value must be given together (or both None when the cache holds them)")
             self.update_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        n = metadata.num_actual_tokens
-        if metadata.cascade_wrapper is not None:
-            output[:n].copy_(metadata.cascade_wrapper.run(query[:n], kv_cache))
-            return output
-        nd = metadata.num_decode_tokens
-        if metadata.decode_wrapper is not None:
-            if nd == query.shape[0] and nd == output.shape[0]:  # the common pure-decode step: no views to make
-                metadata.decode_wrapper.run(query, kv_cache, out=output, **self._run_scales)
-            else:
-                metadata.decode_wrapper.run(query[:nd], kv_cache, out=output[:nd], **self._run_scales)
-        if metadata.prefill_wrapper is not None:
-            metadata.prefill_wrapper.run(query[nd:n], kv_cache, out=output[nd:n], **self._run_scales)
+        for part in plan.parts:
+            part.run(query, kv_cache, output, self._run_scales)
         return output
-
-
-def _contain_unchecked_page_ids(metadata: FlashInferMetadata, num_blocks: int) -> None:
-    """Contain the page ids ``build()`` gathered before the cache size was known, once per batch (the first layer)."""
-    for page_ids in metadata.unchecked_page_ids:
-        contain_page_ids(page_ids, num_blocks)
-    metadata.unchecked_page_ids = ()
-    metadata.page_ids_bound = num_blocks
 
 
 class FlashInferBackend(AttentionBackend):

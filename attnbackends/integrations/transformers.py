@@ -261,8 +261,10 @@ class _PagedRuntime:
         self.specs = transformers_layer_specs(model_config, dtype, layer_cache.page_size)
         self.groups = group_layers(self.specs, DeviceInfo.current(device), settings.config)
         self.debug = settings.config.debug
+        # every layer's view of transformers' cache has the same page count: build() checks the page ids once
         self.builder = GroupedMetadataBuilder(self.groups, device, max_num_reqs=settings.max_num_reqs,
-                                              max_num_tokens=layer_cache.max_num_tokens, debug=self.debug)
+                                              max_num_tokens=layer_cache.max_num_tokens, debug=self.debug,
+                                              num_blocks=layer_cache.kv_cache.shape[0])
         self.impls: list[Any] = [None] * len(self.specs)
         self._step: Optional[_Step] = None
         self._step_key: Optional[torch.Tensor] = None  # held so that no later tensor can be the same object

@@ -36,6 +36,11 @@ class GroupedMetadataBuilder:
     groups : the model's layer groups.
     device : where the batch tensors live.
     max_num_reqs, max_num_tokens, debug : passed to every group's builder.
+    num_blocks : pages of each group's KV caches, as :meth:`.grouping.LayerGroups.allocate_kv_caches` takes them (one
+        count for every group, or one per group name), passed to the builders of the groups with a KV cache: each
+        ``build`` then checks the page ids once per step (see
+        :class:`~attnbackends.interface.AttentionMetadataBuilder`). None, or a group left out: that group's layers
+        check them in every ``forward``.
     builder_kwargs : extra arguments per group name (e.g. ``{"full": {"deterministic": True}}``).
     cudagraph_max_query_len : when set, every sliding-window group owns persistent trim buffers (seq_lens and a
         block table :func:`window_pages_per_request` pages wide for this query length) that every batch with
@@ -52,20 +57,27 @@ class GroupedMetadataBuilder:
         max_num_reqs: int = 256,
         max_num_tokens: int = 8192,
         debug: bool = False,
+        num_blocks: "int | Mapping[str, int] | None" = None,
         builder_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
         cudagraph_max_query_len: Optional[int] = None,
     ) -> None:
         self.groups = groups
         self.device = torch.device(device)
         builder_kwargs = dict(builder_kwargs or {})
-        unknown = sorted(set(builder_kwargs) - {g.name for g in groups.groups})
-        if unknown:
-            raise ValueError(f"builder_kwargs names unknown groups {unknown}")
-        self.builders: list[AttentionMetadataBuilder] = [
-            g.backend.get_builder_cls()(g.spec, self.device, max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens,
-                                        debug=debug, **builder_kwargs.get(g.name, {}))
-            for g in groups.groups
-        ]
+        names = {g.name for g in groups.groups}
+        for what, given in (("builder_kwargs", builder_kwargs),
+                            ("num_blocks", num_blocks if isinstance(num_blocks, Mapping) else {})):
+            unknown = sorted(set(given) - names)
+            if unknown:
+                raise ValueError(f"{what} names unknown groups {unknown}")
+        self.builders: list[AttentionMetadataBuilder] = []
+        for g in groups.groups:
+            kwargs = dict(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, debug=debug)
+            pages = num_blocks.get(g.name) if isinstance(num_blocks, Mapping) else num_blocks
+            if pages is not None and g.spec.attn_type.uses_kv_cache:
+                kwargs["num_blocks"] = pages
+            kwargs.update(builder_kwargs.get(g.name, {}))
+            self.builders.append(g.backend.get_builder_cls()(g.spec, self.device, **kwargs))
         self.reorder_batch_threshold = groups.reorder_batch_threshold
         self._windows = [(g.index, g.window, g.spec.block_size) for g in groups.groups if g.window is not None]
         self._layer_group = list(groups.layer_group)

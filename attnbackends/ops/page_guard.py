@@ -1,6 +1,7 @@
 """Page-table safety: no page id or slot outside the cache is ever dereferenced, and every bad one is reported.
 
-Detection, once per step (per :class:`CommonAttentionMetadata` and cache size, :func:`guard_block_table`):
+Detection, once per step where the builder was made with the cache's ``num_blocks`` (its ``build`` calls
+:func:`guard_block_table`), else in every layer's ``forward`` (:func:`attnbackends.validation.check_forward_inputs`):
 
 - When the block table has a host copy (``common.block_table_cpu``, or the table itself lives on the CPU), the used
   entries are range-checked on the host before any kernel runs: a :class:`PageTableError` (a ``ValueError``) names
@@ -249,8 +250,12 @@ def _check_host(table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, num_
 
 
 def guard_block_table(common, num_blocks: int, block_size: int) -> None:
-    """Range-check the block-table entries the batch uses against a cache of ``num_blocks`` pages, once per
-    (batch, cache size); raises :class:`PageTableError` for a fault found now or recorded by an earlier step.
+    """Range-check the block-table entries the batch uses against a cache of ``num_blocks`` pages; raises
+    :class:`PageTableError` for a fault found now (a host table) or recorded by an earlier step. A device-only table
+    is scanned by one kernel that records its first bad entry without a host-device sync (raised at the next check
+    point). Reads ``common``, writes nothing to it: call it whenever the table may have changed (every build). A batch
+    whose producer range-checked its pages against this cache size (``common.pages_checked_for``) is not scanned
+    again.
 
     Parameters
     ----------
@@ -259,11 +264,9 @@ def guard_block_table(common, num_blocks: int, block_size: int) -> None:
     num_blocks : pages in the layer's KV cache (``kv_cache.shape[0]``).
     block_size : tokens per page.
     """
-    if common.pages_checked_for == num_blocks:
-        return
     device = common.block_table.device
     raise_pending_faults(device)
-    if common.num_reqs:
+    if common.num_reqs and common.pages_checked_for != num_blocks:
         host = _host_table(common)
         if host is not None:
             _check_host(host, common.seq_lens_cpu, common.num_reqs, num_blocks, block_size)
@@ -274,4 +277,3 @@ def guard_block_table(common, num_blocks: int, block_size: int) -> None:
                 common.block_table, common.block_table.stride(0), common.seq_lens, num_blocks, block_size,
                 rec.record, rec.host_flag, BLOCK=min(next_power_of_2(max(width, 1)), 1024),
             )
-    common.pages_checked_for = num_blocks

@@ -22,10 +22,11 @@ from .functional import sequence_attention
 __all__ = ["ReferenceBackend", "ReferenceMetadata", "ReferenceMetadataBuilder", "ReferenceImpl"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReferenceMetadata:
-    """The common metadata plus host lists the per-request loop walks (built from the CPU copies: no sync).
-    ``debug``: the builder's debug flag; impls then validate inputs and the block table on every call."""
+    """The common metadata plus host lists the per-request loop walks (built from the CPU copies: no sync); never
+    written after ``build()``. ``debug``: the builder's debug flag; impls then validate inputs and the block table
+    on every call."""
 
     common: CommonAttentionMetadata
     query_start_loc: list[int]

@@ -43,22 +43,17 @@ from .heuristics import (
     prefill_kernel_pays,
 )
 from .launch import LaunchPlan, SplitKVWorkspace, plan_attention, unified_attention
-from .prefill_hopper import (
-    HopperPrefillConfig,
-    cache_write_reason,
-    fresh_prefills,
-    hopper_prefill_items,
-    hopper_prefill_reason,
-    plan_hopper_prefill,
+from .choices import (
+    FreshPrefillCacheWrite,
+    FreshPrefillKernel,
+    PagedPrefill,
+    PrefillSplit,
+    TritonBuilderOptions,
+    TritonKernelChoices,
 )
-from .prefill_hopper_paged import (
-    PAGED_KERNEL_NOTE,
-    PAGED_PREFILL_DEFAULT,
-    paged_default_reason,
-    paged_prefill_reason,
-    plan_paged_split,
-)
-from .prefill_launch import plan_prefill_new_kv, prefill_new_kv_unsupported_reason
+from .prefill_hopper import fresh_prefills, hopper_prefill_items, plan_hopper_prefill
+from .prefill_hopper_paged import PAGED_KERNEL_NOTE, plan_paged_split
+from .prefill_launch import plan_prefill_new_kv
 from .runner import CacheViews, LayerArgs, TritonStepRunner
 from .step_plan import Launch, LaunchKind, TritonStepPlan, WritePolicy, make_step_plan
 from .write_beside import cache_write_bytes, cache_write_sms
@@ -66,11 +61,11 @@ from .write_beside import cache_write_bytes, cache_write_sms
 __all__ = ["TritonAttentionBackend", "TritonMetadata", "TritonMetadataBuilder", "TritonImpl"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TritonMetadata:
     """One batch for the Triton kernels: the common tensors, the unified kernel's launch plan for the whole batch,
     and the step plan :meth:`TritonMetadataBuilder.build` made for it (every launch, its stream, the cache write),
-    with the builder's runner that executes it."""
+    with the builder's runner that executes it; never written after ``build()``."""
 
     common: CommonAttentionMetadata
     plan: LaunchPlan  # the whole batch on the unified kernel (split-KV factor, tile config, grid, workspace views)
@@ -125,23 +120,6 @@ class TritonMetadata:
         return self.step.write_todo
 
 
-def prefill_split_reason(spec: AttentionSpec, compute_capability: "tuple[int, int] | None", *, interpreted: bool,
-                         wanted: Optional[bool] = None, deterministic: bool = False) -> Optional[str]:
-    """Why a builder's batches with prefills never run split into decodes and a prefill kernel (None: they do where
-    it pays), on a device of ``compute_capability`` (None: not a CUDA device); ``wanted``: the builder's
-    ``prefill_kernel`` option."""
-    if wanted is False:
-        return "turned off (prefill_kernel=False)"
-    if wanted is None and compute_capability is None:
-        return "off by default on the CPU (pass prefill_kernel=True to use it there)"
-    if not spec.attn_type.uses_kv_cache:
-        return "encoder attention"
-    return prefill_new_kv_unsupported_reason(
-        head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
-        use_alibi=spec.alibi_slopes is not None, compute_capability=compute_capability, interpreted=interpreted,
-        deterministic=deterministic)
-
-
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """Makes every launch decision of a batch (one :class:`~attnbackends.triton.step_plan.TritonStepPlan` over
     :class:`~attnbackends.triton.launch.LaunchPlan` s and prefill plans) and owns the split-KV workspace
@@ -168,16 +146,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         (:func:`.heuristics.prefill_kernel_pays`: new-token work at least the cached-context work), off on
         the CPU so the interpreter keeps covering the unified path that other GPUs and head sizes run;
         True: every batch with prefills, wherever the kernel applies; False: off (also for the Gluon kernel below).
-        ``prefill_kernel_reason`` says why it is not used (None: used).
+        ``choices.prefill_split`` says which and why.
     hopper_prefill : where the batch runs split and none of its prefills has cached context, run them on the
         Gluon warp-specialised Hopper kernel (:mod:`attnbackends.triton.prefill_hopper`) in place of the Triton
         prefill kernel, where it serves the layer (:func:`.prefill_hopper.hopper_prefill_reason`); False: never.
-        ``hopper_prefill_reason`` says why it is not used ("": used for such batches).
+        ``choices.fresh_prefill`` says which kernel such batches get and why.
     hopper_cache_write : for a batch of fresh prefills only (no decodes) on the Gluon kernel, the kernel writes
         the step's keys and values into the cache itself, from the tiles it loads: whole pages by TMA stores from a
         writer warp, the tokens whose slots do not form whole pages in order by the write kernel after it
         (:func:`attnbackends.ops.kv_cache_write.finish_cache_write`). Where the kernel cannot
         (:func:`.prefill_hopper.cache_write_reason`) or False: the separate write (first, or beside the kernel).
+        ``choices.fresh_cache_write`` says which and why.
     cache_write_sms : for a batch of fresh prefills only on the Gluon kernel that does not write the cache
         itself: the SMs its persistent grid leaves to the step's cache write, which then runs beside it
         (:mod:`attnbackends.triton.write_beside`). None (default): the rule's choice per batch
@@ -186,14 +165,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         (:mod:`attnbackends.triton.prefill_hopper_paged`: every key from the cache's pages, the step's keys written
         first; chunks on context and ``key=None`` steps included), except batches of fresh prompts whose forward
         brings keys (the fresh-prompt kernel above). None: :data:`.prefill_hopper_paged.PAGED_PREFILL_DEFAULT`
-        (on), unless ``prefill_kernel=False``.
-        ``paged_prefill_reason`` says why it is not used ("": used).
+        (on), unless ``prefill_kernel=False``. ``choices.paged_prefill`` says whether and why.
     overlap_decodes : when a batch runs split (decodes on the unified kernel, prefills on the prefill kernel), run
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default (``benchmarks/triton_api.py --prefill-sweep``
         times both: its ``mixed_sweep`` rows).
 
-    Every batch's launches, their streams and the cache write are one :class:`~.step_plan.TritonStepPlan` in the
+    The options are checked once, as a :class:`~.choices.TritonBuilderOptions` (``options``), and decided once, as
+    :class:`~.choices.TritonKernelChoices` (``choices``: each decision an enum member with its reason). Every
+    batch's launches, their streams and the cache write are one :class:`~.step_plan.TritonStepPlan` in the
     metadata; ``runner`` (:class:`~.runner.TritonStepRunner`, one per builder) runs it and owns its side streams.
     """
 
@@ -206,39 +186,22 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                  hopper_cache_write: bool = True, cache_write_sms: Optional[int] = None,
                  hopper_paged_prefill: Optional[bool] = None, **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
-        self.deterministic = bool(deterministic)
+        self.options = TritonBuilderOptions(
+            deterministic=deterministic, prefill_kernel=prefill_kernel, hopper_prefill=hopper_prefill,
+            overlap_decodes=overlap_decodes, hopper_cache_write=hopper_cache_write, cache_write_sms=cache_write_sms,
+            hopper_paged_prefill=hopper_paged_prefill)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
         info = DeviceInfo.current(self.device)
         self.num_sms = info.sm_count if info.is_cuda else 1
         interpreted = info.triton_interpreted or is_triton_interpreted()  # the process's kernels, whatever the device
-        #: Why batches with prefills cannot use the prefill kernel (None: they do, when the forward brings keys).
-        self.prefill_kernel_reason: Optional[str] = prefill_split_reason(
-            spec, info.compute_capability, interpreted=interpreted, wanted=prefill_kernel,
-            deterministic=self.deterministic)
-        #: Why split batches whose prefills have no cached context cannot use the Gluon kernel ("": they do).
-        self.hopper_prefill_reason: str = "turned off (hopper_prefill=False)" if not hopper_prefill else \
-            hopper_prefill_reason(spec, info.compute_capability, interpreted=interpreted,
-                                  deterministic=self.deterministic)
-        #: Why batches with prefills do not run on the paged Gluon kernel (:mod:`.prefill_hopper_paged`; "": they do).
-        self.paged_prefill_reason: str = paged_prefill_reason(
-            spec, info.compute_capability, interpreted=interpreted, deterministic=self.deterministic)
-        if not (PAGED_PREFILL_DEFAULT and prefill_kernel is not False if hopper_paged_prefill is None
-                else hopper_paged_prefill):
-            self.paged_prefill_reason = "turned off (hopper_paged_prefill, or prefill_kernel=False)"
-        self.prefill_kernel_forced = prefill_kernel is True
-        self.overlap_decodes = bool(overlap_decodes) and self.device.type == "cuda"
-        if cache_write_sms is not None and not 0 <= int(cache_write_sms) < max(self.num_sms, 1):
-            raise ValueError(f"cache_write_sms must be None or in [0, {self.num_sms}) (the device's SMs), got "
-                             f"{cache_write_sms}")
-        self.cache_write_sms = None if cache_write_sms is None else int(cache_write_sms)
-        #: Why the Gluon kernel never writes the cache itself ("": it does, for batches of fresh prefills only).
-        self.hopper_cache_write_reason: str = "turned off (hopper_cache_write=False)" if not hopper_cache_write \
-            else cache_write_reason(HopperPrefillConfig(), spec.block_size)
+        self.choices = TritonKernelChoices.decide(spec, self.options, info.compute_capability,
+                                                  interpreted=interpreted, is_cuda=self.device.type == "cuda",
+                                                  num_sms=self.num_sms)
         self._write_todo: Optional[torch.Tensor] = None  # [max_num_tokens] int8 to-do flags of the kernel's write
         #: Runs the step plans of this builder's metadata for every layer; owns their side streams.
         self.runner = TritonStepRunner()
         self.workspace: Optional[SplitKVWorkspace] = None
-        if self.device.type == "cuda" and not self.deterministic:
+        if self.device.type == "cuda" and not deterministic:
             self.workspace = SplitKVWorkspace.allocate(
                 self.max_num_reqs, spec.num_heads, spec.head_size, MAX_KV_SPLITS, device=self.device
             )
@@ -275,12 +238,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
             decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
+        prefills = causal and split.num_prefills > 0 and tree is None  # a prefill kernel may serve them
         paged = None  # (decodes' plan, the paged Gluon prefill's plan): the prefills with keys from the pages
-        if not self.paged_prefill_reason and causal and split.num_prefills and tree is None:
+        if prefills and self.choices.paged_prefill.kernel is PagedPrefill.GLUON_HOPPER_PAGED:
             paged = plan_paged_split(self, common, num_decodes, split.num_decode_tokens, causal)
-        if (self.prefill_kernel_reason is None and causal and split.num_prefills and tree is None
-                and (self.prefill_kernel_forced
-                     or prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
+        rule = self.choices.prefill_split.kernel
+        if prefills and (rule is PrefillSplit.EVERY_BATCH or (
+                rule is PrefillSplit.WHERE_IT_PAYS
+                and prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
             step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged)
         else:
             step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged)
@@ -314,7 +279,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 max_query_len=self.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
                 num_decodes=num_decodes, num_kv_splits=1, decode_query_len=self.reorder_batch_threshold,
                 **self._plan_args)
-        if not self.hopper_prefill_reason and fresh_prefills(common.query_lens_cpu, common.seq_lens_cpu, num_decodes):
+        if (self.choices.fresh_prefill.kernel is FreshPrefillKernel.GLUON_HOPPER
+                and fresh_prefills(common.query_lens_cpu, common.seq_lens_cpu, num_decodes)):
             return self._plan_gluon_split(common, attention, decode, num_decodes, paged)
         if paged is not None:
             return make_step_plan(attention, paged=paged)
@@ -323,7 +289,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             block_size=self.spec.block_size, num_seqs=common.num_reqs, first_seq=num_decodes,
             max_query_len=common.max_query_len, sliding_window=self.spec.sliding_window,
             use_softcap=bool(self.spec.logits_soft_cap), use_sinks=self.spec.has_sinks))
-        return make_step_plan(attention, decode=decode, prefill=prefill, overlap=self.overlap_decodes)
+        return make_step_plan(attention, decode=decode, prefill=prefill, overlap=self.choices.overlap_decodes)
 
     def _plan_gluon_split(self, common: CommonAttentionMetadata, attention: LaunchPlan, decode: Optional[LaunchPlan],
                           num_decodes: int, paged: Optional[tuple] = None) -> TritonStepPlan:
@@ -331,7 +297,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         kernel's own (where it can write this layer's cache) or, else, beside it on the SMs the kernel leaves
         (:meth:`_cache_write_sms`; 0: first); with decodes, first."""
         spec = self.spec
-        writes_cache = decode is None and not self.hopper_cache_write_reason
+        writes_cache = decode is None and self.choices.fresh_cache_write.kernel is FreshPrefillCacheWrite.IN_KERNEL
         write_sms = self._cache_write_sms(common) if decode is None and not writes_cache else 0
         plan = plan_hopper_prefill(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
@@ -346,13 +312,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if write_sms:
             return make_step_plan(attention, prefill=prefill, write=WritePolicy.BESIDE, cache_write_sms=write_sms,
                                   paged=paged)
-        return make_step_plan(attention, decode=decode, prefill=prefill, overlap=self.overlap_decodes, paged=paged)
+        return make_step_plan(attention, decode=decode, prefill=prefill, overlap=self.choices.overlap_decodes,
+                              paged=paged)
 
     def _cache_write_sms(self, common: CommonAttentionMetadata) -> int:
         """SMs a batch of fresh prefills (no decodes) leaves to its cache write: the builder's ``cache_write_sms``,
         else :func:`.write_beside.cache_write_sms`'s rule."""
-        if self.cache_write_sms is not None:
-            return self.cache_write_sms
+        if self.choices.cache_write_sms is not None:
+            return self.choices.cache_write_sms
         q_lens = common.query_lens_cpu.tolist()
         spec = self.spec
         flops = 4.0 * spec.num_heads * spec.head_size * sum(q * (q + 1) // 2 for q in q_lens)
@@ -459,12 +426,6 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         self._validated = True
 
 
-def _cache_write_note(spec: AttentionSpec) -> str:
-    writes = cache_write_reason(HopperPrefillConfig(), spec.block_size)
-    return ("the kernel writes the step's keys and values into the cache itself, a writer warp TMA-storing whole "
-            "pages" if not writes else f"the cache write runs before or beside it, not in it: {writes}")
-
-
 class TritonAttentionBackend(AttentionBackend):
     """Our unified paged-attention kernels (Triton): mixed batches in one launch, split-KV decode, fp8 KV."""
 
@@ -490,28 +451,36 @@ class TritonAttentionBackend(AttentionBackend):
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """The prefill kernel a default builder runs for batches with prefills (the paged Gluon kernel for chunks
         on cached context and ``key=None`` steps, the fresh-prompt Gluon kernel for fresh prompts with keys), with
-        the reason where a Gluon Hopper kernel is ruled out."""
-        paged_why = paged_default_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
-        why = prefill_split_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
+        the reason where a kernel is ruled out: a default builder's :class:`~.choices.TritonKernelChoices`."""
+        choices = TritonKernelChoices.decide(spec, TritonBuilderOptions(), device.compute_capability,
+                                             interpreted=device.triton_interpreted, is_cuda=device.is_cuda,
+                                             num_sms=device.sm_count if device.is_cuda else 1)
+        split, fresh, paged = choices.prefill_split, choices.fresh_prefill, choices.paged_prefill
+        splits = split.kernel is not PrefillSplit.OFF
+        gluon = fresh.kernel is FreshPrefillKernel.GLUON_HOPPER
         triton = ("the Triton prefill kernel (new tokens' keys from the forward, cached context from the pages) where "
                   "the new tokens' work is at least the cached context's, else the unified kernel")
-        hopper = hopper_prefill_reason(spec, device.compute_capability, interpreted=device.triton_interpreted)
-        if not paged_why:
-            paged = (f"{PAGED_KERNEL_NOTE}; where the query or cache rows do not fit its TMA views, "
-                     f"{triton if why is None else 'the unified kernel'}")
-            if hopper:
-                return [f"prefill kernel: {paged}; fresh prompts too (not the Gluon Hopper kernel: {hopper})"]
-            return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong "
-                    "consumer warpgroups, persistent) for batches whose prefills have no cached context and whose "
-                    f"forward brings their keys; {_cache_write_note(spec)}; for others {paged}"]
-        not_paged = f"not the paged Gluon Hopper kernel: {paged_why}"
-        if why is not None:
-            return [f"prefill kernel: the unified kernel (the prefill kernels are not used: {why}; {not_paged})"]
-        if hopper:
-            return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {hopper}; {not_paged}"]
-        return ["prefill kernel: the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong consumer "
-                f"warpgroups, persistent) for batches whose prefills have no cached context; "
-                f"{_cache_write_note(spec)}; for others {triton}; {not_paged}"]
+        gluon_fresh = ("the Gluon warp-specialised Hopper kernel (a TMA loader warp, two ping-pong consumer "
+                       "warpgroups, persistent) for batches whose prefills have no cached context")
+        if choices.fresh_cache_write.kernel is FreshPrefillCacheWrite.IN_KERNEL:
+            writes = ("the kernel writes the step's keys and values into the cache itself, a writer warp TMA-storing "
+                      "whole pages")
+        else:
+            writes = f"the cache write runs before or beside it, not in it: {choices.fresh_cache_write.reason}"
+        if paged.kernel is PagedPrefill.GLUON_HOPPER_PAGED:
+            on_pages = (f"{PAGED_KERNEL_NOTE}; where the query or cache rows do not fit its TMA views, "
+                        f"{triton if splits else 'the unified kernel'}")
+            if not gluon:
+                return [f"prefill kernel: {on_pages}; fresh prompts too (not the Gluon Hopper kernel: {fresh.reason})"]
+            return [f"prefill kernel: {gluon_fresh} and whose forward brings their keys; {writes}; for others "
+                    f"{on_pages}"]
+        not_paged = f"not the paged Gluon Hopper kernel: {paged.reason}"
+        if not splits:
+            return [f"prefill kernel: the unified kernel (the prefill kernels are not used: {split.reason}; "
+                    f"{not_paged})"]
+        if not gluon:
+            return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {fresh.reason}; {not_paged}"]
+        return [f"prefill kernel: {gluon_fresh}; {writes}; for others {triton}; {not_paged}"]
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:

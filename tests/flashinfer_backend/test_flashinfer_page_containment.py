@@ -128,17 +128,24 @@ def _forward(builder, batch, build=None):
     return meta, out
 
 
-def test_first_forward_contains_then_the_builder_learns_the_cache_size(fake_flashinfer, monkeypatch):
+def _fields(meta):
+    """Every field of the metadata and of its plan (tensors and wrappers by identity)."""
+    return {**vars(meta), **{f"plan.{k}": v for k, v in vars(meta.plan).items()}}
+
+
+def test_without_num_blocks_every_forward_contains_and_nothing_is_learned(fake_flashinfer, monkeypatch):
     _clear_faults("cpu")
     builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024)
     batch = _batch(1)
     table = batch.common.block_table.clone()
     meta = builder.build(_device_only(monkeypatch, batch.common))
-    assert meta.page_ids_bound is None and len(meta.unchecked_page_ids) == 1
+    assert meta.origin.num_blocks is None and len(meta.plan.uncontained_page_ids) == 1
+    before = _fields(meta)
     impl = FlashInferBackend.get_impl_cls()(SPEC)
     out = batch.new_output()
     impl.forward(batch.query, None, None, batch.kv_cache.clone(), meta, out)
-    assert meta.page_ids_bound == NUM_BLOCKS and meta.unchecked_page_ids == ()
+    after = _fields(meta)
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before), "forward wrote the metadata"
     assert torch.equal(batch.common.block_table, table), "containment must not write the engine's block table"
     with pytest.raises(PageTableError, match=r"block_table\[1, 1\] = 1048576 is outside"):
         raise_pending_faults("cpu")
@@ -149,13 +156,10 @@ def test_first_forward_contains_then_the_builder_learns_the_cache_size(fake_flas
 
     later = _batch(2, bad=((0, 1),), page=-4)
     meta2, out2 = _forward(builder, _device_only(monkeypatch, later))
-    assert meta2.page_ids_bound == NUM_BLOCKS and meta2.unchecked_page_ids == ()  # contained in build()
+    assert builder.num_blocks is None and len(meta2.plan.uncontained_page_ids) == 1  # nothing learned
     assert torch.isfinite(out2[:n].float()).all()
     with pytest.raises(PageTableError, match=r"block_table\[0, 1\] = -4 is outside"):
         raise_pending_faults("cpu")
-    with pytest.raises(ValueError, match=rf"contained to {NUM_BLOCKS} KV-cache pages .* has {NUM_BLOCKS + 8}"):
-        impl.forward(later.query, None, None, torch.cat([later.kv_cache, later.kv_cache[:8]]), meta2,
-                     later.new_output())
     _clear_faults("cpu")
 
 
@@ -166,19 +170,28 @@ def test_num_blocks_given_contains_in_build(fake_flashinfer, monkeypatch):
     builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024, num_blocks=NUM_BLOCKS)
     batch = _batch(3, page=NUM_BLOCKS)
     meta = builder.build(_device_only(monkeypatch, batch.common))
-    assert meta.page_ids_bound == NUM_BLOCKS and meta.unchecked_page_ids == ()
+    assert meta.origin.num_blocks == NUM_BLOCKS and meta.plan.uncontained_page_ids == ()
     assert NUM_BLOCKS not in meta.plan_inputs.kv_indices.tolist()
+    with pytest.raises(PageTableError, match=rf"block_table\[1, 1\] = {NUM_BLOCKS} is outside"):
+        raise_pending_faults("cpu")  # build() scanned the device-only table
+    impl = FlashInferBackend.get_impl_cls()(SPEC)
+    with pytest.raises(ValueError, match=rf"kv_cache has {NUM_BLOCKS + 8} pages .* num_blocks={NUM_BLOCKS}"):
+        impl.forward(batch.query, None, None, torch.cat([batch.kv_cache, batch.kv_cache[:8]]), meta,
+                     batch.new_output())
     _clear_faults("cpu")
 
 
-def test_host_tables_are_not_contained(fake_flashinfer):
-    """With a host table the guard raises before any kernel runs: nothing to contain, nothing recorded twice."""
+def test_host_tables_are_checked_not_contained(fake_flashinfer):
+    """With a host table the guard raises before any kernel runs (in build() where the builder knows num_blocks,
+    else in forward): nothing to contain, nothing recorded."""
     _clear_faults("cpu")
-    builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024, num_blocks=NUM_BLOCKS)
     batch = _batch(4, page=NUM_BLOCKS + 1)
     batch.common.block_table_cpu = batch.common.block_table
-    meta = builder.build(batch.common)
-    assert meta.page_ids_bound is None and meta.unchecked_page_ids == ()
+    builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024, num_blocks=NUM_BLOCKS)
+    with pytest.raises(PageTableError, match=rf"block_table\[1, 1\] = {NUM_BLOCKS + 1}"):
+        builder.build(batch.common)
+    meta = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024).build(batch.common)
+    assert meta.plan.uncontained_page_ids == ()
     impl = FlashInferBackend.get_impl_cls()(SPEC)
     with pytest.raises(PageTableError, match=rf"block_table\[1, 1\] = {NUM_BLOCKS + 1}"):
         impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, batch.new_output())
@@ -192,7 +205,7 @@ def test_cuda_graph_buffers_are_contained_too(fake_flashinfer, monkeypatch):
     batch = _batch(5, shapes=shapes, bad=((1, 2),))
     capture = builder.build_for_cudagraph_capture
     meta, out = _forward(builder, batch, build=lambda common: capture(_device_only(monkeypatch, common)))
-    assert meta.cuda_graph and meta.page_ids_bound == NUM_BLOCKS
+    assert meta.cuda_graph and len(meta.plan.uncontained_page_ids) == 2  # the page table and the graph's copy
     assert builder.wrappers.graph_page_ids(meta.plan_inputs.num_pages).max() < NUM_BLOCKS
     _clear_faults("cpu")
     _, want = _forward(FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024), _batch(5, shapes, ((1, 2),), 0))
@@ -211,7 +224,7 @@ def test_cascade_shared_level_is_contained_on_a_copy(fake_flashinfer, monkeypatc
     policy = CascadePolicy(enabled=True, min_requests=2, min_shared_tokens=16, min_saved_fraction=0.0)
     builder = FlashInferMetadataBuilder(SPEC, "cpu", workspace_bytes=1024, cascade_policy=policy)
     meta = builder.build(_device_only(monkeypatch, batch.common), common_prefix_len=4 * 16)
-    assert meta.cascade_wrapper is not None and len(meta.unchecked_page_ids) == 2
+    assert meta.cascade_wrapper is not None and len(meta.plan.uncontained_page_ids) == 2
     impl = FlashInferBackend.get_impl_cls()(SPEC)
     impl.forward(batch.query, None, None, batch.kv_cache.clone(), meta, batch.new_output())
     assert meta.cascade_wrapper.levels[0].plan_args["indices"].tolist() == [3, 0, 11, 12]
@@ -227,10 +240,11 @@ def test_cascade_shared_level_is_contained_on_a_copy(fake_flashinfer, monkeypatc
 @pytest.mark.parametrize("num_blocks_given", [False, True])
 def test_cuda_table_without_host_copy(shapes, num_blocks_given):
     """No host copy: FlashInfer never reads outside the cache (no illegal memory access), the output is that of page
-    0 in the bad entry's place, the error comes at the next check point, the CUDA context keeps working, and the
-    builder contains the next batch in build(). Each step is built and run behind a GPU stall, so the host is ahead
-    and the fault its own build() records cannot be seen before its forward runs; a last step with the GPU caught
-    up shows the other order: forward() itself raises, naming the entry."""
+    0 in the bad entry's place, the error comes at the next check point, and the CUDA context keeps working; page
+    ids are contained in build() with num_blocks, else in every forward(). Each step is built and run behind a GPU
+    stall, so the host is ahead and the fault its own check records cannot be seen before its forward runs; a last
+    step with the GPU caught up shows the other order: the next check point raises, naming the entry (forward()
+    itself without num_blocks; with it, build() checked the table and the next build() raises)."""
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
     builder = FlashInferMetadataBuilder(spec, "cuda", num_blocks=64 if num_blocks_given else None)
     impl = FlashInferBackend.get_impl_cls()(spec)
@@ -263,7 +277,10 @@ def test_cuda_table_without_host_copy(shapes, num_blocks_given):
         meta, out = step_with_host_ahead(batch)
         outs.append(out)
         if page:
-            assert meta.page_ids_bound == 64
+            if num_blocks_given:
+                assert meta.origin.num_blocks == 64 and meta.plan.uncontained_page_ids == ()
+            else:
+                assert meta.origin.num_blocks is None and meta.plan.uncontained_page_ids
             with pytest.raises(PageTableError, match=rf"block_table\[1, 1\] = {page} is outside"):
                 raise_pending_faults("cuda")
     n = batch.num_actual_tokens
@@ -274,6 +291,8 @@ def test_cuda_table_without_host_copy(shapes, num_blocks_given):
     torch.cuda.synchronize()
     with pytest.raises(PageTableError, match=r"block_table\[1, 1\] = -7 is outside"):
         impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, batch.new_output())
+        torch.cuda.synchronize()
+        builder.build(dataclasses.replace(bad_batch(0).common))  # num_blocks given: build() checked; raised here
     x = torch.randn(256, 256, device="cuda")
     assert torch.isfinite(x @ x).all()
     torch.cuda.synchronize()

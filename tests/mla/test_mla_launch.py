@@ -211,8 +211,9 @@ def test_decode_forward_runs_one_torch_op_per_view(monkeypatch, absorb, up_proje
     from attnbackends.mla import common as mla_common
 
     batch = _batch(2)
+    # num_blocks: build() checks the page ids, so forward's check is one comparison (no block-table read)
     meta = TritonMLABackend.get_builder_cls()(SPEC, "cpu", num_splits=num_splits, up_projection=up_projection,
-                                              absorb=absorb).build(batch.common)
+                                              absorb=absorb, num_blocks=batch.kv_cache.shape[0]).build(batch.common)
     impl = TritonMLABackend.get_impl_cls()(SPEC, kv_b_proj=batch.kv_b_proj)
     impl.process_weights_after_loading()
     launches: list = []

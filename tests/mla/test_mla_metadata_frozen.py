@@ -33,9 +33,8 @@ from attnbackends.spec import AttentionSpec
 from attnbackends.testing import SequenceShape as S
 from attnbackends.testing.mla import make_random_mla_batch
 
-# The page guard's once-per-step memos on the engine's CommonAttentionMetadata (its docstring: "set by the page-id
-# guard"), which every backend's forward checks through; nothing of a backend's own metadata.
-GUARD_MEMOS = {CommonAttentionMetadata: frozenset({"pages_checked_for", "_cached_context"})}
+# Fields a forward may write: none, on the common metadata as on a backend's own.
+GUARD_MEMOS: dict = {}
 
 DECODE_ONLY = [S(1, 5), S(1, 17), S(1, 30)]
 MIXED = [S(1, 9), S(1, 24), S(4, 0), S(3, 12)]

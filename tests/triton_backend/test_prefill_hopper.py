@@ -39,6 +39,9 @@ from attnbackends.testing import (  # noqa: E402
 )
 from attnbackends.triton import prefill_hopper  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+from attnbackends.triton.choices import (  # noqa: E402
+    FreshPrefillCacheWrite, FreshPrefillKernel, KernelChoice, PrefillSplit,
+)
 from attnbackends.triton.prefill_hopper import (  # noqa: E402
     HopperPrefillConfig,
     HopperPrefillPlan,
@@ -138,7 +141,8 @@ def _builder(spec=SPEC, **kw):
 ])
 def test_builder_puts_fresh_prefills_on_the_gluon_kernel(fake_h100, shapes, decodes):
     builder = _builder()
-    assert builder.prefill_kernel_reason is None and builder.hopper_prefill_reason == ""
+    assert builder.choices.prefill_split.kernel is PrefillSplit.WHERE_IT_PAYS
+    assert builder.choices.fresh_prefill.kernel is FreshPrefillKernel.GLUON_HOPPER
     common = _common(shapes)
     meta = builder.build(common)
     decode_plan, plan = meta.prefill_split
@@ -159,14 +163,15 @@ def test_builder_keeps_the_other_paths(fake_h100):
     assert isinstance(builder.build(with_context).prefill_split[1], PrefillPlan)
     assert builder.build(context_heavy).prefill_split is None
     off = _builder(hopper_prefill=False, hopper_paged_prefill=False)
-    assert "hopper_prefill=False" in off.hopper_prefill_reason
+    assert off.choices.fresh_prefill == KernelChoice(FreshPrefillKernel.AS_OTHER_PREFILLS, "turned off (hopper_prefill=False)")
     assert isinstance(off.build(fresh).prefill_split[1], PrefillPlan)
     assert _builder(prefill_kernel=False).build(fresh).prefill_split is None
     deterministic = _builder(deterministic=True)
-    assert "deterministic" in deterministic.hopper_prefill_reason
+    assert "deterministic" in deterministic.choices.fresh_prefill.reason
     assert deterministic.build(fresh).prefill_split is None
     window = _builder(SPEC.model_copy(update=dict(sliding_window=256)), hopper_paged_prefill=False)
-    assert "sliding window" in window.hopper_prefill_reason
+    assert window.choices.fresh_prefill.kernel is FreshPrefillKernel.AS_OTHER_PREFILLS
+    assert "sliding window" in window.choices.fresh_prefill.reason
     assert isinstance(window.build(fresh).prefill_split[1], PrefillPlan)
 
 
@@ -177,7 +182,7 @@ def test_builder_lets_the_kernel_write_the_cache(fake_h100):
     128-key tile, or hopper_cache_write=False it does not."""
     fresh = _common([(300, 0), (2, 0), (129, 0)])
     builder = _builder()
-    assert builder.hopper_cache_write_reason == ""
+    assert builder.choices.fresh_cache_write.kernel is FreshPrefillCacheWrite.IN_KERNEL
     meta = builder.build(fresh)
     plan = meta.prefill_split[1]
     assert plan.writes_cache and plan.block_size == 16 and meta.cache_write_sms == 0
@@ -186,10 +191,11 @@ def test_builder_lets_the_kernel_write_the_cache(fake_h100):
     with_decodes = builder.build(_common([(1, 40), (300, 0)]))
     assert not with_decodes.prefill_split[1].writes_cache and with_decodes.write_todo is None
     off = _builder(hopper_cache_write=False)
-    assert "hopper_cache_write=False" in off.hopper_cache_write_reason
+    assert off.choices.fresh_cache_write == KernelChoice(FreshPrefillCacheWrite.WRITE_KERNEL, "turned off (hopper_cache_write=False)")
     assert not off.build(fresh).prefill_split[1].writes_cache
     odd_pages = _builder(SPEC.model_copy(update=dict(block_size=48)))
-    assert "block_size 48" in odd_pages.hopper_cache_write_reason
+    assert odd_pages.choices.fresh_cache_write.kernel is FreshPrefillCacheWrite.WRITE_KERNEL
+    assert "block_size 48" in odd_pages.choices.fresh_cache_write.reason
     assert not odd_pages.build(_common([(300, 0), (2, 0), (129, 0)], block_size=48)).prefill_split[1].writes_cache
     assert prefill_hopper.cache_write_reason(HopperPrefillConfig(block_n=64), 16).startswith("key tiles of 64")
     with pytest.raises(ValueError, match="cannot write this cache"):
@@ -223,7 +229,7 @@ def test_builder_leaves_sms_to_the_cache_write(fake_h100):
 
 def test_builder_off_the_hopper():
     builder = _builder(prefill_kernel=True)  # the real (CPU) device: interpreted, or no CUDA device
-    assert builder.hopper_prefill_reason
+    assert builder.choices.fresh_prefill.kernel is FreshPrefillKernel.AS_OTHER_PREFILLS
     meta = builder.build(_common([(40, 0), (33, 0)]))
     assert meta.prefill_split is None or isinstance(meta.prefill_split[1], PrefillPlan)
 

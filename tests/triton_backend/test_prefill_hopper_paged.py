@@ -31,6 +31,7 @@ from attnbackends.testing import SequenceShape as S  # noqa: E402
 from attnbackends.testing import assert_close_to_oracle, make_random_batch, oracle_attention, tolerance_for  # noqa
 from attnbackends.triton import prefill_hopper_paged as paged  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+from attnbackends.triton.choices import KernelChoice, PagedPrefill  # noqa: E402
 from attnbackends.triton.prefill_hopper import HopperPrefillPlan  # noqa: E402
 from attnbackends.triton.prefill_hopper_paged import (  # noqa: E402
     SOFTCAP_TANH,
@@ -122,7 +123,7 @@ def _builder(spec=SPEC, **kw):
 ])
 def test_builder_plans_the_paged_kernel(fake_h100, shapes, decodes):
     builder = _builder(hopper_paged_prefill=True)
-    assert builder.paged_prefill_reason == ""
+    assert builder.choices.paged_prefill.kernel is PagedPrefill.GLUON_HOPPER_PAGED
     common = _common(shapes)
     meta = builder.build(common)
     decode_plan, plan = meta.paged_prefill
@@ -154,11 +155,12 @@ def test_decodes_beside_the_paged_kernel_split_their_keys():
 
 
 def test_builder_says_why_not(fake_h100):
-    assert "turned off" in _builder(hopper_paged_prefill=False).paged_prefill_reason
+    off = _builder(hopper_paged_prefill=False).choices.paged_prefill
+    assert off.kernel is PagedPrefill.OFF and "turned off" in off.reason
     alibi = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16,
                           alibi_slopes=tuple(2.0 ** -i for i in range(1, 33)))
     builder = _builder(alibi, hopper_paged_prefill=True)
-    assert builder.paged_prefill_reason == "ALiBi"
+    assert builder.choices.paged_prefill == KernelChoice(PagedPrefill.OFF, "ALiBi")
     assert builder.build(_common([(200, 1000)])).paged_prefill is None
     assert _builder(hopper_paged_prefill=True).build(_common([(1, 40), (1, 9)])).paged_prefill is None  # decodes only
 
@@ -169,14 +171,15 @@ def test_default_builder_plans_it_unless_the_prefill_kernels_are_off(fake_h100):
     with prefill_kernel=False keeps every prefill on the unified kernel."""
     assert paged.PAGED_PREFILL_DEFAULT
     default = _builder()
-    assert default.paged_prefill_reason == ""
+    assert default.choices.paged_prefill.kernel is PagedPrefill.GLUON_HOPPER_PAGED
     assert default.build(_common([(512, 3584), (256, 1792)])).paged_prefill is not None
     fresh = default.build(_common([(300, 0), (129, 0)]))
     assert fresh.paged_prefill is not None and isinstance(fresh.prefill_split[1], HopperPrefillPlan)  # keys: fresh
     off = _builder(prefill_kernel=False)
-    assert "prefill_kernel=False" in off.paged_prefill_reason
+    assert off.choices.paged_prefill.kernel is PagedPrefill.OFF and "prefill_kernel=False" in off.choices.paged_prefill.reason
     assert off.build(_common([(512, 3584)])).paged_prefill is None
-    assert _builder(prefill_kernel=False, hopper_paged_prefill=True).paged_prefill_reason == ""
+    forced = _builder(prefill_kernel=False, hopper_paged_prefill=True).choices.paged_prefill
+    assert forced.kernel is PagedPrefill.GLUON_HOPPER_PAGED and "hopper_paged_prefill=True" in forced.reason
 
 
 @needs_gluon
@@ -198,7 +201,7 @@ def test_kernel_notes_name_the_paged_kernel():
 
 def test_builder_off_the_hopper():
     builder = TritonAttentionBackend.get_builder_cls()(SPEC, "cpu", hopper_paged_prefill=True)
-    assert builder.paged_prefill_reason and builder.build(_common([(200, 1000)])).paged_prefill is None
+    assert builder.choices.paged_prefill.kernel is PagedPrefill.OFF and builder.build(_common([(200, 1000)])).paged_prefill is None
 
 
 @needs_gluon
@@ -266,7 +269,7 @@ def run_paged(spec, shapes, *, seed=0, key_none=False, pad_tokens=3):
     builder = TritonAttentionBackend.get_builder_cls()(spec, "cuda", hopper_paged_prefill=True)
     impl = TritonAttentionBackend.get_impl_cls()(spec, sinks=batch.sinks)
     meta = builder.build(batch.common)
-    assert meta.paged_prefill is not None, builder.paged_prefill_reason
+    assert meta.paged_prefill is not None, builder.choices.paged_prefill
     cache = batch.kv_cache.clone()
     slots = batch.common.slot_mapping
     if key_none:  # the step's keys are already in the cache

@@ -13,6 +13,7 @@ from attnbackends import AttentionSpec  # noqa: E402
 from attnbackends.testing import SequenceShape as S  # noqa: E402
 from attnbackends.testing import assert_close_to_oracle, make_random_batch, oracle_attention, tolerance_for  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+from attnbackends.triton.choices import KernelChoice, PrefillSplit  # noqa: E402
 from attnbackends.triton.heuristics import prefill_kernel_pays  # noqa: E402
 from attnbackends.triton.prefill_launch import prefill_new_kv_unsupported_reason  # noqa: E402
 
@@ -164,23 +165,23 @@ def test_gqa_pack_must_divide_the_heads_and_the_tile():
 def test_features_the_kernel_does_not_take_keep_the_unified_path(feature, reason):
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype="float16", block_size=16, **feature)
     builder = TritonAttentionBackend.get_builder_cls()(spec, "cpu", prefill_kernel=True)
-    assert builder.prefill_kernel_reason is not None and reason in builder.prefill_kernel_reason
+    assert builder.choices.prefill_split.kernel is PrefillSplit.OFF and reason in builder.choices.prefill_split.reason
 
 
 def test_off_on_request_and_default_per_device():
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype="float16", block_size=16)
     batch = make_random_batch(spec, MIXED, seed=2, device=DEVICE)
     off = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, prefill_kernel=False)
-    assert "prefill_kernel=False" in off.prefill_kernel_reason
+    assert off.choices.prefill_split == KernelChoice(PrefillSplit.OFF, "turned off (prefill_kernel=False)")
     assert off.build(batch.common).prefill_split is None
     default = TritonAttentionBackend.get_builder_cls()(spec, DEVICE)
     if ON_GPU and torch.cuda.get_device_capability() == (9, 0):  # on by default where the kernel applies and pays
-        assert default.prefill_kernel_reason is None
+        assert default.choices.prefill_split.kernel is PrefillSplit.WHERE_IT_PAYS
         fresh = make_random_batch(spec, [S(1, 30), S(64, 0), S(40, 8)], seed=3, device=DEVICE)
         assert default.build(fresh.common).prefill_split is not None
         assert default.build(batch.common).prefill_split is None  # context-heavy: the unified kernel
     elif not ON_GPU:  # off on the CPU, so the interpreter keeps covering the unified path
-        assert "on the CPU" in default.prefill_kernel_reason
+        assert default.choices.prefill_split.kernel is PrefillSplit.OFF and "on the CPU" in default.choices.prefill_split.reason
         assert default.build(batch.common).prefill_split is None
 
 

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
 from attnbackends.triton import launch, prefill_hopper, runner  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend  # noqa: E402
+from attnbackends.triton.choices import PagedPrefill  # noqa: E402
 from attnbackends.triton.launch import SplitKVWorkspace, plan_attention  # noqa: E402
 from attnbackends.triton.prefill_launch import PrefillPlan, plan_prefill_new_kv  # noqa: E402
 from attnbackends.triton.runner import CacheViews, LayerArgs, TritonStepRunner  # noqa: E402
@@ -385,7 +386,7 @@ def test_the_paged_gluon_prefill_serves_chunks_on_context_and_steps_without_keys
     the paged kernel, after the write where keys come and without it where they do not; a cache its TMA views cannot
     take falls back to the unified programs; fresh prompts with keys keep the fresh-prompt kernel."""
     builder = _builder(hopper_paged_prefill=True)
-    assert builder.paged_prefill_reason == ""
+    assert builder.choices.paged_prefill.kernel is PagedPrefill.GLUON_HOPPER_PAGED
     common = _common([(1, 40), (1, 70), (512, 1536)])
     meta = builder.build(common)
     step = meta.step
@@ -403,4 +404,4 @@ def test_the_paged_gluon_prefill_serves_chunks_on_context_and_steps_without_keys
     q2, k2, v2, o2, c2 = _forward_tensors(_common([(300, 0), (129, 0)]), num_blocks=128)
     assert fresh.program_for(q2, k2, v2, o2, c2, _common([(300, 0), (129, 0)]).slot_mapping).kinds()[0] is K.GLUON_PREFILL
     off = _builder(hopper_paged_prefill=False)
-    assert "hopper_paged_prefill" in off.paged_prefill_reason and off.build(common).paged_prefill is None
+    assert "hopper_paged_prefill" in off.choices.paged_prefill.reason and off.build(common).paged_prefill is None
