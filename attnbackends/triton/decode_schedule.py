@@ -1,0 +1,398 @@
+"""The balanced decode schedule: a batch's decodes cut into work units of near-equal size, decided in ``build()``.
+
+The uniform split (:func:`.heuristics.choose_num_kv_splits`) gives every decode the same number of KV segments, so in
+a heavy-tailed batch (most requests short, a few very long) the long requests' few programs finish last while the
+rest of the GPU idles. The balanced schedule cuts each decode's visible keys into units instead: long requests get
+many units, short ones one, every unit at most about ``unit_keys`` keys, and the unified kernel runs one unit per
+program (:mod:`.kernels`, ``DECODE_SCHEDULED``). A request with one unit writes its output directly; the units of a
+split request write partials, and the last of them to finish merges them in the same launch (the fused split-KV
+merge, with the request's own unit count).
+
+Unit sizing (:func:`plan_decode_units`), from host data only (``seq_lens_cpu``, ``query_lens_cpu``):
+
+- each decode's visible keys are ``[lo, seq_len)``: ``lo = 0``, or with a sliding window ``W`` the first key its
+  first query token sees, ``context - W + 1``, rounded down to the unit alignment;
+- the target is ``T = ceil(waves * num_sms / num_kv_heads)`` units (each unit is ``num_kv_heads`` programs, so about
+  ``waves`` programs per SM) and the unit size ``S = max(min_unit_keys, ceil(total_keys / T))`` rounded up to
+  ``align`` (the kernel's decode tile: a unit is whole tiles);
+- a decode of ``w`` keys gets ``max(1, round(w / S))`` units (at most ``max_units_per_request``: the split-KV
+  workspace's segments), of equal whole-tile size;
+- the units of a request are adjacent; requests are ordered by unit size, largest first, so the largest units start
+  first and the short requests' units fill the tail (a GPU starts programs in grid order; the scheduled grid is
+  (KV heads, units): all the KV heads of a unit start together).
+
+So no unit exceeds about ``S`` keys, ``S`` is at most ``1 / waves`` of an SM's share of the batch, and a batch has at
+most ``num_decodes + T`` units: a CUDA graph's fixed grid (:func:`unit_capacity`).
+
+Which schedule a batch gets (:func:`balanced_pays`, the one rule): ``decode_schedule="balanced"`` always,
+``"uniform"`` never, ``"auto"`` when the decodes' key counts are ragged (the longest over ``ragged_ratio`` times the
+mean). A shape captured in a CUDA graph with the balanced schedule keeps it: every later build of that shape writes
+its schedule into the buffer the graph reads (:class:`DecodeScheduler`).
+
+Buffers. An eager batch's unit table is a fresh device tensor (from a pinned host copy, no sync), held by its plan
+until its launches have run: a builder may build the next step, or every draft step, before the GPU runs this one.
+A shape captured for CUDA graphs has a persistent table of fixed size (:func:`unit_capacity` rows, padding rows
+empty) that later builds of the shape rewrite, each after the previous rewrite's copy has run (the host's lead is
+one build per shape, as FlashInfer's plans).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BalancedParams",
+    "DECODE_SCHEDULE_MODES",
+    "DecodeSchedule",
+    "DecodeScheduler",
+    "UNIT_FIELDS",
+    "UnitTable",
+    "balanced_pays",
+    "decode_key_ranges",
+    "decode_schedule_note",
+    "make_decode_schedule",
+    "plan_decode_units",
+    "target_units",
+    "unit_capacity",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Values of the builder's ``decode_schedule`` option.
+DECODE_SCHEDULE_MODES = ("auto", "balanced", "uniform")
+
+#: int32 fields of one unit: request, first key, end key (exclusive), unit index within the request | unit count << 16.
+UNIT_FIELDS = 4
+COUNT_SHIFT = 16
+
+
+@dataclass(frozen=True)
+class BalancedParams:
+    """The balanced schedule's constants (tune them on the GPU; ``benchmarks/NOTES.md``).
+
+    waves : target programs per SM (units x KV heads ~ ``waves`` x SMs): a unit is then at most ``1 / waves`` of an
+        SM's share of the batch's keys; the kernel keeps about two decode programs resident per SM.
+    min_unit_keys : no unit is cut smaller (its query load, partial write and merge are paid per unit).
+    ragged_ratio : ``auto`` schedules a batch balanced when its longest decode has more than this times the mean
+        number of visible keys.
+    """
+
+    waves: int = 4
+    min_unit_keys: int = 128
+    ragged_ratio: float = 1.5
+
+
+DEFAULT_PARAMS = BalancedParams()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The host-side rule (numpy over [num_decodes] arrays; no per-request Python loop)
+# --------------------------------------------------------------------------------------------------------------
+def target_units(num_sms: int, num_kv_heads: int, waves: int = DEFAULT_PARAMS.waves) -> int:
+    """``T``: the units that give about ``waves`` programs per SM (each unit runs ``num_kv_heads`` programs)."""
+    return max(1, -(-waves * num_sms // num_kv_heads))
+
+
+def unit_capacity(num_decodes: int, num_sms: int, num_kv_heads: int, waves: int = DEFAULT_PARAMS.waves) -> int:
+    """The most units :func:`plan_decode_units` makes for ``num_decodes`` decodes, whatever their lengths:
+    ``num_decodes + T`` (each request rounds its ``w / S`` units up by less than one, and ``sum(w) / S <= T``)."""
+    return num_decodes + target_units(num_sms, num_kv_heads, waves)
+
+
+def decode_key_ranges(seq_lens: np.ndarray, query_lens: np.ndarray, *, sliding_window: Optional[int],
+                      align: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) [n] int64: the keys the decodes' query tokens see, ``[lo, hi)``, ``lo`` rounded down to ``align``.
+
+    ``hi`` is the sequence length (a causal decode's last token sees every key; a cross-attention decode every key
+    of its encoder sequence). With a sliding window ``W`` the first query token, at position ``seq_len - query_len``,
+    sees keys from ``seq_len - query_len - W + 1`` on."""
+    hi = seq_lens.astype(np.int64)
+    if sliding_window:
+        lo = np.maximum(hi - query_lens - (int(sliding_window) - 1), 0)
+        lo -= lo % align
+        return lo, hi
+    return np.zeros(hi.shape[0], np.int64), hi
+
+
+def balanced_pays(keys: np.ndarray, ragged_ratio: float = DEFAULT_PARAMS.ragged_ratio) -> bool:
+    """The ``auto`` rule: whether decodes with ``keys`` [n] visible keys each are ragged enough for the balanced
+    schedule (the longest over ``ragged_ratio`` times the mean). Uniform batches keep the uniform split, which
+    already fills the GPU evenly."""
+    n = keys.shape[0]
+    return n > 0 and float(keys.max()) * n > ragged_ratio * float(keys.sum())
+
+
+@dataclass(frozen=True, eq=False)
+class UnitTable:
+    """A planned schedule on the host.
+
+    units : [num_units, UNIT_FIELDS] int32: (request, key start, key end, index | count << 16) per unit; a request's
+        units adjacent and in key order, key starts multiples of ``align``.
+    unit_keys : ``S``, the target unit size in keys.
+    units_per_request : [n] int64, each decode's unit count.
+    """
+
+    units: np.ndarray
+    unit_keys: int
+    units_per_request: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return self.units.shape[0]
+
+
+def plan_decode_units(seq_lens: np.ndarray, query_lens: np.ndarray, *, num_sms: int, num_kv_heads: int, align: int,
+                      max_units_per_request: int, sliding_window: Optional[int] = None,
+                      params: BalancedParams = DEFAULT_PARAMS,
+                      ranges: Optional[tuple[np.ndarray, np.ndarray]] = None) -> UnitTable:
+    """Cut ``n`` decodes' keys into balanced work units (the rule in the module docstring).
+
+    Parameters
+    ----------
+    seq_lens, query_lens : [n] integer arrays (host): each decode's sequence and query length.
+    num_sms, num_kv_heads : the GPU's SMs and the layer's KV heads (programs per unit).
+    align : unit boundaries fall on multiples of this many keys (the kernel's decode tile).
+    max_units_per_request : the most units one request gets (the split-KV workspace's segments).
+    sliding_window : the layer's window (None: none).
+    ranges : ``decode_key_ranges``' result when the caller has it.
+    """
+    if align < 1 or max_units_per_request < 1:
+        raise ValueError(f"align ({align}) and max_units_per_request ({max_units_per_request}) must be positive")
+    if max_units_per_request >= 1 << COUNT_SHIFT:
+        raise ValueError(f"max_units_per_request must be below {1 << COUNT_SHIFT}, got {max_units_per_request}")
+    lo, hi = ranges if ranges is not None else decode_key_ranges(seq_lens, query_lens, sliding_window=sliding_window,
+                                                                 align=align)
+    n = lo.shape[0]
+    if n == 0:
+        return UnitTable(np.zeros((0, UNIT_FIELDS), np.int32), align, np.zeros(0, np.int64))
+    keys = hi - lo
+    total = int(keys.sum())
+    unit = max(params.min_unit_keys, -(-total // target_units(num_sms, num_kv_heads, params.waves)), 1)
+    unit = -(-unit // align) * align
+    # numpy on [n] / [num_units] arrays, no loop: an op costs about as much for 256 requests as for one, so few ops
+    count = (keys + unit // 2) // unit  # round(w / S) units ...
+    np.maximum(count, 1, out=count)  # ... at least one,
+    np.minimum(count, max_units_per_request, out=count)  # at most the cap
+    if count.max() == 1:  # nothing split: one unit per request, longest first
+        order = np.argsort(-keys, kind="stable")
+        table = np.empty((n, UNIT_FIELDS), np.int32)
+        table[:, 0] = order
+        table[:, 1] = lo[order]
+        table[:, 2] = hi[order]
+        table[:, 3] = 1 << COUNT_SHIFT
+        return UnitTable(table, unit, count)
+    # equal whole-tile pieces, ceil(w / count) rounded up to align (one tile at least: w may be 0) ...
+    size = ((keys + count - 1) // count + (align - 1)) // align * align
+    np.maximum(size, align, out=size)
+    count = (keys + size - 1) // size  # ... where rounding the pieces up leaves the last ones empty, fewer of them
+    np.maximum(count, 1, out=count)
+    order = np.argsort(-size, kind="stable")  # largest units first; a request's units stay together
+    counts = count[order]
+    req = np.repeat(order, counts)  # [num_units] the request of each unit
+    first = np.empty_like(count)
+    first[order] = np.cumsum(counts) - counts  # each request's first unit
+    u = np.arange(req.shape[0])  # unit u is unit u - first[r] of its request r: it starts at lo + (u - first) * size
+    start = (lo - first * size)[req] + u * size[req]
+    table = np.empty((req.shape[0], UNIT_FIELDS), np.int32)
+    table[:, 0] = req
+    table[:, 1] = start
+    table[:, 2] = np.minimum(start + size[req], hi[req])
+    table[:, 3] = u + ((count << COUNT_SHIFT) - first)[req]
+    return UnitTable(table, unit, count)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The schedule a launch plan carries, and the builder's scheduler (device buffers)
+# --------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class DecodeSchedule:
+    """A batch's balanced decode schedule on the launch device (carried by :class:`.launch.LaunchPlan`).
+
+    Attributes
+    ----------
+    units : [>= num_programs, UNIT_FIELDS] int32 on the device (:data:`UNIT_FIELDS`); rows from ``num_units`` on are
+        empty (count 0).
+    num_decodes : the decodes it schedules (the batch's first requests).
+    num_units : units in the table.
+    num_programs : rows of the launch's unit axis: ``num_units``, or a CUDA-graph buffer's fixed capacity.
+    unit_keys : the target unit size ``S`` in keys.
+    align : keys per unit boundary (a multiple of the kernel's decode tile).
+    max_units_per_request : the per-request cap (the workspace's segments; the kernel's merge tile).
+    units_per_request : [num_decodes] int64 (host), each decode's unit count.
+    why : why this batch is scheduled balanced.
+    """
+
+    units: torch.Tensor
+    num_decodes: int
+    num_units: int
+    num_programs: int
+    unit_keys: int
+    align: int
+    max_units_per_request: int
+    units_per_request: np.ndarray
+    why: str
+
+    @property
+    def num_split(self) -> int:
+        """Requests with more than one unit."""
+        return int((self.units_per_request > 1).sum())
+
+    @property
+    def most_units(self) -> int:
+        """The most units of one request."""
+        return int(self.units_per_request.max()) if self.num_decodes else 0
+
+    def describe(self) -> str:
+        """How the batch's decodes are scheduled, in words."""
+        graph = f" (a CUDA-graph buffer of {self.num_programs} rows)" if self.num_programs != self.num_units else ""
+        return (f"balanced ({self.why}): {self.num_decodes} decodes in {self.num_units} units of up to about "
+                f"{self.unit_keys} keys{graph}; {self.num_split} requests split, into at most {self.most_units} units, "
+                "merged in the launch")
+
+
+def make_decode_schedule(table: UnitTable, *, device: "torch.device | str", align: int, max_units_per_request: int,
+                         why: str = "balanced", pin_memory: Optional[bool] = None) -> DecodeSchedule:
+    """A :class:`DecodeSchedule` of ``table`` in a fresh device tensor (from pinned memory on CUDA, so the copy does
+    not wait; torch keeps the pinned block until the copy has run)."""
+    device = torch.device(device)
+    n = table.num_units
+    if device.type == "cuda":
+        host = torch.empty((max(n, 1), UNIT_FIELDS), dtype=torch.int32,
+                           pin_memory=True if pin_memory is None else pin_memory)
+        host.numpy()[:n] = table.units
+        units = host.to(device, non_blocking=True)
+    else:
+        units = torch.from_numpy(table.units if n else np.zeros((1, UNIT_FIELDS), np.int32)).to(device)
+    return _schedule(table, units, n, align, max_units_per_request, why)
+
+
+def _schedule(table: UnitTable, units: torch.Tensor, num_programs: int, align: int, max_units_per_request: int,
+              why: str) -> DecodeSchedule:
+    counts = table.units_per_request
+    return DecodeSchedule(
+        units=units, num_decodes=counts.shape[0], num_units=table.num_units, num_programs=num_programs,
+        unit_keys=table.unit_keys, align=align, max_units_per_request=max_units_per_request,
+        units_per_request=counts, why=why)
+
+
+class _GraphBuffer:
+    """The persistent unit table of one captured shape: [capacity, UNIT_FIELDS] int32 on the device, its pinned host
+    copy and the event after the last copy."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.device_units = torch.zeros((capacity, UNIT_FIELDS), dtype=torch.int32, device=device)
+        self.host_units = torch.zeros((capacity, UNIT_FIELDS), dtype=torch.int32, pin_memory=cuda)
+        self.event: Optional["torch.cuda.Event"] = torch.cuda.Event() if cuda else None
+        self.copied = False
+
+    @property
+    def capacity(self) -> int:
+        return self.device_units.shape[0]
+
+    def write(self, units: np.ndarray) -> None:
+        """Rewrite the table with ``units`` (the rest empty), ordered after the launches enqueued before it."""
+        n = units.shape[0]
+        if n > self.capacity:
+            raise AssertionError(f"{n} units exceed the captured buffer's {self.capacity} rows")
+        if self.event is not None and self.copied:
+            self.event.synchronize()  # the previous schedule's copy has run: its pinned rows may change
+        host = self.host_units.numpy()
+        host[:n] = units
+        host[n:] = 0
+        self.device_units.copy_(self.host_units, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+            self.copied = True
+
+
+class DecodeScheduler:
+    """A builder's balanced decode schedules: the mode, the GPU's numbers, and the CUDA-graph buffers of the shapes
+    captured balanced.
+
+    Parameters
+    ----------
+    mode : ``"auto"``, ``"balanced"`` or ``"uniform"`` (:data:`DECODE_SCHEDULE_MODES`).
+    device : the launch device.
+    num_sms, num_kv_heads, align, max_units_per_request, sliding_window : as in :func:`plan_decode_units`.
+    params : the rule's constants (an attribute: a benchmark may replace it between builds).
+    """
+
+    def __init__(self, mode: str, device: torch.device, *, num_sms: int, num_kv_heads: int, align: int,
+                 max_units_per_request: int, sliding_window: Optional[int] = None,
+                 params: BalancedParams = DEFAULT_PARAMS) -> None:
+        if mode not in DECODE_SCHEDULE_MODES:
+            raise ValueError(f"decode_schedule must be one of {DECODE_SCHEDULE_MODES}, got {mode!r}")
+        self.mode = mode
+        self.device = torch.device(device)
+        self.num_sms = num_sms
+        self.num_kv_heads = num_kv_heads
+        self.align = align
+        self.max_units_per_request = max_units_per_request
+        self.sliding_window = sliding_window
+        self.params = params
+        self._graphs: dict[tuple[int, int], _GraphBuffer] = {}
+        self._capturing = False
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Builds inside schedule for a CUDA-graph capture: a decode-only shape scheduled balanced gets a persistent
+        buffer that later builds of the shape rewrite."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def schedule(self, seq_lens_cpu: torch.Tensor, query_lens_cpu: torch.Tensor, *,
+                 graph_shape: Optional[tuple[int, int]] = None) -> Optional[DecodeSchedule]:
+        """The balanced schedule of these decodes, or None where they run the uniform split.
+
+        seq_lens_cpu, query_lens_cpu : [num_decodes] int32 host tensors (the batch's leading decodes).
+        graph_shape : (num_reqs, num_tokens) of a decode-only batch (a shape a CUDA graph may replay), else None.
+        """
+        graph = self._graphs.get(graph_shape) if graph_shape is not None else None
+        if graph is None and self.mode == "uniform":
+            return None
+        seq = seq_lens_cpu.numpy()
+        qlen = query_lens_cpu.numpy()
+        ranges = decode_key_ranges(seq, qlen, sliding_window=self.sliding_window, align=self.align)
+        if graph is not None:
+            why = "a shape captured balanced for CUDA graphs"
+        elif self.mode == "balanced":
+            why = "decode_schedule='balanced'"
+        elif balanced_pays(ranges[1] - ranges[0], self.params.ragged_ratio):
+            why = f"ragged: the longest decode over {self.params.ragged_ratio:g}x the mean"
+        else:
+            return None
+        table = plan_decode_units(seq, qlen, num_sms=self.num_sms, num_kv_heads=self.num_kv_heads, align=self.align,
+                                  max_units_per_request=self.max_units_per_request, params=self.params,
+                                  ranges=ranges)
+        if graph is None and self._capturing and graph_shape is not None:
+            graph = self._graphs[graph_shape] = _GraphBuffer(
+                unit_capacity(seq.shape[0], self.num_sms, self.num_kv_heads, self.params.waves), self.device)
+        if graph is not None:
+            graph.write(table.units)
+            return _schedule(table, graph.device_units, graph.capacity, self.align, self.max_units_per_request, why)
+        return make_decode_schedule(table, device=self.device, align=self.align,
+                                    max_units_per_request=self.max_units_per_request, why=why)
+
+
+def decode_schedule_note(mode: str = "auto", params: BalancedParams = DEFAULT_PARAMS) -> str:
+    """How a builder with ``decode_schedule=mode`` schedules a batch's decodes, in words (``kernel_notes``)."""
+    balanced = (f"balanced: each decode's keys cut into units of near-equal size sized to the GPU (about "
+                f"{params.waves} programs per SM; long requests many units, short ones one), one unit per program, "
+                "a split request's units merged in the launch")
+    uniform = "uniform split: every decode the same number of KV segments (more only when the batch is small)"
+    if mode == "balanced":
+        return f"decode schedule: {balanced}"
+    if mode == "uniform":
+        return f"decode schedule: {uniform} (decode_schedule='uniform')"
+    return (f"decode schedule (decode_schedule='auto'): {balanced}, when the decodes' lengths are ragged (the longest "
+            f"over {params.ragged_ratio:g}x the mean); else the {uniform}; deterministic mode: one fixed segment")
