@@ -24,7 +24,7 @@ Unit sizing (:func:`plan_decode_units`), from host data only (``seq_lens_cpu``, 
 So no unit exceeds about ``S`` keys, ``S`` is at most ``1 / waves`` of an SM's share of the batch, and a batch has at
 most ``num_decodes + T`` units: a CUDA graph's fixed grid (:func:`unit_capacity`).
 
-Which schedule a batch gets (:func:`balanced_pays`, the one rule): ``decode_schedule="balanced"`` always,
+Which schedule a batch gets (:func:`balanced_reason`, the one rule): ``decode_schedule="balanced"`` always,
 ``"uniform"`` never, ``"auto"`` when the decodes' key counts are ragged (the longest over ``ragged_ratio`` times the
 mean). A shape captured in a CUDA graph with the balanced schedule keeps it: every later build of that shape writes
 its schedule into the buffer the graph reads (:class:`DecodeScheduler`).
@@ -41,10 +41,16 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
+
+from .heuristics import pick_kernel_config
+
+if TYPE_CHECKING:
+    from ..metadata import CommonAttentionMetadata
+    from ..spec import AttentionSpec
 
 __all__ = [
     "BalancedParams",
@@ -53,7 +59,7 @@ __all__ = [
     "DecodeScheduler",
     "UNIT_FIELDS",
     "UnitTable",
-    "balanced_pays",
+    "balanced_reason",
     "decode_key_ranges",
     "decode_schedule_note",
     "make_decode_schedule",
@@ -105,13 +111,13 @@ def unit_capacity(num_decodes: int, num_sms: int, num_kv_heads: int, waves: int 
     return num_decodes + target_units(num_sms, num_kv_heads, waves)
 
 
-def decode_key_ranges(seq_lens: np.ndarray, query_lens: np.ndarray, *, sliding_window: Optional[int],
+def decode_key_ranges(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *, sliding_window: Optional[int],
                       align: int) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi) [n] int64: the keys the decodes' query tokens see, ``[lo, hi)``, ``lo`` rounded down to ``align``.
 
     ``hi`` is the sequence length (a causal decode's last token sees every key; a cross-attention decode every key
     of its encoder sequence). With a sliding window ``W`` the first query token, at position ``seq_len - query_len``,
-    sees keys from ``seq_len - query_len - W + 1`` on."""
+    sees keys from ``seq_len - query_len - W + 1`` on (``query_lens`` may be None without a window)."""
     hi = seq_lens.astype(np.int64)
     if sliding_window:
         lo = np.maximum(hi - query_lens - (int(sliding_window) - 1), 0)
@@ -120,12 +126,26 @@ def decode_key_ranges(seq_lens: np.ndarray, query_lens: np.ndarray, *, sliding_w
     return np.zeros(hi.shape[0], np.int64), hi
 
 
-def balanced_pays(keys: np.ndarray, ragged_ratio: float = DEFAULT_PARAMS.ragged_ratio) -> bool:
-    """The ``auto`` rule: whether decodes with ``keys`` [n] visible keys each are ragged enough for the balanced
-    schedule (the longest over ``ragged_ratio`` times the mean). Uniform batches keep the uniform split, which
-    already fills the GPU evenly."""
+def balanced_reason(mode: str, keys: np.ndarray, params: BalancedParams = DEFAULT_PARAMS, *,
+                    graph_balanced: bool = False) -> Optional[str]:
+    """The one rule that picks a batch's decode schedule: why decodes with ``keys`` [n] visible keys each run the
+    balanced schedule, or None for the uniform split.
+
+    - ``graph_balanced`` (the batch's shape was captured balanced in a CUDA graph, which reads this schedule): balanced;
+    - ``mode="balanced"``: balanced; ``mode="uniform"``: uniform;
+    - ``mode="auto"``: balanced when the key counts are ragged, the longest over ``params.ragged_ratio`` times the
+      mean (uniform batches keep the uniform split, which already fills the GPU evenly and was measured at the
+      copy roof). A CUDA-graph capture applies the same rule to its capture batch: capturing a uniform batch keeps
+      the uniform split for the graph (pass ``decode_schedule="balanced"`` to capture the balanced one).
+    """
+    if graph_balanced:
+        return "a shape captured balanced in a CUDA graph"
+    if mode != "auto":
+        return "decode_schedule='balanced'" if mode == "balanced" else None
     n = keys.shape[0]
-    return n > 0 and float(keys.max()) * n > ragged_ratio * float(keys.sum())
+    if n and float(keys.max()) * n > params.ragged_ratio * float(keys.sum()):
+        return f"auto: ragged, the longest decode over {params.ragged_ratio:g}x the mean"
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,15 +167,16 @@ class UnitTable:
         return self.units.shape[0]
 
 
-def plan_decode_units(seq_lens: np.ndarray, query_lens: np.ndarray, *, num_sms: int, num_kv_heads: int, align: int,
-                      max_units_per_request: int, sliding_window: Optional[int] = None,
+def plan_decode_units(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *, num_sms: int, num_kv_heads: int,
+                      align: int, max_units_per_request: int, sliding_window: Optional[int] = None,
                       params: BalancedParams = DEFAULT_PARAMS,
                       ranges: Optional[tuple[np.ndarray, np.ndarray]] = None) -> UnitTable:
     """Cut ``n`` decodes' keys into balanced work units (the rule in the module docstring).
 
     Parameters
     ----------
-    seq_lens, query_lens : [n] integer arrays (host): each decode's sequence and query length.
+    seq_lens, query_lens : [n] integer arrays (host): each decode's sequence and query length (the query lengths
+        matter with a window only: None without one).
     num_sms, num_kv_heads : the GPU's SMs and the layer's KV heads (programs per unit).
     align : unit boundaries fall on multiples of this many keys (the kernel's decode tile).
     max_units_per_request : the most units one request gets (the split-KV workspace's segments).
@@ -283,14 +304,15 @@ def _schedule(table: UnitTable, units: torch.Tensor, num_programs: int, align: i
 
 class _GraphBuffer:
     """The persistent unit table of one captured shape: [capacity, UNIT_FIELDS] int32 on the device, its pinned host
-    copy and the event after the last copy."""
+    copy, the event after the last copy, and the params it was sized with."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, params: BalancedParams) -> None:
         cuda = device.type == "cuda"
         self.device_units = torch.zeros((capacity, UNIT_FIELDS), dtype=torch.int32, device=device)
         self.host_units = torch.zeros((capacity, UNIT_FIELDS), dtype=torch.int32, pin_memory=cuda)
         self.event: Optional["torch.cuda.Event"] = torch.cuda.Event() if cuda else None
         self.copied = False
+        self.params = params
 
     @property
     def capacity(self) -> int:
@@ -321,10 +343,11 @@ class DecodeScheduler:
     mode : ``"auto"``, ``"balanced"`` or ``"uniform"`` (:data:`DECODE_SCHEDULE_MODES`).
     device : the launch device.
     num_sms, num_kv_heads, align, max_units_per_request, sliding_window : as in :func:`plan_decode_units`.
-    params : the rule's constants (an attribute: a benchmark may replace it between builds).
+    params : the rule's constants (an attribute: a benchmark may replace it between builds; a captured shape keeps
+        the params it was captured with).
     """
 
-    def __init__(self, mode: str, device: torch.device, *, num_sms: int, num_kv_heads: int, align: int,
+    def __init__(self, mode: str, device: "torch.device | str", *, num_sms: int, num_kv_heads: int, align: int,
                  max_units_per_request: int, sliding_window: Optional[int] = None,
                  params: BalancedParams = DEFAULT_PARAMS) -> None:
         if mode not in DECODE_SCHEDULE_MODES:
@@ -340,43 +363,48 @@ class DecodeScheduler:
         self._graphs: dict[tuple[int, int], _GraphBuffer] = {}
         self._capturing = False
 
+    @classmethod
+    def for_spec(cls, mode: str, spec: "AttentionSpec", device: "torch.device | str", *, num_sms: int,
+                 max_units_per_request: int) -> "DecodeScheduler":
+        """The scheduler of a builder of ``spec``: units aligned to the decode tile a scheduled plan uses
+        (:func:`.heuristics.pick_kernel_config` without a per-split key count: fixed by the spec)."""
+        align = pick_kernel_config(spec.head_size, spec.num_queries_per_kv, 1, has_decode_path=True,
+                                   has_generic_path=False, kv_fp8=spec.is_fp8_kv_cache).decode_tile_n
+        return cls(mode, device, num_sms=num_sms, num_kv_heads=spec.num_kv_heads, align=align,
+                   max_units_per_request=max_units_per_request, sliding_window=spec.sliding_window)
+
     @contextmanager
     def capturing(self) -> Iterator[None]:
         """Builds inside schedule for a CUDA-graph capture: a decode-only shape scheduled balanced gets a persistent
-        buffer that later builds of the shape rewrite."""
+        buffer of fixed capacity that later builds of the shape rewrite."""
         self._capturing = True
         try:
             yield
         finally:
             self._capturing = False
 
-    def schedule(self, seq_lens_cpu: torch.Tensor, query_lens_cpu: torch.Tensor, *,
-                 graph_shape: Optional[tuple[int, int]] = None) -> Optional[DecodeSchedule]:
-        """The balanced schedule of these decodes, or None where they run the uniform split.
-
-        seq_lens_cpu, query_lens_cpu : [num_decodes] int32 host tensors (the batch's leading decodes).
-        graph_shape : (num_reqs, num_tokens) of a decode-only batch (a shape a CUDA graph may replay), else None.
-        """
-        graph = self._graphs.get(graph_shape) if graph_shape is not None else None
+    def schedule(self, common: "CommonAttentionMetadata", num_decodes: int, *,
+                 decode_only: bool) -> Optional[DecodeSchedule]:
+        """The balanced schedule of ``common``'s first ``num_decodes`` requests (its decodes), or None where they run
+        the uniform split (:func:`balanced_reason`). ``decode_only``: the batch has no other requests (a shape a
+        CUDA graph may capture and replay: (num_reqs, num_tokens))."""
+        shape = (common.num_reqs, common.num_actual_tokens) if decode_only else None
+        graph = self._graphs.get(shape) if shape is not None else None
         if graph is None and self.mode == "uniform":
             return None
-        seq = seq_lens_cpu.numpy()
-        qlen = query_lens_cpu.numpy()
+        seq = common.seq_lens_cpu.numpy()[:num_decodes]
+        qlen = np.diff(common.query_start_loc_cpu.numpy()[:num_decodes + 1]) if self.sliding_window else None
         ranges = decode_key_ranges(seq, qlen, sliding_window=self.sliding_window, align=self.align)
-        if graph is not None:
-            why = "a shape captured balanced for CUDA graphs"
-        elif self.mode == "balanced":
-            why = "decode_schedule='balanced'"
-        elif balanced_pays(ranges[1] - ranges[0], self.params.ragged_ratio):
-            why = f"ragged: the longest decode over {self.params.ragged_ratio:g}x the mean"
-        else:
+        why = balanced_reason(self.mode, ranges[1] - ranges[0], self.params, graph_balanced=graph is not None)
+        if why is None:
             return None
+        if graph is None and self._capturing and shape is not None:
+            graph = self._graphs[shape] = _GraphBuffer(
+                unit_capacity(num_decodes, self.num_sms, self.num_kv_heads, self.params.waves), self.device,
+                self.params)
+        params = graph.params if graph is not None else self.params
         table = plan_decode_units(seq, qlen, num_sms=self.num_sms, num_kv_heads=self.num_kv_heads, align=self.align,
-                                  max_units_per_request=self.max_units_per_request, params=self.params,
-                                  ranges=ranges)
-        if graph is None and self._capturing and graph_shape is not None:
-            graph = self._graphs[graph_shape] = _GraphBuffer(
-                unit_capacity(seq.shape[0], self.num_sms, self.num_kv_heads, self.params.waves), self.device)
+                                  max_units_per_request=self.max_units_per_request, params=params, ranges=ranges)
         if graph is not None:
             graph.write(table.units)
             return _schedule(table, graph.device_units, graph.capacity, self.align, self.max_units_per_request, why)
@@ -384,15 +412,20 @@ class DecodeScheduler:
                                     max_units_per_request=self.max_units_per_request, why=why)
 
 
-def decode_schedule_note(mode: str = "auto", params: BalancedParams = DEFAULT_PARAMS) -> str:
-    """How a builder with ``decode_schedule=mode`` schedules a batch's decodes, in words (``kernel_notes``)."""
-    balanced = (f"balanced: each decode's keys cut into units of near-equal size sized to the GPU (about "
-                f"{params.waves} programs per SM; long requests many units, short ones one), one unit per program, "
-                "a split request's units merged in the launch")
-    uniform = "uniform split: every decode the same number of KV segments (more only when the batch is small)"
-    if mode == "balanced":
-        return f"decode schedule: {balanced}"
+def decode_schedule_note(mode: str = "auto", params: BalancedParams = DEFAULT_PARAMS, *, cuda: bool = True) -> str:
+    """How a builder with ``decode_schedule=mode`` schedules a batch's decodes on a CUDA device (``cuda``) or the
+    CPU, in words (``kernel_notes``, so ``attnbackends explain``)."""
+    balanced = (f"each decode's keys cut into units of near-equal size sized to the GPU (about {params.waves} programs "
+                "per SM; long requests many units, short ones one), one unit per program, a split request's units "
+                "merged in the launch")
+    uniform = "the uniform split (every decode the same number of KV segments, several only for small batches)"
     if mode == "uniform":
         return f"decode schedule: {uniform} (decode_schedule='uniform')"
-    return (f"decode schedule (decode_schedule='auto'): {balanced}, when the decodes' lengths are ragged (the longest "
-            f"over {params.ragged_ratio:g}x the mean); else the {uniform}; deterministic mode: one fixed segment")
+    if mode == "balanced":
+        return f"decode schedule: balanced (decode_schedule='balanced'): {balanced}"
+    if not cuda:
+        return (f"decode schedule: {uniform} on the CPU (no split-KV workspace there unless "
+                "decode_schedule='balanced')")
+    return (f"decode schedule: balanced where the decodes' lengths are ragged (the longest over "
+            f"{params.ragged_ratio:g}x the mean; decode_schedule='auto'): {balanced}; else {uniform}; a CUDA-graph "
+            "capture keeps its capture batch's choice; deterministic mode: no split")
