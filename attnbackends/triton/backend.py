@@ -264,7 +264,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         self.decode_scheduler: Optional[DecodeScheduler] = None
         if decode_schedule != "uniform" and self.workspace is not None:
             self.decode_scheduler = DecodeScheduler.for_spec(decode_schedule, spec, self.device, num_sms=self.num_sms,
-                                                             max_units_per_request=self.workspace.max_segments)
+                                                             workspace_segments=self.workspace.max_segments)
         self._plan_args = dict(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             kv_fp8=spec.is_fp8_kv_cache, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
@@ -327,7 +327,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if self.decode_scheduler is None or not num_decodes or not schedule_fits(
                 self.workspace, num_decode_tokens=num_decodes * self.reorder_batch_threshold,
                 num_decodes=num_decodes, num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
-                head_size=self.spec.head_size, max_units_per_request=self.workspace.max_segments):
+                head_size=self.spec.head_size, max_units_per_request=self.decode_scheduler.max_units_per_request):
             return None
         return self.decode_scheduler.schedule(common, num_decodes, decode_only=decode_only)
 

@@ -15,14 +15,15 @@ Unit sizing (:func:`plan_decode_units`), from host data only (``seq_lens_cpu``, 
 - the target is ``T = ceil(waves * num_sms / num_kv_heads)`` units (each unit is ``num_kv_heads`` programs, so about
   ``waves`` programs per SM) and the unit size ``S = max(min_unit_keys, ceil(total_keys / T))`` rounded up to
   ``align`` (the kernel's decode tile: a unit is whole tiles);
-- a decode of ``w`` keys gets ``max(1, round(w / S))`` units (at most ``max_units_per_request``: the split-KV
-  workspace's segments), of equal whole-tile size;
+- a decode of ``w`` keys gets ``max(1, round(w / S))`` units (at most :func:`units_cap`: the split-KV
+  workspace's segments and the launch's merge tile; 16 at head 128), of equal whole-tile size;
 - the units of a request are adjacent; requests are ordered by unit size, largest first, so the largest units start
   first and the short requests' units fill the tail (a GPU starts programs in grid order; the scheduled grid is
   (KV heads, units): all the KV heads of a unit start together).
 
-So no unit exceeds about ``S`` keys, ``S`` is at most ``1 / waves`` of an SM's share of the batch, and a batch has at
-most ``num_decodes + T`` units: a CUDA graph's fixed grid (:func:`unit_capacity`).
+So a unit has at most about ``1.5 S`` keys (but the units of a request at the cap), ``S`` is ``1 / waves`` of an SM's
+share of the batch's keys (unless ``min_unit_keys`` bounds it), and a batch has at most ``num_decodes + T`` units: a
+CUDA graph's fixed grid (:func:`unit_capacity`).
 
 Which schedule a batch gets (:func:`balanced_reason`, the one rule): ``decode_schedule="balanced"`` always,
 ``"uniform"`` never, ``"auto"`` when the decodes' key counts are ragged (the longest over ``ragged_ratio`` times the
@@ -38,7 +39,6 @@ one build per shape, as FlashInfer's plans).
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import numpy as np
 import torch
 
+from ..ops.launch_math import next_power_of_2
 from .heuristics import pick_kernel_config
+from .launch import SCHEDULED_MERGE_VALUES
 
 if TYPE_CHECKING:
     from ..metadata import CommonAttentionMetadata
@@ -63,12 +65,12 @@ __all__ = [
     "decode_key_ranges",
     "decode_schedule_note",
     "make_decode_schedule",
+    "units_cap",
     "plan_decode_units",
     "target_units",
     "unit_capacity",
 ]
 
-logger = logging.getLogger(__name__)
 
 #: Values of the builder's ``decode_schedule`` option.
 DECODE_SCHEDULE_MODES = ("auto", "balanced", "uniform")
@@ -95,6 +97,15 @@ class BalancedParams:
 
 
 DEFAULT_PARAMS = BalancedParams()
+
+
+def units_cap(head_size: int, workspace_segments: int) -> int:
+    """The most units a request gets: as many as the workspace holds partials for, and as the launch's merge takes
+    in one tile of :data:`.launch.SCHEDULED_MERGE_VALUES` values a row (head 128: 16, head 64: 32, head 256: 8; a
+    wider merge tile costs the whole kernel registers). B=1 at head 128 and 8 KV heads: 128 programs, about one per
+    SM (the uniform split's 16 segments, measured 2-5% faster than 32 at B=1 x 16384: benchmarks/NOTES.md)."""
+    per_tile = SCHEDULED_MERGE_VALUES // next_power_of_2(head_size)
+    return max(1, min(workspace_segments, 1 << (max(per_tile, 1).bit_length() - 1)))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -179,7 +190,7 @@ def plan_decode_units(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *,
         matter with a window only: None without one).
     num_sms, num_kv_heads : the GPU's SMs and the layer's KV heads (programs per unit).
     align : unit boundaries fall on multiples of this many keys (the kernel's decode tile).
-    max_units_per_request : the most units one request gets (the split-KV workspace's segments).
+    max_units_per_request : the most units one request gets (:func:`units_cap`).
     sliding_window : the layer's window (None: none).
     ranges : ``decode_key_ranges``' result when the caller has it.
     """
@@ -244,7 +255,7 @@ class DecodeSchedule:
     num_programs : rows of the launch's unit axis: ``num_units``, or a CUDA-graph buffer's fixed capacity.
     unit_keys : the target unit size ``S`` in keys.
     align : keys per unit boundary (a multiple of the kernel's decode tile).
-    max_units_per_request : the per-request cap (the workspace's segments; the kernel's merge tile).
+    max_units_per_request : the per-request cap (:func:`units_cap`; the kernel's merge tile).
     units_per_request : [num_decodes] int64 (host), each decode's unit count.
     why : why this batch is scheduled balanced.
     """
@@ -365,13 +376,15 @@ class DecodeScheduler:
 
     @classmethod
     def for_spec(cls, mode: str, spec: "AttentionSpec", device: "torch.device | str", *, num_sms: int,
-                 max_units_per_request: int) -> "DecodeScheduler":
-        """The scheduler of a builder of ``spec``: units aligned to the decode tile a scheduled plan uses
-        (:func:`.heuristics.pick_kernel_config` without a per-split key count: fixed by the spec)."""
+                 workspace_segments: int) -> "DecodeScheduler":
+        """The scheduler of a builder of ``spec`` whose split-KV workspace holds ``workspace_segments`` partials a
+        row: units aligned to the decode tile a scheduled plan uses (:func:`.heuristics.pick_kernel_config` without
+        a per-split key count: fixed by the spec), at most :func:`units_cap` a request."""
         align = pick_kernel_config(spec.head_size, spec.num_queries_per_kv, 1, has_decode_path=True,
                                    has_generic_path=False, kv_fp8=spec.is_fp8_kv_cache).decode_tile_n
         return cls(mode, device, num_sms=num_sms, num_kv_heads=spec.num_kv_heads, align=align,
-                   max_units_per_request=max_units_per_request, sliding_window=spec.sliding_window)
+                   max_units_per_request=units_cap(spec.head_size, workspace_segments),
+                   sliding_window=spec.sliding_window)
 
     @contextmanager
     def capturing(self) -> Iterator[None]:

@@ -27,7 +27,7 @@ partials at their index and the last to finish merges them (the same fused merge
 import triton
 import triton.language as tl
 
-from ..ops.lse_merge import merge_by_lse, merge_two_by_lse
+from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import load_kv_scales
 from ..ops.tree_mask import tree_visible
@@ -324,15 +324,19 @@ def _store_partials(partial_out_ptr, partial_lse_ptr, out, m_i, l_i, l_safe, tok
 
 
 @triton.jit
-def _merged_segments(
-    partial_out_ptr, partial_lse_ptr, tok, head, row_ok, s0, num_segments,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SEG_PAD: tl.constexpr,
+def _merge_rows(
+    output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tok, head, row_ok,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, num_segments, SEG_PAD: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
-    """Segments ``s0 .. s0 + SEG_PAD - 1`` (those below ``num_segments``) of a block of rows, loaded and merged:
-    (out [R, HEAD_PAD] float32, log2-sum-exp [R]). The partials are read through L2 (``.cg``): in a fused launch
-    other programs wrote them, and this SM's L1 may hold stale lines of them."""
-    offs_s = s0 + tl.arange(0, SEG_PAD)
+    """Merge the ``num_segments`` (output, log2-sum-exp) partials of a block of query rows and write the rows.
+
+    tok [R] int64: the rows' tokens (batch index); head [R] int32: their query heads; row_ok [R]: rows to write.
+    num_segments (<= SEG_PAD): the launch's split (a constexpr), or a scheduled request's unit count.
+    The partials are read through L2 (``.cg``): in a fused launch other programs wrote them, and this SM's L1 may
+    hold stale lines of them."""
+    offs_s = tl.arange(0, SEG_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
     s_ok = offs_s < num_segments
     d_ok = offs_d < HEAD_SIZE
@@ -343,37 +347,11 @@ def _merged_segments(
               + offs_s[None, :, None] * stride_ps + offs_d[None, None, :])
     parts = tl.load(p_ptrs, mask=row_ok[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :], other=0.0,
                     cache_modifier=".cg")  # [R, SEG_PAD, HEAD_PAD]
-    return merge_by_lse(parts, lse, True)  # [R, HEAD_PAD], [R]
-
-
-@triton.jit
-def _merge_rows(
-    output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tok, head, row_ok,
-    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, num_segments, SEG_PAD: tl.constexpr,
-    RETURN_LSE: tl.constexpr, CHUNKED: tl.constexpr = False,
-):
-    """Merge the ``num_segments`` (output, log2-sum-exp) partials of a block of query rows and write the rows.
-
-    tok [R] int64: the rows' tokens (batch index); head [R] int32: their query heads; row_ok [R]: rows to write.
-    num_segments: at most SEG_PAD (the launch's split), or with CHUNKED any count (a scheduled request's units), taken
-    SEG_PAD at a time: each chunk merged, then folded into the running result (a wide segment tile costs the kernel
-    registers everywhere)."""
-    out, lse = _merged_segments(partial_out_ptr, partial_lse_ptr, tok, head, row_ok, 0, num_segments,
-                                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, HEAD_SIZE, HEAD_PAD, SEG_PAD)
-    if CHUNKED:
-        s0 = SEG_PAD
-        while s0 < num_segments:
-            chunk_out, chunk_lse = _merged_segments(
-                partial_out_ptr, partial_lse_ptr, tok, head, row_ok, s0, num_segments,
-                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, HEAD_SIZE, HEAD_PAD, SEG_PAD)
-            out, lse = merge_two_by_lse(out, lse, chunk_out, chunk_lse, True)
-            s0 += SEG_PAD
-    offs_d = tl.arange(0, HEAD_PAD)
+    out, lse2 = merge_by_lse(parts, lse, True)  # [R, HEAD_PAD], [R]
     o_ptrs = output_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
-    tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_SIZE)[None, :])
+    tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
-        tl.store(lse_out_ptr + head * stride_lse_h + tok, lse * LN2, mask=row_ok)
+        tl.store(lse_out_ptr + head * stride_lse_h + tok, lse2 * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -382,7 +360,7 @@ def _merge_when_last(
     num_kv_heads, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
     QPK: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     num_segments, SEG_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, RETURN_LSE: tl.constexpr,
-    INTERPRET: tl.constexpr, CHUNKED: tl.constexpr = False,
+    INTERPRET: tl.constexpr,
 ):
     """The fused split-KV reduction of decode ``seq_idx`` and ``kv_head`` (``num_segments`` segments: the launch's
     constexpr split, or a scheduled request's unit count), run by each of its segment programs
@@ -408,7 +386,7 @@ def _merge_when_last(
                 _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                             (q_start + r // QPK).to(tl.int64), kv_head * QPK + r % QPK, r < num_rows,
                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                            stride_lse_h, HEAD_SIZE, HEAD_PAD, num_segments, SEG_PAD, RETURN_LSE, CHUNKED)
+                            stride_lse_h, HEAD_SIZE, HEAD_PAD, num_segments, SEG_PAD, RETURN_LSE)
                 r0 += MERGE_ROWS
         else:
             for r0 in range(0, num_rows, MERGE_ROWS):
@@ -416,7 +394,7 @@ def _merge_when_last(
                 _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                             (q_start + r // QPK).to(tl.int64), kv_head * QPK + r % QPK, r < num_rows,
                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                            stride_lse_h, HEAD_SIZE, HEAD_PAD, num_segments, SEG_PAD, RETURN_LSE, CHUNKED)
+                            stride_lse_h, HEAD_SIZE, HEAD_PAD, num_segments, SEG_PAD, RETURN_LSE)
 
 
 # Values that change from batch to batch, and pointers whose alignment no load depends on, are not specialised:
@@ -511,7 +489,7 @@ def _unified_attention_kernel(
                         counter_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr,
                         seq_idx, kv_head, num_kv_heads, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
                         stride_lt, stride_lh, stride_lse_h, QPK, DECODE_Q, HEAD_SIZE, HEAD_PAD, num_units, SEG_PAD,
-                        MERGE_ROWS, RETURN_LSE, INTERPRET, True)
+                        MERGE_ROWS, RETURN_LSE, INTERPRET)
     elif DECODE_PATH:
         if pid < num_decodes:
             _attend(

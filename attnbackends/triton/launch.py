@@ -273,10 +273,11 @@ def plan_attention(
 #: Most programs on a grid's second axis (CUDA's limit): a scheduled plan's decode units + prefill programs.
 MAX_GRID_Y = 65535
 
-#: Partials a scheduled launch's merge loads at once per row (its chunk: a request's units are merged this many at a
-#: time). A wider tile holds more registers in the whole kernel (head 128: 32 segments x 1 row took ptxas to 255
-#: registers a thread, 8 segments x 4 rows 210, the unscheduled decode's count).
-SCHEDULED_MERGE_SEGMENTS = 8
+#: Most float32 partial values a scheduled launch's merge loads at once (rows x segments x head), half the uniform
+#: split's :data:`.heuristics.MERGE_TILE_VALUES`: the scheduled kernel holds both the direct and the partial store,
+#: and with a 4096-value merge tile ptxas went to 255 registers a thread with spills on fp8 pages and on verify
+#: (head 128, offline for sm_90), against 208-223 with 2048, as the unscheduled decode.
+SCHEDULED_MERGE_VALUES = 2048
 
 
 def schedule_fits(workspace: Optional[SplitKVWorkspace], *, num_decode_tokens: int, num_decodes: int, num_heads: int,
@@ -323,13 +324,15 @@ def _plan_scheduled(
         raise ValueError(f"{programs} programs exceed the scheduled grid's {MAX_GRID_Y}")
     po, pl = workspace.partial_out, workspace.partial_lse
     head_pad = next_power_of_2(head_size)
-    seg_pad = min(next_power_of_2(schedule.max_units_per_request), SCHEDULED_MERGE_SEGMENTS)
+    seg_pad = next_power_of_2(schedule.max_units_per_request)
+    merge_rows = max(1, SCHEDULED_MERGE_VALUES // (seg_pad * head_pad))
+    merge_rows = min(1 << (merge_rows.bit_length() - 1), next_power_of_2(qpk * decode_q))
     constexprs = (
         qpk, head_size, head_pad, block_size, True, max(config.decode_block_m, next_power_of_2(qpk * decode_q)),
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
         1, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), False, seg_pad,
-        fused_merge_rows(qpk * decode_q, seg_pad, head_pad), True,
+        merge_rows, True,
     )
     return LaunchPlan(
         grid=(num_kv_heads, programs, 1), num_seqs=num_seqs, num_decodes=num_decodes, constexprs=constexprs,

@@ -37,6 +37,7 @@ from attnbackends.triton.decode_schedule import (  # noqa: E402
     plan_decode_units,
     target_units,
     unit_capacity,
+    units_cap,
 )
 from attnbackends.triton.heuristics import KernelConfig  # noqa: E402
 from attnbackends.triton.launch import (  # noqa: E402
@@ -152,6 +153,11 @@ def test_empty_and_one_request_batches():
     assert short.num_units == 8, "min_unit_keys (128) bounds the units of a short request"
 
 
+def test_units_cap_follows_the_merge_tile_and_the_workspace():
+    assert [units_cap(h, 32) for h in (64, 80, 128, 256, 512)] == [32, 16, 16, 8, 4]
+    assert units_cap(128, 4) == 4 and units_cap(4096, 32) == 1
+
+
 def test_window_ranges_start_at_the_first_visible_tile():
     lo, hi = decode_key_ranges(np.array([1000, 50, 300]), np.array([1, 4, 2]), sliding_window=128, align=64)
     # first query token at 999 sees from 872 -> tile 832; at 46: from 0; at 298: from 171 -> 128
@@ -262,8 +268,8 @@ def reference_lse(batch):
     return torch.cat(lses, dim=1)
 
 
-# One long request beside short ones: the long one gets several units (more than the merge's 8-segment chunk with
-# 16-key units), the short ones one each; S(1, 0): one key; S(1, 2): fewer keys than a tile.
+# One long request beside short ones: the long one gets many units (19 of 16 keys with a cap of 32), the short ones
+# one each; S(1, 0): one key; S(1, 2): fewer keys than a tile.
 RAGGED = [S(1, 5), S(1, 300), S(1, 20), S(1, 0), S(1, 2), S(1, 47)]
 
 
