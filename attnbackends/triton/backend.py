@@ -78,7 +78,8 @@ class TritonMetadata:
     step: TritonStepPlan
     runner: TritonStepRunner
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
-    decode_schedule: Optional[DecodeSchedule] = None  # the decodes' balanced schedule (None: the uniform split)
+    decode_schedule: Optional[DecodeSchedule] = None  # the decodes' balanced schedule, which the plans that run
+    # the decodes carry (None: the uniform split)
 
     @property
     def num_decodes(self) -> int:

@@ -219,10 +219,12 @@ def plan_decode_units(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *,
         table[:, 2] = hi[order]
         table[:, 3] = 1 << COUNT_SHIFT
         return UnitTable(table, unit, count)
-    # equal whole-tile pieces, ceil(w / count) rounded up to align (one tile at least: w may be 0) ...
-    size = ((keys + count - 1) // count + (align - 1)) // align * align
+    # equal whole-tile pieces: ceil(w / count) rounded up to align = ceil(w / (count * align)) * align (one tile at
+    # least: w may be 0) ...
+    keys_m1 = keys - 1
+    size = (keys_m1 // (count * align) + 1) * align
     np.maximum(size, align, out=size)
-    count = (keys + size - 1) // size  # ... where rounding the pieces up leaves the last ones empty, fewer of them
+    count = keys_m1 // size + 1  # ... where rounding the pieces up leaves the last ones empty, fewer of them
     np.maximum(count, 1, out=count)
     order = np.argsort(-size, kind="stable")  # largest units first; a request's units stay together
     counts = count[order]
@@ -230,11 +232,13 @@ def plan_decode_units(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *,
     first = np.empty_like(count)
     first[order] = np.cumsum(counts) - counts  # each request's first unit
     u = np.arange(req.shape[0])  # unit u is unit u - first[r] of its request r: it starts at lo + (u - first) * size
-    start = (lo - first * size)[req] + u * size[req]
+    unit_size = size[req]
+    start = (lo - first * size)[req] + u * unit_size
     table = np.empty((req.shape[0], UNIT_FIELDS), np.int32)
     table[:, 0] = req
     table[:, 1] = start
-    table[:, 2] = np.minimum(start + size[req], hi[req])
+    start += unit_size
+    table[:, 2] = np.minimum(start, hi[req], out=start)
     table[:, 3] = u + ((count << COUNT_SHIFT) - first)[req]
     return UnitTable(table, unit, count)
 

@@ -206,7 +206,8 @@ def plan_attention(
     ``decode_schedule``: the decodes run its work units (:mod:`.decode_schedule`) instead of ``num_kv_splits``
     segments each, also beside prefill programs; ``workspace`` (with counters) must hold the decodes' partials
     (:func:`schedule_fits`), the config's decode tile must divide the schedule's alignment, and ``num_kv_splits``
-    must be None or 1.
+    must be None or 1. Where the units and the prefill programs together exceed the grid's :data:`MAX_GRID_Y`, the
+    plan runs one program per decode instead (no schedule).
     """
     qpk = num_heads // num_kv_heads
     if num_decodes is None:
@@ -214,13 +215,16 @@ def plan_attention(
     decode_path = num_decodes > 0
     generic_path = num_decodes < num_seqs
     if decode_schedule is not None:
-        return _plan_scheduled(
+        plan = _plan_scheduled(
             decode_schedule, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, block_size=block_size, num_seqs=num_seqs, num_decodes=num_decodes,
             max_query_len=max_query_len, max_seq_len=max_seq_len, kv_fp8=kv_fp8, causal=causal,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, use_alibi=use_alibi, use_sinks=use_sinks,
             scales_are_ptrs=scales_are_ptrs, paged=paged, return_lse=return_lse, num_kv_splits=num_kv_splits,
             workspace=workspace, config=config, decode_query_len=decode_query_len, use_tree=use_tree)
+        if plan is not None:
+            return plan
+        num_kv_splits = 1  # too many prefill programs beside the units for the grid: one program per decode
     if num_kv_splits is None:
         num_kv_splits = 1
         if num_sms > 1 and num_seqs > 0:
@@ -294,8 +298,9 @@ def _plan_scheduled(
     causal: bool, sliding_window: Optional[int], logits_soft_cap: Optional[float], use_alibi: bool, use_sinks: bool,
     scales_are_ptrs: bool, paged: bool, return_lse: bool, num_kv_splits: Optional[int],
     workspace: Optional[SplitKVWorkspace], config: Optional[KernelConfig], decode_query_len: int, use_tree: bool,
-) -> LaunchPlan:
-    """:func:`plan_attention` for a batch whose decodes run ``schedule``'s work units (the arguments as there)."""
+) -> Optional[LaunchPlan]:
+    """:func:`plan_attention` for a batch whose decodes run ``schedule``'s work units (the arguments as there);
+    None where the grid cannot hold them beside the batch's prefill programs."""
     qpk = num_heads // num_kv_heads
     decode_q = max(1, decode_query_len)
     if num_kv_splits not in (None, 1):
@@ -321,7 +326,9 @@ def _plan_scheduled(
     block_q = max(1, block_m // qpk)
     programs = schedule.num_programs + (num_tokens // block_q + num_seqs - num_decodes if generic_path else 0)
     if programs > MAX_GRID_Y:
-        raise ValueError(f"{programs} programs exceed the scheduled grid's {MAX_GRID_Y}")
+        logger.debug("%d scheduled decode units and prefill programs exceed the grid's %d: unscheduled", programs,
+                     MAX_GRID_Y)
+        return None
     po, pl = workspace.partial_out, workspace.partial_lse
     head_pad = next_power_of_2(head_size)
     seg_pad = next_power_of_2(schedule.max_units_per_request)

@@ -347,8 +347,7 @@ def test_scheduled_empty_rows_and_an_empty_request():
     assert torch.isnan(out[2:].float()).all()
 
 
-def test_scheduled_plan_checks():
-    spec = spec_for()
+def test_scheduled_plan_checks(monkeypatch):
     table = plan_decode_units(np.array([300, 20]), None, num_sms=16, num_kv_heads=2, align=16,
                               max_units_per_request=8, params=TINY)
     schedule = make_decode_schedule(table, device=DEVICE, align=16, max_units_per_request=8)
@@ -366,6 +365,11 @@ def test_scheduled_plan_checks():
     plan = plan_attention(workspace=ws, config=KernelConfig(decode_tile_n=16), **kw)
     assert plan.grid == (2, schedule.num_units, 1) and plan.num_decode_programs == schedule.num_units
     assert plan.reduce_grid is None and not plan.fused_reduce and plan.num_kv_splits == 1
+    # beside prefill programs that would take the grid's second axis past CUDA's limit: one program per decode
+    monkeypatch.setattr("attnbackends.triton.launch.MAX_GRID_Y", schedule.num_units + 3)
+    mixed = dict(kw, num_tokens=2 + 300, num_seqs=3, max_query_len=300)
+    plan = plan_attention(workspace=ws, config=KernelConfig(decode_tile_n=16, block_m=16), **mixed)
+    assert plan.decode_schedule is None and plan.grid[1:] == (2, 1) and plan.num_decode_programs == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
