@@ -76,8 +76,12 @@ __all__ = [
 DECODE_SCHEDULE_MODES = ("auto", "balanced", "uniform")
 
 #: int32 fields of one unit: request, first key, end key (exclusive), unit index within the request | unit count << 16.
+#: A request's first unit starts at key 0 and its last ends at :data:`OPEN_END`: the kernel clips every unit to the
+#: keys the request's rows see on the device, so the units cover them even where the host's lengths were off (the
+#: inner boundaries, tile-aligned, only set the balance).
 UNIT_FIELDS = 4
 COUNT_SHIFT = 16
+OPEN_END = 2 ** 31 - 2 ** 16  # past any sequence, and the kernel's ceil(end / tile) stays within int32
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,8 @@ class UnitTable:
     """A planned schedule on the host.
 
     units : [num_units, UNIT_FIELDS] int32: (request, key start, key end, index | count << 16) per unit; a request's
-        units adjacent and in key order, key starts multiples of ``align``.
+        units adjacent and in key order, key starts multiples of ``align``, the first from 0, the last to
+        :data:`OPEN_END`.
     unit_keys : ``S``, the target unit size in keys.
     units_per_request : [n] int64, each decode's unit count.
     """
@@ -215,8 +220,8 @@ def plan_decode_units(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *,
         order = np.argsort(-keys, kind="stable")
         table = np.empty((n, UNIT_FIELDS), np.int32)
         table[:, 0] = order
-        table[:, 1] = lo[order]
-        table[:, 2] = hi[order]
+        table[:, 1] = 0
+        table[:, 2] = OPEN_END
         table[:, 3] = 1 << COUNT_SHIFT
         return UnitTable(table, unit, count)
     # equal whole-tile pieces: ceil(w / count) rounded up to align = ceil(w / (count * align)) * align (one tile at
@@ -238,8 +243,10 @@ def plan_decode_units(seq_lens: np.ndarray, query_lens: Optional[np.ndarray], *,
     table[:, 0] = req
     table[:, 1] = start
     start += unit_size
-    table[:, 2] = np.minimum(start, hi[req], out=start)
+    table[:, 2] = start
     table[:, 3] = u + ((count << COUNT_SHIFT) - first)[req]
+    table[first, 1] = 0  # the open ends (OPEN_END)
+    table[first + count - 1, 2] = OPEN_END
     return UnitTable(table, unit, count)
 
 

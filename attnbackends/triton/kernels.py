@@ -233,7 +233,8 @@ def _attend(
         tile_lo = kv_lo // TILE_N
         tile_hi = _cdiv(kv_end, TILE_N)
         if SCHEDULED:
-            # The unit's tiles, within the ones the rows see.
+            # The unit's tiles, within the ones the rows see (a request's first unit starts at key 0 and its last
+            # ends past any sequence: they reach to the ends of that range, whatever lengths the host planned with).
             seg_lo = tl.minimum(tl.maximum(unit_lo // TILE_N, tile_lo), tile_hi)
             seg_hi = tl.minimum(tl.maximum(_cdiv(unit_hi, TILE_N), seg_lo), tile_hi)
         else:

@@ -29,6 +29,7 @@ from attnbackends.testing.cases import random_tree_parents  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend, TritonImpl, TritonMetadataBuilder  # noqa: E402
 from attnbackends.triton.decode_schedule import (  # noqa: E402
     COUNT_SHIFT,
+    OPEN_END,
     BalancedParams,
     DecodeScheduler,
     balanced_reason,
@@ -60,12 +61,24 @@ TINY = BalancedParams(min_unit_keys=1)
 # ---------------------------------------------------------------------------------------------------------------
 # The host-side rule
 # ---------------------------------------------------------------------------------------------------------------
+def clipped(units, lo, hi):
+    """[num_units, 4] int64 units with their key ranges clipped to the requests' visible keys [lo, hi), as the
+    kernel clips them (a request's first unit starts at 0, its last ends at OPEN_END)."""
+    units = units.astype(np.int64)
+    r = units[:, 0]
+    units[:, 1] = np.maximum(units[:, 1], lo[r])
+    units[:, 2] = np.minimum(units[:, 2], hi[r])
+    return units
+
+
 def check_table(table, seq_lens, query_lens, *, align, cap, window=None, num_sms, num_kv_heads, params):
     """Every invariant of a unit table: each decode's visible keys covered exactly once by adjacent, tile-aligned,
-    non-empty units in key order, indices 0..count-1 with the right count, at most ``cap``, at most about 1.5 x S
-    keys each (uncapped requests), and the total within the CUDA-graph capacity."""
+    non-empty units in key order (the first from key 0, the last to OPEN_END), indices 0..count-1 with the right
+    count, at most ``cap``, at most about 1.5 x S keys each (uncapped requests), and the total within the CUDA-graph
+    capacity. Returns the units clipped to the visible keys."""
     lo, hi = decode_key_ranges(np.asarray(seq_lens), np.asarray(query_lens), sliding_window=window, align=align)
-    units = table.units.astype(np.int64)
+    raw = table.units.astype(np.int64)
+    units = clipped(raw, lo, hi)
     n = len(seq_lens)
     assert table.num_units <= unit_capacity(n, num_sms, num_kv_heads, params.waves)
     assert sorted(set(units[:, 0].tolist())) == list(range(n)), "every request has units"
@@ -78,6 +91,8 @@ def check_table(table, seq_lens, query_lens, *, align, cap, window=None, num_sms
         count = int(units[row, 3] >> COUNT_SHIFT)
         assert 1 <= count <= cap and count == table.units_per_request[r]
         mine = units[row:row + count]
+        assert raw[row, 1] == 0 and raw[row + count - 1, 2] == OPEN_END, "open ends"
+        assert (raw[row:row + count - 1, 2] <= hi[r]).all() and (raw[row + 1:row + count, 1] >= lo[r]).all()
         assert (mine[:, 0] == r).all() and ((mine[:, 3] & 0xFFFF) == np.arange(count)).all()
         assert ((mine[:, 3] >> COUNT_SHIFT) == count).all()
         assert mine[0, 1] == lo[r] and mine[-1, 2] == hi[r], "the units cover the visible keys"
@@ -144,10 +159,11 @@ def test_empty_and_one_request_batches():
     assert empty.num_units == 0 and empty.units.shape == (0, 4)
     one = plan_decode_units(np.array([16384]), None, num_sms=132, num_kv_heads=8, align=128,
                             max_units_per_request=32)
-    assert one.num_units == 32 and (one.units[:, 2] - one.units[:, 1] == 512).all(), "the cap: 32 units of 512"
+    spans = clipped(one.units, np.array([0]), np.array([16384]))
+    assert one.num_units == 32 and (spans[:, 2] - spans[:, 1] == 512).all(), "the cap: 32 units of 512"
     no_keys = plan_decode_units(np.array([0]), None, num_sms=132, num_kv_heads=8, align=128,
                                 max_units_per_request=32)
-    assert no_keys.units.tolist() == [[0, 0, 0, 1 << COUNT_SHIFT]]
+    assert no_keys.units.tolist() == [[0, 0, OPEN_END, 1 << COUNT_SHIFT]]
     short = plan_decode_units(np.array([1000]), None, num_sms=132, num_kv_heads=8, align=128,
                               max_units_per_request=32)
     assert short.num_units == 8, "min_unit_keys (128) bounds the units of a short request"
@@ -186,9 +202,10 @@ def spec_for(**kw):
 
 
 def scheduled_run(spec, shapes, *, seed, num_decodes=None, align=16, tile=16, cap=8, num_sms=16, return_lse=False,
-                  logit_magnitude=1.0, tree_parents=None, pad_rows=0, query_start_loc=None, runs=2):
-    """``shapes`` through a scheduled plan, ``runs`` times on NaN-poisoned partials and outputs: checks the runs
-    are equal, the counters back at zero, and returns (batch, schedule, plan, output, lse)."""
+                  logit_magnitude=1.0, tree_parents=None, pad_rows=0, query_start_loc=None, runs=2, host_lens=None):
+    """``shapes`` through a scheduled plan (planned with ``host_lens``' sequence lengths where given), ``runs``
+    times on NaN-poisoned partials and outputs: checks the runs are equal, the counters back at zero, and returns
+    (batch, schedule, plan, output, lse)."""
     batch = make_random_batch(spec, shapes, seed=seed, device=DEVICE, pad_tokens=2, logit_magnitude=logit_magnitude,
                               tree_parents=tree_parents)
     c = batch.common
@@ -196,7 +213,8 @@ def scheduled_run(spec, shapes, *, seed, num_decodes=None, align=16, tile=16, ca
     nd = c.num_reqs if num_decodes is None else num_decodes
     decode_q = max(s.query_len for s in shapes[:nd])
     qsl_cpu = c.query_start_loc_cpu.numpy()
-    table = plan_decode_units(c.seq_lens_cpu.numpy()[:nd], np.diff(qsl_cpu[:nd + 1]), num_sms=num_sms,
+    lens = c.seq_lens_cpu.numpy()[:nd] if host_lens is None else np.array(host_lens)
+    table = plan_decode_units(lens, np.diff(qsl_cpu[:nd + 1]), num_sms=num_sms,
                               num_kv_heads=spec.num_kv_heads, align=align, max_units_per_request=cap,
                               sliding_window=spec.sliding_window, params=TINY)
     schedule = make_decode_schedule(table, device=DEVICE, align=align, max_units_per_request=cap)
@@ -303,8 +321,20 @@ def test_scheduled_window_skips_the_keys_before_it():
     spec = spec_for(sliding_window=64)
     batch, schedule, _, out, _ = scheduled_run(spec, [S(1, 300), S(1, 10)], seed=3, align=32)
     units = schedule.units[:schedule.num_units].cpu()
-    assert int(units[units[:, 0] == 0, 1].min()) == 224  # position 300 sees keys 237..300: tile 224 onwards
+    inner_starts = units[(units[:, 0] == 0) & (units[:, 1] > 0), 1]
+    assert int(inner_starts.min()) >= 224 + 32  # position 300 sees keys 237..300: the units split tiles 224 onwards
     check_oracle(batch, out, "window")
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.5])
+def test_scheduled_units_cover_the_device_lengths_whatever_the_host_planned(scale):
+    """Units planned from other lengths than the device's: the first and last units of each request reach to the
+    ends of its keys, so the output is still right (only the balance suffers)."""
+    spec = spec_for(sliding_window=100, has_sinks=True)
+    host = [max(1, int(s.seq_len * scale)) for s in RAGGED]
+    batch, schedule, _, out, _ = scheduled_run(spec, RAGGED, seed=12, host_lens=host)
+    assert schedule.num_split >= 1
+    check_oracle(batch, out, f"planned on lengths x{scale}")
 
 
 def test_scheduled_units_aligned_to_a_multiple_of_the_tile():
