@@ -34,7 +34,11 @@ Buffers. An eager batch's unit table is a fresh device tensor (from a pinned hos
 until its launches have run: a builder may build the next step, or every draft step, before the GPU runs this one.
 A shape captured for CUDA graphs has a persistent table of fixed size (:func:`unit_capacity` rows, padding rows
 empty) that later builds of the shape rewrite, each after the previous rewrite's copy has run (the host's lead is
-one build per shape, as FlashInfer's plans).
+one build per shape, as FlashInfer's plans), and every plan on it launches all its rows. A request's first unit
+starts at key 0 and its last ends past any sequence (:data:`OPEN_END`; the kernel clips units to the keys the rows
+see), so any table of the shape's decodes covers every key of any batch of that shape exactly once: a launch that
+reads a table rewritten by a later build of its shape (built ahead, draft steps) is still right, only less
+balanced.
 """
 
 from __future__ import annotations

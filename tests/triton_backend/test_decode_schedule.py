@@ -486,6 +486,23 @@ def test_cuda_graph_shape_keeps_one_buffer():
     assert fresh.units.data_ptr() != schedule.units.data_ptr() and fresh.num_programs == fresh.num_units
 
 
+def test_a_captured_table_rewritten_by_a_later_build_still_covers_every_key():
+    """Two batches of one captured shape built before either runs (ahead of the GPU, or draft steps): the first
+    launch reads the second's table, and is still right (each request's units reach to its keys' ends)."""
+    spec = spec_for(has_sinks=True)
+    builder = tiny_scheduler(TritonMetadataBuilder(spec, DEVICE, decode_schedule="balanced", max_num_reqs=8))
+    first = make_random_batch(spec, [S(1, 700), S(1, 30), S(1, 5)], seed=14, device=DEVICE, pad_tokens=1)
+    second = make_random_batch(spec, [S(1, 3), S(1, 400), S(1, 260)], seed=15, device=DEVICE, pad_tokens=1)
+    meta_first = builder.build_for_cudagraph_capture(first.common)
+    meta_second = builder.build(second.common)
+    assert meta_first.decode_schedule.units.data_ptr() == meta_second.decode_schedule.units.data_ptr()
+    for batch, meta in ((first, meta_first), (second, meta_second)):
+        out = batch.new_output()
+        TritonImpl(spec, sinks=batch.sinks).forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta,
+                                                    out)
+        check_oracle(batch, out, "a table rewritten by a later build")
+
+
 def test_kernel_notes_say_how_decodes_are_scheduled():
     spec = spec_for()
     notes = TritonAttentionBackend.kernel_notes(spec, DeviceInfo.cuda(9, 0))
