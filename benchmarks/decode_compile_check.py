@@ -7,7 +7,7 @@ launch them (the plan's constexprs, and Triton's own specialisation of the launc
 
 The balanced schedule (:mod:`attnbackends.triton.decode_schedule`) is a mode of the unified kernel's decode path;
 its launches should cost no more registers than the uniform decode's (a wider merge tile did: see
-``launch.SCHEDULED_MERGE_VALUES``). Run in a process without ``TRITON_INTERPRET``.
+``decode_schedule.SCHEDULED_MERGE_VALUES``). Run in a process without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations

@@ -52,7 +52,6 @@ import torch
 
 from ..ops.launch_math import next_power_of_2
 from .heuristics import pick_kernel_config
-from .launch import SCHEDULED_MERGE_VALUES
 
 if TYPE_CHECKING:
     from ..metadata import CommonAttentionMetadata
@@ -87,6 +86,12 @@ UNIT_FIELDS = 4
 COUNT_SHIFT = 16
 OPEN_END = 2 ** 31 - 2 ** 16  # past any sequence, and the kernel's ceil(end / tile) stays within int32
 
+#: Most float32 partial values a scheduled launch's merge loads at once (rows x segments x head), half the uniform
+#: split's :data:`.heuristics.MERGE_TILE_VALUES`: the scheduled kernel holds both the direct and the partial store,
+#: and with a 4096-value merge tile ptxas went to 255 registers a thread with spills on fp8 pages and on verify
+#: (head 128, offline for sm_90), against 208-223 with 2048, as the unscheduled decode.
+SCHEDULED_MERGE_VALUES = 2048
+
 
 @dataclass(frozen=True)
 class BalancedParams:
@@ -109,7 +114,7 @@ DEFAULT_PARAMS = BalancedParams()
 
 def units_cap(head_size: int, workspace_segments: int) -> int:
     """The most units a request gets: as many as the workspace holds partials for, and as the launch's merge takes
-    in one tile of :data:`.launch.SCHEDULED_MERGE_VALUES` values a row (head 128: 16, head 64: 32, head 256: 8; a
+    in one tile of :data:`SCHEDULED_MERGE_VALUES` values a row (head 128: 16, head 64: 32, head 256: 8; a
     wider merge tile costs the whole kernel registers). B=1 at head 128 and 8 KV heads: 128 programs, about one per
     SM (the uniform split's 16 segments, measured 2-5% faster than 32 at B=1 x 16384: benchmarks/NOTES.md)."""
     per_tile = SCHEDULED_MERGE_VALUES // next_power_of_2(head_size)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -39,10 +39,8 @@ from .heuristics import (
     fused_merge_rows,
     pick_kernel_config,
 )
+from .decode_schedule import SCHEDULED_MERGE_VALUES, DecodeSchedule
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
-
-if TYPE_CHECKING:
-    from .decode_schedule import DecodeSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +166,7 @@ class LaunchPlan:
     reduce_grid: Optional[tuple[int, int, int]]
     reduce_constexprs: tuple
     reduce_num_warps: int
-    decode_schedule: "Optional[DecodeSchedule]" = None
+    decode_schedule: Optional[DecodeSchedule] = None
 
     @property
     def num_kv_splits(self) -> int:
@@ -188,7 +186,7 @@ def plan_attention(
     scales_are_ptrs: bool = False, paged: bool = True, return_lse: bool = False, num_decodes: Optional[int] = None,
     num_kv_splits: Optional[int] = None, num_sms: int = 1, workspace: Optional[SplitKVWorkspace] = None,
     config: Optional[KernelConfig] = None, device: Union[torch.device, str, None] = None,
-    decode_query_len: int = 1, use_tree: bool = False, decode_schedule: "Optional[DecodeSchedule]" = None,
+    decode_query_len: int = 1, use_tree: bool = False, decode_schedule: Optional[DecodeSchedule] = None,
 ) -> LaunchPlan:
     """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
 
@@ -277,11 +275,6 @@ def plan_attention(
 #: Most programs on a grid's second axis (CUDA's limit): a scheduled plan's decode units + prefill programs.
 MAX_GRID_Y = 65535
 
-#: Most float32 partial values a scheduled launch's merge loads at once (rows x segments x head), half the uniform
-#: split's :data:`.heuristics.MERGE_TILE_VALUES`: the scheduled kernel holds both the direct and the partial store,
-#: and with a 4096-value merge tile ptxas went to 255 registers a thread with spills on fp8 pages and on verify
-#: (head 128, offline for sm_90), against 208-223 with 2048, as the unscheduled decode.
-SCHEDULED_MERGE_VALUES = 2048
 
 
 def schedule_fits(workspace: Optional[SplitKVWorkspace], *, num_decode_tokens: int, num_decodes: int, num_heads: int,
@@ -293,7 +286,7 @@ def schedule_fits(workspace: Optional[SplitKVWorkspace], *, num_decode_tokens: i
 
 
 def _plan_scheduled(
-    schedule: "DecodeSchedule", *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
+    schedule: DecodeSchedule, *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
     block_size: int, num_seqs: int, num_decodes: int, max_query_len: int, max_seq_len: int, kv_fp8: bool,
     causal: bool, sliding_window: Optional[int], logits_soft_cap: Optional[float], use_alibi: bool, use_sinks: bool,
     scales_are_ptrs: bool, paged: bool, return_lse: bool, num_kv_splits: Optional[int],
