@@ -18,8 +18,8 @@ segments of its request's rows and resets the counter to 0 (:func:`_merge_when_l
 shapes and host ints, never on ``seq_lens`` values (CUDA-graph safe).
 
 Balanced decode schedule (``DECODE_SCHEDULED``, :mod:`.decode_schedule`): the builder cuts the decodes' keys into
-work units of near-equal size and the decode programs run one unit each (grid axis 0 = units, so a long request gets
-many programs and a short one one). A unit is a request, a tile-aligned key range, its index among its request's
+work units of near-equal size and the decode programs run one unit each (grid (KV heads, units), so a long request
+gets many programs and a short one one). A unit is a request, a tile-aligned key range, its index among its request's
 units and their count; a request with one unit writes its output directly, the units of a split request write
 partials at their index and the last to finish merges them (the same fused merge, with the request's own count).
 """
