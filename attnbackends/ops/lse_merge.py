@@ -10,7 +10,7 @@ lse = m + log(sum_s e^(lse_s - m)). A partial whose lse is -inf contributes noth
 import triton
 import triton.language as tl
 
-__all__ = ["merge_by_lse", "merge_two_by_lse"]
+__all__ = ["merge_by_lse"]
 
 
 @triton.jit
@@ -32,37 +32,6 @@ def merge_by_lse(parts, lse, BASE2: tl.constexpr):
     w = tl.expand_dims(w, -1)  # [..., S, 1]
     # where(), not a multiply, so a NaN in an ignored partial cannot leak through 0 * NaN.
     out = tl.sum(tl.where(w > 0.0, parts * w, 0.0), -2)
-    if BASE2:
-        log_total = tl.log2(safe_total)
-    else:
-        log_total = tl.log(safe_total)
-    return out, tl.where(total > 0.0, m_safe + log_total, float("-inf"))
-
-
-@triton.jit
-def merge_two_by_lse(o_a, lse_a, o_b, lse_b, BASE2: tl.constexpr):
-    """:func:`merge_by_lse` of two partials given as separate tensors: ``o_a``, ``o_b`` [R, D] float32 with ``lse_a``,
-    ``lse_b`` [R] (same semantics, -inf sides included); for folding a running result with the next one without
-    stacking them into one tile (joining [R, D] tensors into [R, 2, D] costs layout conversions and registers).
-    Returns (out [R, D], lse [R])."""
-    m = tl.maximum(lse_a, lse_b)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    if BASE2:
-        w_a = tl.exp2(lse_a - m_safe)
-        w_b = tl.exp2(lse_b - m_safe)
-    else:
-        w_a = tl.exp(lse_a - m_safe)
-        w_b = tl.exp(lse_b - m_safe)
-    w_a = tl.where(lse_a == float("-inf"), 0.0, w_a)
-    w_b = tl.where(lse_b == float("-inf"), 0.0, w_b)
-    total = w_a + w_b
-    safe_total = tl.where(total > 0.0, total, 1.0)
-    scale = tl.where(total > 0.0, 1.0 / safe_total, 0.0)
-    w_a = w_a * scale
-    w_b = w_b * scale
-    # where(), not a multiply, so a NaN in an ignored side cannot leak through 0 * NaN.
-    out = (tl.where((w_a > 0.0)[:, None], o_a * w_a[:, None], 0.0)
-           + tl.where((w_b > 0.0)[:, None], o_b * w_b[:, None], 0.0))
     if BASE2:
         log_total = tl.log2(safe_total)
     else:
