@@ -42,7 +42,8 @@ from .heuristics import (
     deterministic_kernel_config,
     prefill_kernel_pays,
 )
-from .launch import LaunchPlan, SplitKVWorkspace, plan_attention, unified_attention
+from .decode_schedule import DecodeSchedule, DecodeScheduler, decode_schedule_note
+from .launch import LaunchPlan, SplitKVWorkspace, plan_attention, schedule_fits, unified_attention
 from .choices import (
     FreshPrefillCacheWrite,
     FreshPrefillKernel,
@@ -72,6 +73,8 @@ class TritonMetadata:
     step: TritonStepPlan
     runner: TritonStepRunner
     debug: bool = False  # the builder's debug flag: impls validate inputs and the block table on every call
+    decode_schedule: Optional[DecodeSchedule] = None  # the decodes' balanced schedule, which the plans that run
+    # the decodes carry (None: the uniform split)
 
     @property
     def num_decodes(self) -> int:
@@ -86,6 +89,13 @@ class TritonMetadata:
     @property
     def workspace(self) -> Optional[SplitKVWorkspace]:
         return self.plan.workspace
+
+    @property
+    def decode_schedule_note(self) -> str:
+        """How this batch's decodes are scheduled, in words."""
+        if self.decode_schedule is not None:
+            return self.decode_schedule.describe()
+        return f"uniform split: {self.num_decodes} decodes x {self.num_kv_splits} KV segments"
 
     @property
     def config(self) -> KernelConfig:
@@ -170,6 +180,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         the two launches on two CUDA streams, so the bandwidth-bound decodes and the compute-bound prefills share
         the GPU instead of following each other. Off by default (``benchmarks/triton_api.py --prefill-sweep``
         times both: its ``mixed_sweep`` rows).
+    decode_schedule : how the decodes' keys are cut across programs (:mod:`attnbackends.triton.decode_schedule`):
+        ``"balanced"`` into work units of near-equal size sized to the GPU (long requests many, short ones one,
+        merged in the launch), ``"uniform"`` the same number of KV segments for every decode
+        (:func:`.heuristics.choose_num_kv_splits`), ``"auto"`` (default) balanced where the decodes' lengths are
+        ragged (:func:`.decode_schedule.balanced_reason`). Also for the decodes of a mixed batch; needs the split-KV
+        workspace (CUDA, or ``"balanced"`` on the CPU); deterministic mode keeps its fixed schedule.
 
     The options are checked once, as a :class:`~.choices.TritonBuilderOptions` (``options``), and decided once, as
     :class:`~.choices.TritonKernelChoices` (``choices``: each decision an enum member with its reason). Every
@@ -184,12 +200,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
                  prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
                  hopper_cache_write: bool = True, cache_write_sms: Optional[int] = None,
-                 hopper_paged_prefill: Optional[bool] = None, **kwargs) -> None:
+                 hopper_paged_prefill: Optional[bool] = None, decode_schedule: str = "auto", **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.options = TritonBuilderOptions(
             deterministic=deterministic, prefill_kernel=prefill_kernel, hopper_prefill=hopper_prefill,
             overlap_decodes=overlap_decodes, hopper_cache_write=hopper_cache_write, cache_write_sms=cache_write_sms,
-            hopper_paged_prefill=hopper_paged_prefill)
+            hopper_paged_prefill=hopper_paged_prefill,
+            decode_schedule=decode_schedule)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
         info = DeviceInfo.current(self.device)
         self.num_sms = info.sm_count if info.is_cuda else 1
@@ -201,10 +218,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         #: Runs the step plans of this builder's metadata for every layer; owns their side streams.
         self.runner = TritonStepRunner()
         self.workspace: Optional[SplitKVWorkspace] = None
-        if self.device.type == "cuda" and not deterministic:
+        if (self.device.type == "cuda" or decode_schedule == "balanced") and not deterministic:
             self.workspace = SplitKVWorkspace.allocate(
                 self.max_num_reqs, spec.num_heads, spec.head_size, MAX_KV_SPLITS, device=self.device
             )
+        #: The decodes' balanced schedules (None: every batch's decodes run the uniform split).
+        self.decode_scheduler: Optional[DecodeScheduler] = None
+        if decode_schedule != "uniform" and self.workspace is not None:
+            self.decode_scheduler = DecodeScheduler.for_spec(decode_schedule, spec, self.device, num_sms=self.num_sms,
+                                                             workspace_segments=self.workspace.max_segments)
         self._plan_args = dict(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             kv_fp8=spec.is_fp8_kv_cache, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
@@ -230,26 +252,58 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         if decode_q * self.spec.num_queries_per_kv > MAX_DECODE_TILE_ROWS:
             num_decodes = 0  # too many rows for one decode tile: the generic path takes these verify requests
         tree = common.spec_tree_mask
+        schedule = self._schedule_decodes(common, num_decodes, split.num_prefills == 0)
         num_kv_splits = 1
-        if split.num_decodes and split.num_prefills == 0:
+        if split.num_decodes and split.num_prefills == 0 and schedule is None:
             num_kv_splits = self.decode_kv_splits(split.num_decodes, common.max_seq_len, common.max_query_len)
         plan = plan_attention(
             num_tokens=common.num_actual_tokens, block_size=self.spec.block_size, num_seqs=common.num_reqs,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
-            decode_query_len=decode_q, use_tree=tree is not None, **self._plan_args)
+            decode_query_len=decode_q, use_tree=tree is not None, decode_schedule=schedule,
+            **self._plan_args)
         prefills = causal and split.num_prefills > 0 and tree is None  # a prefill kernel may serve them
         paged = None  # (decodes' plan, the paged Gluon prefill's plan): the prefills with keys from the pages
         if prefills and self.choices.paged_prefill.kernel is PagedPrefill.GLUON_HOPPER_PAGED:
             paged = plan_paged_split(self, common, num_decodes, split.num_decode_tokens, causal)
+            if schedule is not None and paged[0] is not None:
+                paged = (self._scheduled_decode_plan(common, schedule, split.num_decode_tokens, causal), paged[1])
         rule = self.choices.prefill_split.kernel
         if prefills and (rule is PrefillSplit.EVERY_BATCH or (
                 rule is PrefillSplit.WHERE_IT_PAYS
                 and prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
-            step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged)
+            step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged, schedule)
         else:
             step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged)
-        return TritonMetadata(common, plan, step, self.runner, self.debug)
+        return TritonMetadata(common, plan, step, self.runner, self.debug, schedule)
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        """:meth:`build`, where a decode-only batch scheduled balanced gets a persistent unit table of fixed size
+        that every later build of its shape rewrites (the captured graph reads it)."""
+        if self.decode_scheduler is None:
+            return self.build(common)
+        with self.decode_scheduler.capturing():
+            return self.build(common)
+
+    def _schedule_decodes(self, common: CommonAttentionMetadata, num_decodes: int,
+                          decode_only: bool) -> Optional[DecodeSchedule]:
+        """The balanced schedule of the batch's ``num_decodes`` decodes (:mod:`.decode_schedule`), or None: the
+        uniform split (the rule's choice, or no workspace to hold the units' partials)."""
+        if self.decode_scheduler is None or not num_decodes or not schedule_fits(
+                self.workspace, num_decode_tokens=num_decodes * self.reorder_batch_threshold,
+                num_decodes=num_decodes, num_heads=self.spec.num_heads, num_kv_heads=self.spec.num_kv_heads,
+                head_size=self.spec.head_size, max_units_per_request=self.decode_scheduler.max_units_per_request):
+            return None
+        return self.decode_scheduler.schedule(common, num_decodes, decode_only=decode_only)
+
+    def _scheduled_decode_plan(self, common: CommonAttentionMetadata, schedule: DecodeSchedule,
+                               num_decode_tokens: int, causal: bool) -> LaunchPlan:
+        """The decodes of a split batch alone, on ``schedule``'s units."""
+        return plan_attention(
+            num_tokens=num_decode_tokens, block_size=self.spec.block_size, num_seqs=schedule.num_decodes,
+            max_query_len=self.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
+            num_decodes=schedule.num_decodes, workspace=self.workspace, decode_query_len=self.reorder_batch_threshold,
+            decode_schedule=schedule, **self._plan_args)
 
     def decode_kv_splits(self, num_decodes: int, max_seq_len: int, max_query_len: int) -> int:
         """KV segments for ``num_decodes`` decodes that have the GPU to themselves
@@ -267,13 +321,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return self._write_todo
 
     def _plan_split(self, common: CommonAttentionMetadata, attention: LaunchPlan, num_decodes: int,
-                    num_decode_tokens: int, causal: bool, paged: Optional[tuple] = None) -> TritonStepPlan:
+                    num_decode_tokens: int, causal: bool, paged: Optional[tuple] = None,
+                    schedule: Optional[DecodeSchedule] = None) -> TritonStepPlan:
         """The step plan of a batch that runs split: the decodes on the unified kernel's decode tiles, the rest on
         the prefill kernel that serves them (the Gluon kernel when none of them has cached context and it serves the
         layer; else the paged Gluon kernel where ``paged`` is planned; else the Triton one); ``attention`` (the whole
         batch unsplit) where the forward's tensors do not take the split."""
         decode = None
-        if num_decodes:
+        if schedule is not None:
+            decode = self._scheduled_decode_plan(common, schedule, num_decode_tokens, causal)
+        elif num_decodes:
             decode = plan_attention(
                 num_tokens=num_decode_tokens, block_size=self.spec.block_size, num_seqs=num_decodes,
                 max_query_len=self.reorder_batch_threshold, max_seq_len=common.max_seq_len, causal=causal,
@@ -451,7 +508,12 @@ class TritonAttentionBackend(AttentionBackend):
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """The prefill kernel a default builder runs for batches with prefills (the paged Gluon kernel for chunks
         on cached context and ``key=None`` steps, the fresh-prompt Gluon kernel for fresh prompts with keys), with
-        the reason where a kernel is ruled out: a default builder's :class:`~.choices.TritonKernelChoices`."""
+        the reason where a kernel is ruled out (a default builder's :class:`~.choices.TritonKernelChoices`); then how
+        a default builder schedules the decodes."""
+        return cls._prefill_notes(spec, device) + [decode_schedule_note(cuda=device.is_cuda)]
+
+    @classmethod
+    def _prefill_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         choices = TritonKernelChoices.decide(spec, TritonBuilderOptions(), device.compute_capability,
                                              interpreted=device.triton_interpreted, is_cuda=device.is_cuda,
                                              num_sms=device.sm_count if device.is_cuda else 1)

@@ -18,6 +18,7 @@ from ..spec import AttentionSpec
 from .prefill_hopper import HopperPrefillConfig, cache_write_reason, hopper_prefill_reason
 from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, paged_prefill_reason
 from .prefill_launch import prefill_new_kv_unsupported_reason
+from .decode_schedule import DECODE_SCHEDULE_MODES
 
 __all__ = [
     "FreshPrefillCacheWrite",
@@ -104,7 +105,8 @@ class TritonBuilderOptions:
     """The Triton builder's options (its keyword arguments; meanings in
     :class:`attnbackends.triton.backend.TritonMetadataBuilder`), checked when made: each a bool where a bool is
     meant, ``prefill_kernel`` and ``hopper_paged_prefill`` also None (the default rule), ``cache_write_sms`` None (the
-    rule's choice per batch) or an int >= 0 (the device's SM count bounds it: :meth:`TritonKernelChoices.decide`)."""
+    rule's choice per batch) or an int >= 0 (the device's SM count bounds it: :meth:`TritonKernelChoices.decide`),
+    ``decode_schedule`` one of :data:`~.decode_schedule.DECODE_SCHEDULE_MODES`."""
 
     deterministic: bool = False
     prefill_kernel: Optional[bool] = None
@@ -113,6 +115,7 @@ class TritonBuilderOptions:
     hopper_cache_write: bool = True
     cache_write_sms: Optional[int] = None
     hopper_paged_prefill: Optional[bool] = None
+    decode_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("deterministic", "hopper_prefill", "overlap_decodes", "hopper_cache_write"):
@@ -124,6 +127,10 @@ class TritonBuilderOptions:
         sms = self.cache_write_sms
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 0):
             raise ValueError(f"cache_write_sms must be None or an int >= 0 (SMs left to the cache write), got {sms!r}")
+        if self.decode_schedule not in DECODE_SCHEDULE_MODES or (self.deterministic
+                                                                 and self.decode_schedule == "balanced"):
+            raise ValueError(f"decode_schedule must be one of {DECODE_SCHEDULE_MODES} (not 'balanced' with "
+                             f"deterministic=True: its schedule is fixed), got {self.decode_schedule!r}")
 
 
 @dataclass(frozen=True)

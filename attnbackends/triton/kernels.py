@@ -16,6 +16,12 @@ decode program (``FUSED_REDUCE``), in the same launch: each (decode, KV head, se
 a per-(decode, KV head) counter after writing its partials, and the program that draws the last ticket merges the
 segments of its request's rows and resets the counter to 0 (:func:`_merge_when_last`). The grid depends only on
 shapes and host ints, never on ``seq_lens`` values (CUDA-graph safe).
+
+Balanced decode schedule (``DECODE_SCHEDULED``, :mod:`.decode_schedule`): the builder cuts the decodes' keys into
+work units of near-equal size and the decode programs run one unit each (grid (KV heads, units), so a long request
+gets many programs and a short one one). A unit is a request, a tile-aligned key range, its index among its request's
+units and their count; a request with one unit writes its output directly, the units of a split request write
+partials at their index and the last to finish merges them (the same fused merge, with the request's own count).
 """
 
 import triton
@@ -156,7 +162,7 @@ def _attn_range(
 def _attend(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
-    seq_idx, q_block, kv_head, segm,
+    seq_idx, q_block, kv_head, segm, unit_lo, unit_hi, num_units,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
@@ -165,8 +171,12 @@ def _attend(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, Q_FP16: tl.constexpr,
-    RETURN_LSE: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
+    RETURN_LSE: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr, SCHEDULED: tl.constexpr,
 ):
+    """One program's rows (query block ``q_block`` of ``seq_idx`` x the ``QPK`` query heads of ``kv_head``) over
+    its keys: segment ``segm`` of ``NUM_SEGMENTS``, or with ``SCHEDULED`` the work unit ``segm`` of ``num_units``
+    over keys ``[unit_lo, unit_hi)`` (multiples of ``TILE_N``; clipped to the keys the rows see). One segment or unit:
+    the output rows; else the partials at index ``segm``."""
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
     if q_block * BLOCK_Q < q_len:
@@ -222,10 +232,16 @@ def _attend(
             full_lo = 0
         tile_lo = kv_lo // TILE_N
         tile_hi = _cdiv(kv_end, TILE_N)
-        # This program's share of the tiles (all of them when NUM_SEGMENTS == 1).
-        per_seg = _cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
-        seg_lo = tl.minimum(tile_lo + segm * per_seg, tile_hi)
-        seg_hi = tl.minimum(seg_lo + per_seg, tile_hi)
+        if SCHEDULED:
+            # The unit's tiles, within the ones the rows see (a request's first unit starts at key 0 and its last
+            # ends past any sequence: they reach to the ends of that range, whatever lengths the host planned with).
+            seg_lo = tl.minimum(tl.maximum(unit_lo // TILE_N, tile_lo), tile_hi)
+            seg_hi = tl.minimum(tl.maximum(_cdiv(unit_hi, TILE_N), seg_lo), tile_hi)
+        else:
+            # This program's share of the tiles (all of them when NUM_SEGMENTS == 1).
+            per_seg = _cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+            seg_lo = tl.minimum(tile_lo + segm * per_seg, tile_hi)
+            seg_hi = tl.minimum(seg_lo + per_seg, tile_hi)
         mid_lo = tl.minimum(tl.maximum(full_lo, seg_lo), seg_hi)
         mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), seg_hi)
 
@@ -269,36 +285,61 @@ def _attend(
         out = acc * (v_scale / l_safe)[:, None]
         d_ok = offs_d < HEAD_SIZE
         tok_glob = (q_start + tok).to(tl.int64)
-        if NUM_SEGMENTS == 1:
-            o_ptrs = output_ptr + tok_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-            if RETURN_LSE:
-                # Natural log for callers (merge_attn_states); -inf where no key was visible (l_i == 0).
-                lse_ln = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-                tl.store(lse_out_ptr + head * stride_lse_h + tok_glob, lse_ln, mask=row_ok)
+        if SCHEDULED:
+            if num_units == 1:  # an unsplit request: no partials, no merge
+                _store_rows(output_ptr, lse_out_ptr, out, m_i, l_i, l_safe, tok_glob, head, row_ok, d_ok, offs_d,
+                            stride_ot, stride_oh, stride_lse_h, RETURN_LSE)
+            else:
+                _store_partials(partial_out_ptr, partial_lse_ptr, out, m_i, l_i, l_safe, tok_glob, head, segm, row_ok,
+                                d_ok, offs_d, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh)
+        elif NUM_SEGMENTS == 1:
+            _store_rows(output_ptr, lse_out_ptr, out, m_i, l_i, l_safe, tok_glob, head, row_ok, d_ok, offs_d,
+                        stride_ot, stride_oh, stride_lse_h, RETURN_LSE)
         else:
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            p_ptrs = (partial_out_ptr + tok_glob[:, None] * stride_pt + head[:, None] * stride_ph
-                      + segm * stride_ps + offs_d[None, :])
-            tl.store(p_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-            tl.store(partial_lse_ptr + tok_glob * stride_lt + head * stride_lh + segm, lse, mask=row_ok)
+            _store_partials(partial_out_ptr, partial_lse_ptr, out, m_i, l_i, l_safe, tok_glob, head, segm, row_ok,
+                            d_ok, offs_d, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh)
+
+
+@triton.jit
+def _store_rows(output_ptr, lse_out_ptr, out, m_i, l_i, l_safe, tok_glob, head, row_ok, d_ok, offs_d,
+                stride_ot, stride_oh, stride_lse_h, RETURN_LSE: tl.constexpr):
+    """A program's finished rows: out [BLOCK_M, HEAD_PAD] float32 (normalised) into the output, and with RETURN_LSE
+    their natural-log log-sum-exp (m_i, l_i: the log2-domain running max and sum)."""
+    o_ptrs = output_ptr + tok_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        # Natural log for callers (merge_attn_states); -inf where no key was visible (l_i == 0).
+        lse_ln = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        tl.store(lse_out_ptr + head * stride_lse_h + tok_glob, lse_ln, mask=row_ok)
+
+
+@triton.jit
+def _store_partials(partial_out_ptr, partial_lse_ptr, out, m_i, l_i, l_safe, tok_glob, head, segm, row_ok, d_ok,
+                    offs_d, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh):
+    """A program's rows as segment ``segm``'s partials: the normalised output and the log2-sum-exp (-inf: no keys)."""
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    p_ptrs = (partial_out_ptr + tok_glob[:, None] * stride_pt + head[:, None] * stride_ph
+              + segm * stride_ps + offs_d[None, :])
+    tl.store(p_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(partial_lse_ptr + tok_glob * stride_lt + head * stride_lh + segm, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_rows(
     output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tok, head, row_ok,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, num_segments, SEG_PAD: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
-    """Merge the ``NUM_SEGMENTS`` (output, log2-sum-exp) partials of a block of query rows and write the rows.
+    """Merge the ``num_segments`` (output, log2-sum-exp) partials of a block of query rows and write the rows.
 
     tok [R] int64: the rows' tokens (batch index); head [R] int32: their query heads; row_ok [R]: rows to write.
+    num_segments (<= SEG_PAD): the launch's split (a constexpr), or a scheduled request's unit count.
     The partials are read through L2 (``.cg``): in a fused launch other programs wrote them, and this SM's L1 may
     hold stale lines of them."""
     offs_s = tl.arange(0, SEG_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
-    s_ok = offs_s < NUM_SEGMENTS
+    s_ok = offs_s < num_segments
     d_ok = offs_d < HEAD_SIZE
     lse_ptrs = partial_lse_ptr + (tok * stride_lt + head * stride_lh)[:, None] + offs_s[None, :]
     lse = tl.load(lse_ptrs, mask=row_ok[:, None] & s_ok[None, :], other=float("-inf"),
@@ -317,21 +358,22 @@ def _merge_rows(
 @triton.jit
 def _merge_when_last(
     counter_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr, seq_idx, kv_head,
-    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
+    num_kv_heads, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
     QPK: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    num_segments, SEG_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, RETURN_LSE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """The fused split-KV reduction of decode ``seq_idx`` and ``kv_head``, run by each of its segment programs
+    """The fused split-KV reduction of decode ``seq_idx`` and ``kv_head`` (``num_segments`` segments: the launch's
+    constexpr split, or a scheduled request's unit count), run by each of its segment programs
     after its partials are written (whatever it computed or skipped): take a ticket from the counter
     ``counter_ptr[seq_idx * num_kv_heads + kv_head]`` (int32, 0 before the launch); the program that draws the last
     merges the request's query tokens x the KV head's ``QPK`` query heads, ``MERGE_ROWS`` rows at a time, and
     sets the counter back to 0."""
     # Every warp's partial stores precede the ticket; the ticket's release publishes them at GPU scope.
     tl.debug_barrier()
-    counter = counter_ptr + seq_idx * tl.num_programs(1) + kv_head
+    counter = counter_ptr + seq_idx * num_kv_heads + kv_head
     ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SEGMENTS - 1:
+    if ticket == num_segments - 1:
         # Every segment has its ticket: nothing else touches the counter in this launch.
         tl.store(counter, 0)
         q_start = tl.load(query_start_loc_ptr + seq_idx)
@@ -345,7 +387,7 @@ def _merge_when_last(
                 _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                             (q_start + r // QPK).to(tl.int64), kv_head * QPK + r % QPK, r < num_rows,
                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                            stride_lse_h, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, RETURN_LSE)
+                            stride_lse_h, HEAD_SIZE, HEAD_PAD, num_segments, SEG_PAD, RETURN_LSE)
                 r0 += MERGE_ROWS
         else:
             for r0 in range(0, num_rows, MERGE_ROWS):
@@ -353,23 +395,24 @@ def _merge_when_last(
                 _merge_rows(output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr,
                             (q_start + r // QPK).to(tl.int64), kv_head * QPK + r % QPK, r < num_rows,
                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                            stride_lse_h, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, RETURN_LSE)
+                            stride_lse_h, HEAD_SIZE, HEAD_PAD, num_segments, SEG_PAD, RETURN_LSE)
 
 
 # Values that change from batch to batch, and pointers whose alignment no load depends on, are not specialised:
 # one compiled kernel per layout then serves every batch and can be launched directly (ops.launch.DirectLauncher).
 @triton.jit(
-    do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                       "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh", "stride_lse_h"],
+    do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "num_decode_programs", "stride_qt", "stride_qh",
+                       "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt",
+                       "stride_lh", "stride_lse_h"],
     do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "alibi_ptr",
                                     "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "counter_ptr", "k_scale",
-                                    "v_scale", "tree_mask_ptr", "tree_indptr_ptr"],
+                                    "v_scale", "tree_mask_ptr", "tree_indptr_ptr", "schedule_ptr"],
 )
 def _unified_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, counter_ptr, k_scale, v_scale,
-    tree_mask_ptr, tree_indptr_ptr,
-    num_seqs, num_decodes,
+    tree_mask_ptr, tree_indptr_ptr, schedule_ptr,
+    num_seqs, num_decodes, num_decode_programs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
@@ -381,17 +424,30 @@ def _unified_attention_kernel(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
     DECODE_Q: tl.constexpr, USE_TREE: tl.constexpr, FUSED_REDUCE: tl.constexpr, SEG_PAD: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, DECODE_SCHEDULED: tl.constexpr,
 ):
-    """Grid: (num_decodes + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
-    NUM_SEGMENTS). Programs below num_decodes take one decode sequence each (query_len <= DECODE_Q: all its
-    tokens in one tile, so the sequence's keys are read once); the others map to (sequence, query block) by a
-    binary search over query_start_loc. USE_TREE: requests' draft segments follow the packed tree mask
+    """Grid: (num_decode_programs + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
+    NUM_SEGMENTS). Programs below num_decode_programs (= num_decodes) take one decode sequence each (query_len <=
+    DECODE_Q: all its tokens in one tile, so the sequence's keys are read once); the others map to (sequence, query
+    block) by a binary search over query_start_loc. USE_TREE: requests' draft segments follow the packed tree mask
     (``CommonAttentionMetadata.spec_tree_mask``). FUSED_REDUCE (decode programs only, NUM_SEGMENTS > 1): the
     segments are merged in this launch (:func:`_merge_when_last`, ``counter_ptr``: [>= num_decodes *
-    num_kv_heads] int32 zeros); else with NUM_SEGMENTS > 1 ``_reduce_segments_kernel`` merges them."""
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    num_kv_heads] int32 zeros); else with NUM_SEGMENTS > 1 ``_reduce_segments_kernel`` merges them.
+
+    DECODE_SCHEDULED (NUM_SEGMENTS == 1; grid (num_kv_heads, programs, 1)): decode program ``pid <
+    num_decode_programs`` runs work unit ``pid`` of ``schedule_ptr`` ([>= num_decode_programs, 4] int32: request,
+    key start, key end, index | count << 16; count 0: no unit), and the units of a request with several merge in
+    this launch through ``counter_ptr`` as above."""
+    if DECODE_SCHEDULED:
+        # Grid (num_kv_heads, programs): a unit's KV heads start together, and the units in the schedule's order
+        # (largest first), so the long requests' units start first and the short ones fill the tail.
+        pid = tl.program_id(1)
+        kv_head = tl.program_id(0)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     segm = tl.program_id(2)
 
     if KV_FP8:
@@ -408,31 +464,59 @@ def _unified_attention_kernel(
     if not USE_SOFTCAP:
         qk_scale = qk_scale * RCP_LN2
 
-    if DECODE_PATH:
+    if DECODE_PATH and DECODE_SCHEDULED:
+        if pid < num_decode_programs:
+            unit = schedule_ptr + pid * 4
+            meta = tl.load(unit + 3)
+            num_units = meta >> 16
+            if num_units > 0:  # rows past the schedule's units (a CUDA graph's fixed grid) have none
+                seq_idx = tl.load(unit)
+                _attend(
+                    query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
+                    seq_lens_ptr, query_start_loc_ptr,
+                    alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr,
+                    tree_indptr_ptr,
+                    seq_idx, 0, kv_head, meta & 0xFFFF, tl.load(unit + 1), tl.load(unit + 2), num_units,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
+                    q_scale, qk_scale, soft_cap, vs,
+                    QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                    PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, 1, KV_FP8, RETURN_LSE,
+                    USE_TREE, INTERPRET, True)
+                if num_units > 1:
+                    # Every unit of a split request takes its ticket, also where it had no tokens or keys.
+                    _merge_when_last(
+                        counter_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr,
+                        seq_idx, kv_head, num_kv_heads, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+                        stride_lt, stride_lh, stride_lse_h, QPK, DECODE_Q, HEAD_SIZE, HEAD_PAD, num_units, SEG_PAD,
+                        MERGE_ROWS, RETURN_LSE, INTERPRET)
+    elif DECODE_PATH:
         if pid < num_decodes:
             _attend(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                 seq_lens_ptr, query_start_loc_ptr,
                 alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
-                pid, 0, kv_head, segm,
+                pid, 0, kv_head, segm, 0, 0, 1,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                USE_TREE, INTERPRET)
+                USE_TREE, INTERPRET, False)
         if FUSED_REDUCE:
             # Outside every condition: each segment program takes its ticket, also where it had no tokens or keys.
             _merge_when_last(
                 counter_ptr, output_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, query_start_loc_ptr, pid,
-                kv_head, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
-                QPK, DECODE_Q, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, MERGE_ROWS, RETURN_LSE, INTERPRET)
+                kv_head, num_kv_heads, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                stride_lse_h, QPK, DECODE_Q, HEAD_SIZE, HEAD_PAD, NUM_SEGMENTS, SEG_PAD, MERGE_ROWS, RETURN_LSE,
+                INTERPRET)
     if GENERIC_PATH:
-        if pid >= num_decodes:
+        if pid >= num_decode_programs:
             # Sequence i >= num_decodes owns query blocks starting at (qsl[i] - qsl[nd]) // BLOCK_Q + (i - nd):
             # an upper bound on its block count, so the grid needs only num_tokens and num_seqs.
-            target = pid - num_decodes
+            target = pid - num_decode_programs
             base = tl.load(query_start_loc_ptr + num_decodes)
             lo = num_decodes
             hi = num_seqs
@@ -454,14 +538,14 @@ def _unified_attention_kernel(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                 seq_lens_ptr, query_start_loc_ptr,
                 alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
-                seq_idx, q_block, kv_head, segm,
+                seq_idx, q_block, kv_head, segm, 0, 0, 1,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, BLOCK_Q, BLOCK_M, TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                USE_TREE, INTERPRET)
+                USE_TREE, INTERPRET, False)
 
 
 @triton.jit(

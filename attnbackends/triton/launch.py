@@ -7,6 +7,10 @@ when a :class:`SplitKVWorkspace` is passed, so a decode step can be captured in 
 only on tensor shapes and on host ints fixed at capture (``num_decodes``, ``num_kv_splits``), never on the
 values of ``seq_lens``.
 
+A plan may carry a balanced decode schedule (:mod:`.decode_schedule`, made by the builder from host data): its
+decode programs then run one work unit each, grid (num_kv_heads, units + other programs, 1), the units of a split
+request merged in the launch; its grid's unit rows are the schedule's, fixed for a CUDA graph's buffer.
+
 The choices a plan is made of (tiles, split-KV count) come from :mod:`.heuristics`; the argument checks are
 :func:`attnbackends.validation.check_unified_attention_args` and its neighbours there: ``validate=True`` (the
 default) runs them on every launch, pass ``validate=False`` on the hot path once checked. A builder makes
@@ -35,6 +39,7 @@ from .heuristics import (
     fused_merge_rows,
     pick_kernel_config,
 )
+from .decode_schedule import SCHEDULED_MERGE_VALUES, DecodeSchedule
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
 
 logger = logging.getLogger(__name__)
@@ -117,7 +122,7 @@ UNIFIED_CONSTEXPRS = (
     "QPK", "HEAD_SIZE", "HEAD_PAD", "BLOCK_SIZE", "DECODE_PATH", "DECODE_BLOCK_M", "DECODE_TILE_N", "GENERIC_PATH",
     "BLOCK_Q", "BLOCK_M", "TILE_N", "PAGED", "CAUSAL", "SLIDING_WINDOW", "USE_SOFTCAP", "USE_ALIBI", "USE_SINKS",
     "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET", "DECODE_Q", "USE_TREE", "FUSED_REDUCE",
-    "SEG_PAD", "MERGE_ROWS",
+    "SEG_PAD", "MERGE_ROWS", "DECODE_SCHEDULED",
 )
 REDUCE_CONSTEXPRS = ("HEAD_SIZE", "HEAD_PAD", "NUM_SEGMENTS", "SEG_PAD", "RETURN_LSE")
 
@@ -131,7 +136,8 @@ class LaunchPlan:
 
     Attributes
     ----------
-    grid : (programs, num_kv_heads, num_kv_splits) of the attention kernel; ``grid[0] == 0``: nothing to run.
+    grid : (programs, num_kv_heads, num_kv_splits) of the attention kernel; ``grid[0] == 0``: nothing to run. A
+        scheduled plan's: (num_kv_heads, programs, 1).
     num_seqs, num_decodes : requests in the batch; the first ``num_decodes`` run on the decode tiles.
     constexprs : the values of :data:`UNIFIED_CONSTEXPRS` (tile shapes, features, paths).
     num_warps, num_stages : launch options of the attention kernel.
@@ -143,6 +149,8 @@ class LaunchPlan:
         workspace with counters for them): no reduction launch.
     reduce_grid, reduce_constexprs, reduce_num_warps : the split-KV reduction's launch (grid None: no reduction
         launch, for an unsplit or a fused plan).
+    decode_schedule : the decodes' balanced schedule (:mod:`.decode_schedule`; grid (num_kv_heads, programs, 1),
+        the units merged in the launch through ``workspace``), or None: one program per decode (x segments).
     """
 
     grid: tuple[int, int, int]
@@ -158,10 +166,17 @@ class LaunchPlan:
     reduce_grid: Optional[tuple[int, int, int]]
     reduce_constexprs: tuple
     reduce_num_warps: int
+    decode_schedule: Optional[DecodeSchedule] = None
 
     @property
     def num_kv_splits(self) -> int:
         return self.grid[2]
+
+    @property
+    def num_decode_programs(self) -> int:
+        """Grid rows of the decode programs: the schedule's unit rows, or one per decode."""
+        schedule = self.decode_schedule
+        return schedule.num_programs if schedule is not None else self.num_decodes
 
 
 def plan_attention(
@@ -171,7 +186,7 @@ def plan_attention(
     scales_are_ptrs: bool = False, paged: bool = True, return_lse: bool = False, num_decodes: Optional[int] = None,
     num_kv_splits: Optional[int] = None, num_sms: int = 1, workspace: Optional[SplitKVWorkspace] = None,
     config: Optional[KernelConfig] = None, device: Union[torch.device, str, None] = None,
-    decode_query_len: int = 1, use_tree: bool = False,
+    decode_query_len: int = 1, use_tree: bool = False, decode_schedule: Optional[DecodeSchedule] = None,
 ) -> LaunchPlan:
     """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
 
@@ -185,12 +200,29 @@ def plan_attention(
     A split plan whose programs are all decode programs (``num_decodes == num_seqs``) merges its segments in the
     attention launch where ``workspace`` has counters for its programs (``fused_reduce``); others plan the
     reduction launch after it.
+
+    ``decode_schedule``: the decodes run its work units (:mod:`.decode_schedule`) instead of ``num_kv_splits``
+    segments each, also beside prefill programs; ``workspace`` (with counters) must hold the decodes' partials
+    (:func:`schedule_fits`), the config's decode tile must divide the schedule's alignment, and ``num_kv_splits``
+    must be None or 1. Where the units and the prefill programs together exceed the grid's :data:`MAX_GRID_Y`, the
+    plan runs one program per decode instead (no schedule).
     """
     qpk = num_heads // num_kv_heads
     if num_decodes is None:
         num_decodes = num_seqs if max_query_len <= 1 else 0
     decode_path = num_decodes > 0
     generic_path = num_decodes < num_seqs
+    if decode_schedule is not None:
+        plan = _plan_scheduled(
+            decode_schedule, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, block_size=block_size, num_seqs=num_seqs, num_decodes=num_decodes,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, kv_fp8=kv_fp8, causal=causal,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, use_alibi=use_alibi, use_sinks=use_sinks,
+            scales_are_ptrs=scales_are_ptrs, paged=paged, return_lse=return_lse, num_kv_splits=num_kv_splits,
+            workspace=workspace, config=config, decode_query_len=decode_query_len, use_tree=use_tree)
+        if plan is not None:
+            return plan
+        num_kv_splits = 1  # too many prefill programs beside the units for the grid: one program per decode
     if num_kv_splits is None:
         num_kv_splits = 1
         if num_sms > 1 and num_seqs > 0:
@@ -228,7 +260,7 @@ def plan_attention(
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
         num_kv_splits, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), fused_reduce, seg_pad,
-        merge_rows,
+        merge_rows, False,
     )
     reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs and not fused_reduce else None
     return LaunchPlan(
@@ -237,6 +269,77 @@ def plan_attention(
         workspace=workspace, partial_strides=partial_strides, fused_reduce=fused_reduce, reduce_grid=reduce_grid,
         reduce_constexprs=(head_size, head_pad, num_kv_splits, seg_pad, return_lse),
         reduce_num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
+    )
+
+
+#: Most programs on a grid's second axis (CUDA's limit): a scheduled plan's decode units + prefill programs.
+MAX_GRID_Y = 65535
+
+
+
+def schedule_fits(workspace: Optional[SplitKVWorkspace], *, num_decode_tokens: int, num_decodes: int, num_heads: int,
+                  num_kv_heads: int, head_size: int, max_units_per_request: int) -> bool:
+    """Whether ``workspace`` holds a scheduled launch's partials (a row per decode token, a segment per unit of a
+    request) and its tickets (one counter per decode and KV head)."""
+    return (workspace is not None and workspace.fits(num_decode_tokens, num_heads, head_size, max_units_per_request)
+            and workspace.fits_fused(num_decodes, num_kv_heads))
+
+
+def _plan_scheduled(
+    schedule: DecodeSchedule, *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
+    block_size: int, num_seqs: int, num_decodes: int, max_query_len: int, max_seq_len: int, kv_fp8: bool,
+    causal: bool, sliding_window: Optional[int], logits_soft_cap: Optional[float], use_alibi: bool, use_sinks: bool,
+    scales_are_ptrs: bool, paged: bool, return_lse: bool, num_kv_splits: Optional[int],
+    workspace: Optional[SplitKVWorkspace], config: Optional[KernelConfig], decode_query_len: int, use_tree: bool,
+) -> Optional[LaunchPlan]:
+    """:func:`plan_attention` for a batch whose decodes run ``schedule``'s work units (the arguments as there);
+    None where the grid cannot hold them beside the batch's prefill programs."""
+    qpk = num_heads // num_kv_heads
+    decode_q = max(1, decode_query_len)
+    if num_kv_splits not in (None, 1):
+        raise ValueError(f"a scheduled plan runs its decodes' units unsplit: num_kv_splits must be None or 1, got "
+                         f"{num_kv_splits}")
+    if not paged or num_decodes < 1 or schedule.num_decodes != num_decodes:
+        raise ValueError(f"the decode schedule is for {schedule.num_decodes} decodes of a paged batch; this plan has "
+                         f"{num_decodes} decodes{'' if paged else ' and no cache'}")
+    if not schedule_fits(workspace, num_decode_tokens=num_decodes * decode_q, num_decodes=num_decodes,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                         max_units_per_request=schedule.max_units_per_request):
+        raise ValueError("a scheduled plan needs a split-KV workspace with counters that holds the decodes' partials "
+                         f"({num_decodes} decodes, up to {schedule.max_units_per_request} units each)")
+    generic_path = num_decodes < num_seqs
+    if config is None:  # keys_per_split=None: the decode tile does not depend on the batch (the units are aligned)
+        config = pick_kernel_config(head_size, qpk, max_query_len, has_decode_path=True,
+                                    has_generic_path=generic_path, kv_fp8=kv_fp8, keys_per_split=None,
+                                    max_seq_len=max_seq_len)
+    if schedule.align % config.decode_tile_n:
+        raise ValueError(f"the schedule's units are aligned to {schedule.align} keys, not a multiple of the decode "
+                         f"tile ({config.decode_tile_n})")
+    block_m = max(config.block_m, next_power_of_2(qpk))
+    block_q = max(1, block_m // qpk)
+    programs = schedule.num_programs + (num_tokens // block_q + num_seqs - num_decodes if generic_path else 0)
+    if programs > MAX_GRID_Y:
+        logger.debug("%d scheduled decode units and prefill programs exceed the grid's %d: unscheduled", programs,
+                     MAX_GRID_Y)
+        return None
+    po, pl = workspace.partial_out, workspace.partial_lse
+    head_pad = next_power_of_2(head_size)
+    seg_pad = next_power_of_2(schedule.max_units_per_request)
+    merge_rows = max(1, SCHEDULED_MERGE_VALUES // (seg_pad * head_pad))
+    merge_rows = min(1 << (merge_rows.bit_length() - 1), next_power_of_2(qpk * decode_q))
+    constexprs = (
+        qpk, head_size, head_pad, block_size, True, max(config.decode_block_m, next_power_of_2(qpk * decode_q)),
+        config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
+        int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
+        1, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), False, seg_pad,
+        merge_rows, True,
+    )
+    return LaunchPlan(
+        grid=(num_kv_heads, programs, 1), num_seqs=num_seqs, num_decodes=num_decodes, constexprs=constexprs,
+        num_warps=config.num_warps, num_stages=config.num_stages, config=config, workspace=workspace,
+        partial_strides=(po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1)), fused_reduce=False,
+        reduce_grid=None, reduce_constexprs=(head_size, head_pad, 1, 1, return_lse), reduce_num_warps=2,
+        decode_schedule=schedule,
     )
 
 
@@ -262,6 +365,7 @@ def launch_attention(
     """
     if plan.grid[0] == 0:
         return output
+    schedule = plan.decode_schedule
     dummy = output
     paged = block_table is not None
     # each stride() call is a torch call on every layer's forward: one per tensor, the caches' from cache_key
@@ -282,7 +386,7 @@ def launch_attention(
     workspace = plan.workspace
     partial_out, partial_lse = (workspace.partial_out, workspace.partial_lse) if workspace is not None else (
         dummy, dummy)
-    counters = workspace.counters if plan.fused_reduce else dummy
+    counters = workspace.counters if plan.fused_reduce or schedule is not None else dummy
     scales_are_ptrs = plan.constexprs[17]
     lse_stride_h = return_lse.stride(0) if return_lse is not None else 0
     lse = return_lse if return_lse is not None else dummy
@@ -292,7 +396,8 @@ def launch_attention(
         partial_out, partial_lse, lse, counters,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         tree_mask if tree_mask is not None else dummy, tree_indptr if tree_indptr is not None else dummy,
-        plan.num_seqs, plan.num_decodes,
+        schedule.units if schedule is not None else dummy,
+        plan.num_seqs, plan.num_decodes, plan.num_decode_programs,
         q_strides[0], q_strides[1], o_strides[0], o_strides[1],
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         *plan.partial_strides, lse_stride_h, softmax_scale, logits_soft_cap,
