@@ -42,6 +42,7 @@ __all__ = [
     "check_slots_host",
     "contain_page_ids",
     "has_host_table",
+    "raise_faults_before_gathering",
     "raise_pending_faults",
     "record_fault",
     "record_first_bad_page",
@@ -198,6 +199,17 @@ def raise_pending_faults(device: "torch.device | str") -> None:
     rec = _records.get(device)
     if rec is not None and rec.pending:
         raise PageTableError(_fault_message(*rec.take()))
+
+
+def raise_faults_before_gathering(common) -> None:
+    """For code that indexes the cache with the batch's page ids in torch (the reference backends): where the table
+    lives only on a GPU, its page guard recorded faults without a sync, and torch's indexing would assert on the
+    device on a bad id; wait for the scan and raise its fault first. Free for host tables (checked before any
+    kernel)."""
+    if _host_table(common) is None:
+        device = common.block_table.device
+        torch.cuda.synchronize(device)
+        raise_pending_faults(device)
 
 
 def _host_table(common) -> Optional[torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
 from ..ops.kv_cache_write import gather_kv_torch, reshape_and_cache_torch
+from ..ops.page_guard import raise_faults_before_gathering
 from ..speculative.tree_mask import request_tree_mask
 from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
 from ..validation import check_forward_inputs
@@ -104,6 +105,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
                              backend=ReferenceBackend)
         if kv_cache is not None and key is not None:
             self.update_kv_cache(key, value, kv_cache, common.slot_mapping)
+        if kv_cache is not None:
+            raise_faults_before_gathering(common)
         if kv_cache is None and (key is None or value is None):
             raise ValueError("key and value are required when there is no kv_cache (encoder attention)")
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..interface import AttentionBackend, CudaGraphSupport, MLAAttentionImpl
+from ..ops.page_guard import raise_faults_before_gathering
 from ..ops.quant import dequantize_from_cache
 from .backend import ReferenceMetadata, ReferenceMetadataBuilder
 from .functional import sequence_attention
@@ -44,6 +45,7 @@ class ReferenceMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         w = self.kv_b_proj.to(compute)
         block_size = kv_cache.shape[1]
+        raise_faults_before_gathering(common)
         qsl = metadata.query_start_loc
         for i in range(common.num_reqs):
             start, end = qsl[i], qsl[i + 1]
