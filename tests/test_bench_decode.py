@@ -159,7 +159,7 @@ def test_optional_builder_keywords_are_dropped_where_refused():
     spec = SMOKE_LAYER.spec()
     builder, took = construct_builder(ReferenceMetadataBuilder, spec, "cpu", dict(num_blocks=10, max_model_len=99),
                                       max_num_reqs=4)
-    assert took == {} and builder.max_num_reqs == 4
+    assert took == {"num_blocks": 10} and builder.num_blocks == 10 and builder.max_num_reqs == 4
 
     class Paged(ReferenceMetadataBuilder):
         def __init__(self, spec, device="cpu", *, num_blocks=None, **kw):
