@@ -125,7 +125,8 @@ def test_cpu_smoke_drives_triton_through_its_api(tmp_path):
     rows = _rows(tmp_path, "--batches", "lognormal_1500", "mixed_prompts", "--no-adapter")
     ragged = [r for r in rows if r["case"] == "decode_ragged"]
     assert {(r["batch"], r["backend"], r["kv_in_forward"]) for r in ragged} == {
-        (b, "triton", kv) for b in ("lognormal_1500", "mixed_prompts") for kv in (True, False)}
+        (b, backend, kv) for b in ("lognormal_1500", "mixed_prompts") for kv in (True, False)
+        for backend in ("triton", "triton_balanced", "triton_uniform")}
     assert all(r["diff_ok"] for r in ragged), ragged
     fp8 = [r for r in rows if r["case"] == "decode_fp8"]
     assert len(fp8) == 2 and all(r["diff_ok"] and r["peer"] == "triton_bf16" for r in fp8)
