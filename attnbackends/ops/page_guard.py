@@ -208,7 +208,8 @@ def raise_faults_before_gathering(common) -> None:
     kernel)."""
     if _host_table(common) is None:
         device = common.block_table.device
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         raise_pending_faults(device)
 
 
