@@ -178,7 +178,7 @@ def make_step(batch: int, seq_len: int, q_len: int = 1, kv_cache_dtype: str = "a
 
 def backend_calls(backend_cls, step: Step, **builder_kwargs: Any):
     """(builder, metadata, impl, forward over the layers' caches in turn) for one backend."""
-    builder = backend_cls.get_builder_cls()(step.spec, "cuda", **builder_kwargs)
+    builder = backend_cls.get_builder_cls()(step.spec, "cuda", num_blocks=step.caches[0].shape[0], **builder_kwargs)
     meta = builder.build(step.common)
     impl = backend_cls.get_impl_cls()(step.spec, kv_b_proj=step.kv_b_proj)
     impl.process_weights_after_loading()
@@ -303,7 +303,7 @@ def engine_host_time(backend_cls, step: Step, layers: int = ENGINE_LAYERS, steps
     same every step (an engine's persistent input buffers). Each part is clocked on its own, the GPU kept busy by a
     sleep kernel queued first (a planner that synchronises waits for it once, inside its ``build()``); medians of
     ``reps`` runs of ``steps`` steps."""
-    builder = backend_cls.get_builder_cls()(step.spec, "cuda")
+    builder = backend_cls.get_builder_cls()(step.spec, "cuda", num_blocks=step.caches[0].shape[0])
     impls = []
     for _ in range(layers):
         impl = backend_cls.get_impl_cls()(step.spec, kv_b_proj=step.kv_b_proj.clone())
