@@ -17,7 +17,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from ..interface import AttentionBackend
-from ..metadata import build_common_metadata, decode_first_order
+from ..metadata import CommonAttentionMetadata, decode_first_order
+from ..persistent_batch import PersistentBatch
 from ..platform import DeviceInfo
 from ..selection.registry import select
 from ..spec import AttentionConfig, AttentionSpec
@@ -225,6 +226,11 @@ class PagedEngine:
             for _ in range(model.num_layers)
         ]
         self.allocator = BlockAllocator(config.num_blocks)
+        # the running requests' page tables, kept across steps: each step's metadata is prepared from it
+        self.batch = PersistentBatch(
+            config.max_num_reqs, config.max_num_batched_tokens, config.num_blocks, config.block_size, self.device,
+            num_blocks=config.num_blocks, decode_threshold=self.builder.reorder_batch_threshold, exclusive_pages=True,
+        )
         self.num_steps = 0
         self.scheduled_tokens: list[int] = []  # tokens per step, to show the budget at work
 
@@ -244,7 +250,9 @@ class PagedEngine:
             if need > self.allocator.num_free - reserved:
                 break
             reserved += need
-            running.append(waiting.popleft())
+            req = waiting.popleft()
+            self.batch.add_request(req.index, req.blocks, req.num_computed)
+            running.append(req)
 
     def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int, Optional[DraftTree]]]:
         """Decodes first (one token each, plus the drafter's tree with speculation), then prefill chunks within the
@@ -271,9 +279,12 @@ class PagedEngine:
         """Give ``req`` the pages its first ``num_tokens`` tokens need (``req.blocks`` is its block table)."""
         need = self._pages(num_tokens) - len(req.blocks)
         if need > 0:
-            req.blocks += self.allocator.allocate(need)
+            pages = self.allocator.allocate(need)
+            req.blocks += pages
+            self.batch.append_pages(req.index, pages)
 
     def _release_pages(self, req: _Request) -> None:
+        self.batch.finish_request(req.index)
         self.allocator.release(req.blocks)
         req.blocks = []
 
@@ -281,13 +292,22 @@ class PagedEngine:
         """The step's attention: one build per step, shared by every layer."""
         return StepAttention(self, self.builder.build(common))
 
+    def _prepare_step(self, batch: list[tuple]) -> tuple[CommonAttentionMetadata, list[tuple]]:
+        """The step's common metadata, prepared by the persistent batch (which advances each request's cached
+        tokens there by its scheduled ones), and ``batch`` in the metadata's request order."""
+        by_index = {entry[0].index: entry for entry in batch}
+        common = self.batch.prepare({req.index: n for req, n, _ in batch})
+        return common, [by_index[i] for i in self.batch.step_req_ids]
+
     @torch.inference_mode()
     def step(self, running: list[_Request]) -> None:
         """One forward pass over the scheduled tokens of ``running``; samples where a sequence is fully cached."""
         batch = self._schedule(running)
-        tokens, positions, block_tables, trees = [], [], [], []
-        for req, n, draft in batch:
+        for req, n, _ in batch:
             self._reserve_pages(req, req.num_computed + n)
+        common, batch = self._prepare_step(batch)
+        tokens, positions, trees = [], [], []
+        for req, n, draft in batch:
             if draft is not None:  # verify: the root (last token, uncached) and the draft tree below it
                 tokens += [req.tokens[-1]] + draft.tokens
                 positions += [req.num_computed] + [req.num_computed + d for d in draft.depths()]
@@ -296,14 +316,6 @@ class PagedEngine:
                 tokens += req.tokens[req.num_computed : req.num_computed + n]
                 positions += range(req.num_computed, req.num_computed + n)
                 trees.append(None)
-            block_tables.append(req.blocks)
-        common = build_common_metadata(
-            [n for _, n, _ in batch],
-            [req.num_computed for req, _, _ in batch],
-            block_tables,
-            self.config.block_size,
-            self.device,
-        )
         if any(t is not None for t in trees):
             common = with_tree_mask(common, trees)
         attn = self._step_attention(batch, common)
@@ -347,9 +359,10 @@ class PagedEngine:
             req.output.append(token)
             emitted += 1
         req.num_computed = context + min(emitted, 1 + len(path))  # the root and the accepted drafts are cached
+        self.batch.set_num_computed_tokens(req.index, req.num_computed)
         keep = self._pages(req.num_computed)
         if len(req.blocks) > keep:  # pages that held only rejected drafts go back to the pool
-            self.allocator.release(req.blocks[keep:])
+            self.allocator.release(self.batch.truncate_pages(req.index, keep).tolist())
             del req.blocks[keep:]
         stats = self.spec_stats
         stats.verify_steps += 1

@@ -187,6 +187,14 @@ class GroupedPagedEngine(PagedEngine):
             pool.release([p for p in pages if p is not None])
         req.blocks = []
 
+    def _prepare_step(self, batch: list[tuple]) -> tuple:
+        """The first sequence group's common metadata built from the requests' page lists, and ``batch`` unchanged.
+        Sliding groups rewrite freed pages in place (``req.blocks`` reads them as page 0), which the base engine's
+        persistent batch has no update for, so this engine keeps no ``self.batch``."""
+        common = build_common_metadata([n for _, n, _ in batch], [req.num_computed for req, _, _ in batch],
+                                       [req.blocks for req, _, _ in batch], self.config.block_size, self.device)
+        return common, batch
+
     def _step_commons(self, batch: list[tuple], common) -> list:
         """The common metadata of every group for a decoder step: the first sequence group reads ``common`` (built
         from its pages), every other one the same batch over its own pages; None for the other groups."""
