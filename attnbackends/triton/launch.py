@@ -20,6 +20,7 @@ compiled kernel's launcher (:class:`attnbackends.ops.launch.DirectLauncher`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -106,12 +107,23 @@ class SplitKVWorkspace:
 
     def fits(self, num_tokens: int, num_heads: int, head_size: int, num_segments: int) -> bool:
         """Whether a batch of this shape can use the workspace with ``num_segments`` segments."""
-        t, h, s, d = self.partial_out.shape
+        t, h, s, d = self._sizes[0]
         return num_tokens <= t and num_heads == h and head_size == d and num_segments <= s
 
     def fits_fused(self, num_decodes: int, num_kv_heads: int) -> bool:
         """Whether the counters serve a fused launch of ``num_decodes`` decode programs x ``num_kv_heads``."""
-        return self.counters is not None and num_decodes * num_kv_heads <= self.counters.numel()
+        return num_decodes * num_kv_heads <= self._sizes[1]
+
+    @functools.cached_property
+    def partial_strides(self) -> tuple[int, int, int, int, int]:
+        """(token, head, segment) strides of ``partial_out`` and (token, head) of ``partial_lse``."""
+        po, pl = self.partial_out, self.partial_lse
+        return (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+
+    @functools.cached_property
+    def _sizes(self) -> tuple[tuple[int, ...], int]:
+        """``partial_out``'s shape and the number of counters (-1 without), read once: every build checks them."""
+        return tuple(self.partial_out.shape), self.counters.numel() if self.counters is not None else -1
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -242,8 +254,7 @@ def plan_attention(
                          num_tokens, num_kv_splits)
             num_kv_splits = 1
     if num_kv_splits > 1:
-        po, pl = workspace.partial_out, workspace.partial_lse
-        partial_strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+        partial_strides = workspace.partial_strides
     else:
         workspace, partial_strides = None, (0, 0, 0, 0, 0)
     programs = (num_decodes if decode_path else 0) + (
@@ -322,7 +333,6 @@ def _plan_scheduled(
         logger.debug("%d scheduled decode units and prefill programs exceed the grid's %d: unscheduled", programs,
                      MAX_GRID_Y)
         return None
-    po, pl = workspace.partial_out, workspace.partial_lse
     head_pad = next_power_of_2(head_size)
     seg_pad = next_power_of_2(schedule.max_units_per_request)
     merge_rows = max(1, SCHEDULED_MERGE_VALUES // (seg_pad * head_pad))
@@ -337,7 +347,7 @@ def _plan_scheduled(
     return LaunchPlan(
         grid=(num_kv_heads, programs, 1), num_seqs=num_seqs, num_decodes=num_decodes, constexprs=constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages, config=config, workspace=workspace,
-        partial_strides=(po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1)), fused_reduce=False,
+        partial_strides=workspace.partial_strides, fused_reduce=False,
         reduce_grid=None, reduce_constexprs=(head_size, head_pad, 1, 1, return_lse), reduce_num_warps=2,
         decode_schedule=schedule,
     )

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+import types  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -27,6 +28,7 @@ from attnbackends.testing import (  # noqa: E402
 )
 from attnbackends.testing.cases import random_tree_parents  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend, TritonImpl, TritonMetadataBuilder  # noqa: E402
+from attnbackends.triton import decode_schedule as ds  # noqa: E402
 from attnbackends.triton.decode_schedule import (  # noqa: E402
     COUNT_SHIFT,
     OPEN_END,
@@ -190,6 +192,44 @@ def test_the_rule():
     assert balanced_reason("uniform", ragged, graph_balanced=True) is not None
     assert balanced_reason("auto", even, BalancedParams(ragged_ratio=1.05)) is not None
     assert target_units(132, 8) == 66 and unit_capacity(10, 132, 8) == 76
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_python_and_numpy_plans_agree(seed):
+    """A few decodes are planned in Python, more with numpy: the same table either way (windows, requests without
+    keys, caps of one and two, lengths past the 16-bit sort)."""
+    rng = np.random.default_rng(100 + seed)
+    for case in range(150):
+        n = int(rng.integers(1, 60))
+        keys = heavy_tailed(rng, n, float(rng.choice([20, 700, 5000])))
+        keys[rng.random(n) < 0.1] = 0
+        if case % 10 == 0:
+            keys[rng.integers(n)] = int(rng.integers(2 ** 22, 2 ** 30))
+        align = int(rng.choice([16, 64, 128]))
+        lo = (rng.integers(0, 4, n) * align).astype(np.int64) if case % 3 == 0 else None
+        kw = dict(num_sms=int(rng.choice([1, 8, 132])), num_kv_heads=int(rng.choice([1, 8])), align=align,
+                  cap=int(rng.choice([1, 2, 3, 16, 32])), params=BalancedParams(
+                      waves=int(rng.choice([1, 4])), min_unit_keys=int(rng.choice([1, 128]))), out=None)
+        total, longest = int(keys.sum()), int(keys.max())
+        vectorized = ds._plan_units(keys.astype(np.int64), lo, total, longest, **kw)
+        in_python = ds._plan_units_py(keys.tolist(), None if lo is None else lo.tolist(), total, longest, **kw)
+        assert np.array_equal(vectorized.units, in_python.units), case
+        assert np.array_equal(vectorized.units_per_request, in_python.units_per_request), case
+        assert vectorized.unit_keys == in_python.unit_keys
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_plan_into_given_rows(n):
+    """``out``: the table is written into the given rows (a view of them), which must hold unit_capacity."""
+    seq = np.array([30000] + [100] * (n - 1))
+    kw = dict(num_sms=16, num_kv_heads=2, align=16, max_units_per_request=8)
+    fresh = plan_decode_units(seq, None, **kw)
+    out = np.full((unit_capacity(n, 16, 2), 4), -1, np.int32)
+    table = plan_decode_units(seq, None, out=out, **kw)
+    assert np.shares_memory(table.units, out) and np.array_equal(table.units, fresh.units)
+    assert (out[table.num_units:] == -1).all()
+    with pytest.raises(ValueError, match="unit_capacity"):
+        plan_decode_units(seq, None, out=out[:table.num_units - 1], **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,6 +524,77 @@ def test_cuda_graph_shape_keeps_one_buffer():
     other = make_random_batch(spec, [S(1, 700), S(1, 30)], seed=13, device=DEVICE)
     fresh = builder.build(other.common).decode_schedule
     assert fresh.units.data_ptr() != schedule.units.data_ptr() and fresh.num_programs == fresh.num_units
+
+
+@pytest.mark.parametrize("n", [5, 40])
+@pytest.mark.parametrize("window", [None, 3000])
+def test_scheduler_plans_the_rule(n, window):
+    """The scheduler's table (from the batch's host lengths, in Python or numpy by size) is plan_decode_units'."""
+    rng = np.random.default_rng(n)
+    seq = heavy_tailed(rng, n, 700).astype(np.int32)
+    seq[0] = 20000
+    qlen = rng.integers(1, 4, n).astype(np.int32)
+    seq = np.maximum(seq, qlen)
+    qsl = np.concatenate([[0], np.cumsum(qlen)]).astype(np.int32)
+    common = types.SimpleNamespace(seq_lens_cpu=torch.from_numpy(seq), query_start_loc_cpu=torch.from_numpy(qsl),
+                                   num_reqs=n, num_actual_tokens=int(qsl[-1]))
+    scheduler = DecodeScheduler("balanced", "cpu", num_sms=16, num_kv_heads=2, align=16, max_units_per_request=8,
+                                sliding_window=window, params=TINY)
+    schedule = scheduler.schedule(common, n, decode_only=True)
+    table = plan_decode_units(seq, qlen, num_sms=16, num_kv_heads=2, align=16, max_units_per_request=8,
+                              sliding_window=window, params=TINY)
+    assert np.array_equal(schedule.units.numpy(), table.units) and schedule.num_split > 0
+    assert np.array_equal(schedule.units_per_request, table.units_per_request)
+
+
+def test_eager_tables_outlive_later_builds():
+    """Steps built ahead of the GPU: an eager batch's units are its own, whatever is built after it."""
+    spec = spec_for()
+    builder = tiny_scheduler(TritonMetadataBuilder(spec, DEVICE, decode_schedule="balanced", max_num_reqs=8))
+    first = builder.build(make_random_batch(spec, [S(1, 700), S(1, 30), S(1, 5)], seed=16, device=DEVICE).common)
+    units = first.decode_schedule.units.clone()
+    builder.build(make_random_batch(spec, [S(1, 9), S(1, 500)], seed=17, device=DEVICE).common)
+    assert torch.equal(first.decode_schedule.units, units)
+
+
+class _Copy:
+    """A stand-in for the CUDA event after a staging slot's copy."""
+
+    def __init__(self):
+        self.done = False
+        self.waits = 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waits += 1
+        self.done = True
+
+
+def test_eager_staging_slots_are_rewritten_only_after_their_copy():
+    """The staging ring (CUDA's eager schedules; events faked here): a slot whose copy is pending is never handed
+    out again; the host ahead of the GPU gets new slots up to MAX_STAGING_SLOTS, then waits for the oldest copy."""
+    ring = ds._StagingRing(torch.device("cpu"))
+
+    def build(rows=10):
+        slot = ring.take(rows)
+        assert not slot.copied or slot.event.done, "a slot with a pending copy was handed out"
+        slot.event, slot.copied = _Copy(), True  # this build's copy, queued behind the GPU's work
+        return slot
+
+    ahead = [build() for _ in range(ds.MAX_STAGING_SLOTS)]
+    assert len({id(slot) for slot in ahead}) == ds.MAX_STAGING_SLOTS == len(ring.slots)
+    oldest = ahead[0].event
+    assert build() is ahead[0] and oldest.waits == 1, "past the last slot: wait for the oldest copy"
+    for slot in ring.slots:
+        slot.event.done = True  # the GPU caught up: the slots are used in turn, no new ones
+    assert [build() for _ in range(ds.MAX_STAGING_SLOTS)] == ahead[1:] + ahead[:1]
+    for slot in ring.slots:
+        slot.event.done = True
+    bigger = build(rows=ahead[1].rows.shape[0] + 1)  # a larger batch: the next slot in turn, replaced
+    assert bigger.rows.shape[0] > ahead[1].rows.shape[0] and len(ring.slots) == ds.MAX_STAGING_SLOTS
+    assert ahead[1] not in ring.slots and bigger in ring.slots
 
 
 def test_a_captured_table_rewritten_by_a_later_build_still_covers_every_key():
