@@ -304,6 +304,11 @@ def check_metadata_tensors(common: CommonAttentionMetadata, device: torch.device
 
     Raises ValueError naming the tensor, where it is or what it holds, and what is expected.
     """
+    try:
+        if _tensors_ok(common, device.type == "cuda", device.index):
+            return
+    except (AttributeError, TypeError):  # not a tensor: the checks below name it
+        pass
     for name, dtype in INDEX_DTYPES.items():
         t = getattr(common, name)
         if t is None and name == "spec_tree_mask_indptr":
@@ -330,6 +335,44 @@ def check_metadata_tensors(common: CommonAttentionMetadata, device: torch.device
         if t.dim() != (2 if name == "block_table" else 1) or t.shape[0] < rows:
             raise ValueError(f"{name} must have at least {rows} rows for num_reqs = {n}, got shape "
                              f"{tuple(t.shape)}")
+
+
+_DEVICE_CHECKS = tuple(INDEX_DTYPES.items())
+_HOST_CHECKS = tuple((name, INDEX_DTYPES[of]) for name, of in HOST_COPIES.items())
+_OPTIONAL = ("spec_tree_mask_indptr", "block_table_cpu", "spec_tree_mask_indptr_cpu")
+
+
+def _tensors_ok(common: CommonAttentionMetadata, cuda: bool, index: Optional[int]) -> bool:
+    """:func:`check_metadata_tensors`'s rule as one boolean, from the cheapest attribute reads (it runs in every
+    build): ``dtype`` by identity, ``is_cuda`` / ``is_cpu`` and ``get_device()`` rather than ``device`` objects."""
+    for name, dtype in _DEVICE_CHECKS:
+        t = getattr(common, name)
+        if t is None:
+            if name in _OPTIONAL:
+                continue
+            return False
+        if t.dtype is not dtype:
+            return False
+        if cuda:
+            if not t.is_cuda or (index is not None and t.get_device() != index):
+                return False
+        elif not t.is_cpu:
+            return False
+    mask = common.spec_tree_mask
+    if mask is not None and (mask.dtype is not torch.bool or mask.is_cuda is not cuda):
+        return False
+    for name, dtype in _HOST_CHECKS:
+        t = getattr(common, name)
+        if t is None:
+            if name in _OPTIONAL:
+                continue
+            return False
+        if t.dtype is not dtype or not t.is_cpu:
+            return False
+    n = common.num_reqs
+    qsl, seq, table = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table
+    return (qsl.dim() == 1 and qsl.shape[0] > n and seq.dim() == 1 and seq.shape[0] >= n and table.dim() == 2
+            and table.shape[0] >= n)
 
 
 def _what(t: Any) -> str:
