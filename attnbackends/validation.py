@@ -13,8 +13,9 @@ The "checked" rule every impl follows (through :func:`check_forward_inputs`, the
   ``query_start_loc``, slots inside the cache and no slot written twice. These read the block table and the slot
   mapping on the host (a device sync), which is why they are off by default.
 
-Every builder's ``build`` checks the batch against the builder's limits first (:func:`check_batch_limits`: host
-integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``; then
+Every builder's ``build`` checks the batch's tensors first (:func:`check_metadata_tensors`: attribute reads only):
+every device tensor on the builder's device in the one index dtype every backend takes (:data:`INDEX_DTYPES`), every
+host copy on the CPU; then the builder's limits (:func:`check_batch_limits`: host integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``; then
 against the layer's spec (:func:`check_batch_for_spec`: causality, page size, integer page ids, cached context of
 cache-less layers, and the slots against the block table where both are on the host), and marks the metadata with
 its origin, which every ``forward`` compares with its layer before anything else
@@ -441,8 +442,11 @@ def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -
 
     - ``common.causal`` matches the layer: causal for decoder self-attention, non-causal for the layer kinds that
       see every key of their sequence (encoder, encoder-only, cross-attention);
-    - layers with a KV cache: the page size ``common.block_size`` (where recorded) is the spec's, the block table
-      holds integer page ids, and, for causal self-attention where the block table (``block_table_cpu`` or a CPU
+    - causal layers with a KV cache: seq_len >= query_len from the host lengths, on every batch
+      (:func:`check_lengths`), also one its producer checked (an engine may edit a batch in place);
+    - layers with a KV cache: the page size ``common.block_size`` (where recorded) is the spec's; where the block
+      table and its host copy are two host tensors and no producer made them together, they agree
+      (:func:`check_host_table_matches`); and, for causal self-attention where the block table (``block_table_cpu`` or a CPU
       ``block_table``) and ``slot_mapping`` are on the host and :func:`build_common_metadata` has not already
       checked them (``common.host_checked``): seq_len >= query_len, every slot in its request's own page at the
       position its lengths imply (or -1), no slot given twice
