@@ -334,6 +334,9 @@ def metadata_planned_for(**features) -> Callable[[Ctx], object]:
 
     def run(ctx: Ctx) -> object:
         other = ctx.target.spec(**features)
+        reasons = ctx.backend.not_supported_reasons(other, DeviceInfo.current(ctx.target.device))
+        if reasons:
+            pytest.skip(f"{ctx.target.backend} declines the other spec: {'; '.join(reasons)}")
         return ctx.forward(ctx.backend.get_builder_cls()(other, ctx.device).build(ctx.common))
 
     return run
