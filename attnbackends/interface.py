@@ -21,7 +21,8 @@ from . import platform as _platform
 from .platform import DeviceInfo
 from .spec import AttentionSpec, AttentionType
 from .ops.page_guard import guard_block_table
-from .validation import check_batch_for_spec, check_batch_limits, check_device_available, check_forward_inputs
+from .validation import (check_batch_for_spec, check_batch_limits, check_device_available, check_forward_inputs,
+                         check_metadata_tensors, same_device)
 
 __all__ = [
     "AttentionBackend",
@@ -320,6 +321,7 @@ def _with_batch_checks(build: Callable) -> Callable:
         if not isinstance(common, CommonAttentionMetadata):
             raise ValueError(f"common must be a CommonAttentionMetadata (see build_common_metadata), got "
                              f"{type(common).__name__}")
+        check_metadata_tensors(common, self.device)
         check_batch_limits(self, common)
         check_batch_for_spec(self.spec, common)
         self.check_page_ids(common)
@@ -442,7 +444,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         ``num_blocks`` tells ``forward`` that it need not check the page ids again."""
         origin = self.__dict__.get("_metadata_origin")
         if origin is None or origin.builder is not type(self) or origin.num_blocks != self.num_blocks:
-            origin = self._metadata_origin = MetadataOrigin.of(type(self), self.spec, self.num_blocks)
+            origin = self._metadata_origin = MetadataOrigin.of(type(self), self.spec, self.num_blocks, self.device)
         try:
             object.__setattr__(metadata, "origin", origin)
         except (AttributeError, TypeError):  # an object without a __dict__: nothing recorded, forward checks its type
@@ -537,6 +539,11 @@ class AttentionImplBase(ABC, Generic[M]):
             raise ValueError(f"metadata was built for another layer's spec ({'; '.join(diffs)}): build this "
                              "layer's metadata with a builder made for its spec (one builder per group of equal "
                              "specs)")
+        layout = getattr(self, "_input_layout", None)  # the device of the query the last full validation saw
+        if origin.device is not None and layout is not None and not same_device(layout[0][4], origin.device):
+            raise ValueError(f"metadata was built on {origin.device} (its builder's device: block_table, seq_lens "
+                             f"and the rest live there), but this layer's query and kv_cache are on "
+                             f"{layout[0][4]}: build it with a builder on the layer's device")
         self._accepted_origin = origin
 
     def __init__(

@@ -15,11 +15,13 @@ __all__ = [
     "CommonAttentionMetadata",
     "DecodePrefillSplit",
     "MetadataOrigin",
+    "PLAN_FEATURES",
     "build_common_metadata",
     "build_cross_attention_metadata",
     "check_slots_match_block_table",
     "decode_first_order",
     "encoder_slot_mapping",
+    "plan_features",
     "split_decodes_and_prefills",
     "validate_common_metadata",
 ]
@@ -133,16 +135,38 @@ class CommonAttentionMetadata:
             "pass builder.build(common) (builder = backend.get_builder_cls()(spec, device)) instead")
 
 
+#: The spec's features a builder's plan may bake in beside the shapes (a kernel specialised for a window, a
+#: soft-cap, ALiBi, sinks or an fp8 cache; the softmax scale): metadata built for one value serves no layer of
+#: another (:meth:`MetadataOrigin.differences`). A new spec field that a plan bakes in belongs here.
+PLAN_FEATURES = ("sliding_window", "logits_soft_cap", "alibi_slopes", "has_sinks", "kv_cache_dtype", "scale")
+
+
+def plan_features(spec: Any) -> tuple:
+    """``spec``'s values of :data:`PLAN_FEATURES`, as :class:`MetadataOrigin` records them (the cache dtype
+    resolved: ``"auto"`` and the model dtype name the same cache)."""
+    values = []
+    for name in PLAN_FEATURES:
+        value = getattr(spec, name, None)
+        if name == "kv_cache_dtype":
+            value = getattr(spec, "kv_cache_torch_dtype", value)
+        values.append(value)
+    return tuple(values)
+
+
 @dataclass(frozen=True)
 class MetadataOrigin:
     """Where a backend's built metadata came from and which layers it can serve: the builder class, the spec
     fields its plan depends on and the cache size its page ids were checked against. Every builder's ``build`` sets
     it as ``metadata.origin``; every impl's ``forward`` compares it with its own spec
-    (:meth:`attnbackends.interface.AttentionImplBase.check_metadata`) and its cache's page count with
-    ``num_blocks`` (:func:`attnbackends.validation.check_forward_inputs`).
+    (:meth:`attnbackends.interface.AttentionImplBase.check_metadata`, once per origin) and its cache's page count
+    with ``num_blocks`` (:func:`attnbackends.validation.check_forward_inputs`).
 
+    ``features``: the builder spec's :data:`PLAN_FEATURES` values (:func:`plan_features`), compared with the layer's
+    on every backend alike, so that metadata planned for another window, soft-cap, ALiBi, sinks, cache dtype or
+    scale is an error everywhere rather than honoured by one backend and dropped by another.
     ``num_blocks``: the builder's (the KV cache's pages), against which ``build`` range-checked the batch's page ids
-    and contained any it gathered; None: the builder was not told, so ``forward`` checks the page ids itself."""
+    and contained any it gathered; None: the builder was not told, so ``forward`` checks the page ids itself.
+    ``device``: the builder's device, where ``build`` found every device tensor of the batch."""
 
     builder: type
     block_size: int
@@ -154,13 +178,17 @@ class MetadataOrigin:
     dtype: str
     attn_type: Any  # AttentionType
     num_blocks: Optional[int] = None
+    features: tuple = ()
+    device: Optional[torch.device] = None
 
     @classmethod
-    def of(cls, builder: type, spec: Any, num_blocks: Optional[int] = None) -> "MetadataOrigin":
-        """The origin of metadata that a ``builder`` instance of ``spec`` (an AttentionSpec) for a cache of
-        ``num_blocks`` pages (None: not told) builds."""
+    def of(cls, builder: type, spec: Any, num_blocks: Optional[int] = None,
+           device: Optional[torch.device] = None) -> "MetadataOrigin":
+        """The origin of metadata that a ``builder`` instance of ``spec`` (an AttentionSpec) on ``device`` for a
+        cache of ``num_blocks`` pages (None: not told) builds."""
         return cls(builder, spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_size,
-                   spec.value_head_size, spec.qk_nope_head_dim, spec.dtype, spec.attn_type, num_blocks)
+                   spec.value_head_size, spec.qk_nope_head_dim, spec.dtype, spec.attn_type, num_blocks,
+                   plan_features(spec), device)
 
     def differences(self, spec: Any) -> list[str]:
         """The fields where ``spec`` (the layer's) differs from the spec the metadata was built for, in words."""
@@ -171,6 +199,10 @@ class MetadataOrigin:
             if built != layer:
                 show = (lambda v: v.value) if name == "attn_type" else (lambda v: v)
                 diffs.append(f"{name} {show(built)!r} (metadata) != {show(layer)!r} (this layer)")
+        if self.features:
+            for name, built, layer in zip(PLAN_FEATURES, self.features, plan_features(spec)):
+                if built != layer:
+                    diffs.append(f"{name} {built!r} (metadata) != {layer!r} (this layer)")
         return diffs
 
 
@@ -600,6 +632,14 @@ def validate_common_metadata(common: CommonAttentionMetadata, num_blocks: Option
         raise ValueError(f"query_start_loc[-1] ({int(qsl[-1])}) != num_actual_tokens ({common.num_actual_tokens})")
     if common.seq_lens_cpu.shape != (common.num_reqs,):
         raise ValueError(f"seq_lens has shape {tuple(common.seq_lens_cpu.shape)}, expected ({common.num_reqs},)")
+    for name, rows in (("query_start_loc", common.num_reqs + 1), ("seq_lens", common.num_reqs)):
+        dev, host = getattr(common, name), getattr(common, name + "_cpu")
+        if dev is not host:
+            differ = torch.nonzero(dev[:rows].cpu() != host[:rows])
+            if differ.numel():
+                i = int(differ[0])
+                raise ValueError(f"{name}[{i}] (device) is {int(dev[i])} but its host copy {name}_cpu[{i}] is "
+                                 f"{int(host[i])}: the two must hold the same values (one rewritten in place?)")
     short = torch.nonzero(common.seq_lens_cpu < steps)
     if common.causal and short.numel():  # a non-causal (cross-attention) query may see fewer keys than queries
         i = int(short[0])

@@ -13,8 +13,9 @@ The "checked" rule every impl follows (through :func:`check_forward_inputs`, the
   ``query_start_loc``, slots inside the cache and no slot written twice. These read the block table and the slot
   mapping on the host (a device sync), which is why they are off by default.
 
-Every builder's ``build`` checks the batch against the builder's limits first (:func:`check_batch_limits`: host
-integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``; then
+Every builder's ``build`` checks the batch's tensors first (:func:`check_metadata_tensors`: attribute reads only):
+every device tensor on the builder's device in the one index dtype every backend takes (:data:`INDEX_DTYPES`), every
+host copy on the CPU; then the builder's limits (:func:`check_batch_limits`: host integers only): an empty batch, more requests than ``max_num_reqs``, more tokens than ``max_num_tokens``; then
 against the layer's spec (:func:`check_batch_for_spec`: causality, page size, integer page ids, cached context of
 cache-less layers, and the slots against the block table where both are on the host), and marks the metadata with
 its origin, which every ``forward`` compares with its layer before anything else
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .metadata import CommonAttentionMetadata, MetadataOrigin, check_slots_match_block_table, validate_common_metadata
@@ -45,14 +47,20 @@ from .platform import check_device_available
 from .spec import AttentionSpec
 
 __all__ = [
+    "HOST_COPIES",
+    "INDEX_DTYPES",
     "check_batch_for_spec",
     "check_batch_limits",
     "check_device_available",
     "check_forward_inputs",
+    "check_host_table_matches",
+    "check_lengths",
+    "check_metadata_tensors",
     "check_tensor",
     "debug_enabled",
     "validate_forward_inputs",
     "validate_mla_forward_inputs",
+    "same_device",
     "validate_metadata_against_cache",
 ]
 
@@ -270,7 +278,161 @@ def check_batch_limits(builder: Any, common: CommonAttentionMetadata) -> None:
                          f"({num_tokens}): every token needs a slot (-1 for padding)")
 
 
-_PAGE_ID_DTYPES = (torch.int32, torch.int64)
+#: The index dtypes every backend takes (one rule, checked in every ``build``): the batch's offsets, lengths and
+#: page ids are int32, on the device and in their host copies; the slots (block * block_size + offset, which
+#: outgrow int32 in large caches) are int64.
+INDEX_DTYPES = {
+    "query_start_loc": torch.int32, "seq_lens": torch.int32, "block_table": torch.int32,
+    "slot_mapping": torch.int64, "spec_tree_mask_indptr": torch.int32,
+}
+#: The host copies (always on the CPU) and the device tensors they copy.
+HOST_COPIES = {"query_start_loc_cpu": "query_start_loc", "seq_lens_cpu": "seq_lens", "block_table_cpu": "block_table",
+               "spec_tree_mask_indptr_cpu": "spec_tree_mask_indptr"}
+
+
+def same_device(have: torch.device, want: torch.device) -> bool:
+    """Whether a tensor on ``have`` is on ``want`` (``want`` without an index, e.g. a builder's ``"cuda"``, takes
+    any index of its type)."""
+    return have.type == want.type and (want.index is None or have.index == want.index)
+
+
+def check_metadata_tensors(common: CommonAttentionMetadata, device: torch.device) -> None:
+    """What every ``build`` checks first, from tensor attributes only (no device sync): the batch's device tensors
+    (``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``, the tree mask and its offsets) are
+    tensors on the builder's ``device``, the host copies (``query_start_loc_cpu``, ``seq_lens_cpu``,
+    ``block_table_cpu``, ``spec_tree_mask_indptr_cpu``) on the CPU, each in the dtype of :data:`INDEX_DTYPES` (the
+    tree mask bool), with a row per request.
+
+    Raises ValueError naming the tensor, where it is or what it holds, and what is expected.
+    """
+    try:
+        if _tensors_ok(common, device.type == "cuda", device.index):
+            return
+    except (AttributeError, TypeError):  # not a tensor: the checks below name it
+        pass
+    for name, dtype in INDEX_DTYPES.items():
+        t = getattr(common, name)
+        if t is None and name == "spec_tree_mask_indptr":
+            continue
+        _check_index_tensor(name, t, dtype)
+        if not same_device(t.device, device):
+            raise ValueError(f"{name} is on {t.device}, but the builder (and the KV cache it serves) is on {device}: "
+                             f"every device tensor of the batch must be on the builder's device")
+    mask = common.spec_tree_mask
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype is not torch.bool
+                             or not same_device(mask.device, device)):
+        raise ValueError(f"spec_tree_mask must be a bool tensor on {device}, got {_what(mask)}")
+    for name, of in HOST_COPIES.items():
+        t = getattr(common, name)
+        if t is None and name in ("block_table_cpu", "spec_tree_mask_indptr_cpu"):
+            continue
+        _check_index_tensor(name, t, INDEX_DTYPES[of])
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}: it is the host copy of {of} and must be on the CPU "
+                             f"(pass {of}.cpu(), or leave it None where optional)")
+    n = common.num_reqs
+    for name, rows in (("query_start_loc_cpu", n + 1), ("seq_lens_cpu", n), ("block_table", n)):
+        t = getattr(common, name)
+        if t.dim() != (2 if name == "block_table" else 1) or t.shape[0] < rows:
+            raise ValueError(f"{name} must have at least {rows} rows for num_reqs = {n}, got shape "
+                             f"{tuple(t.shape)}")
+
+
+_DEVICE_CHECKS = tuple(INDEX_DTYPES.items())
+_HOST_CHECKS = tuple((name, INDEX_DTYPES[of]) for name, of in HOST_COPIES.items())
+_OPTIONAL = ("spec_tree_mask_indptr", "block_table_cpu", "spec_tree_mask_indptr_cpu")
+
+
+def _tensors_ok(common: CommonAttentionMetadata, cuda: bool, index: Optional[int]) -> bool:
+    """:func:`check_metadata_tensors`'s rule as one boolean, from the cheapest attribute reads (it runs in every
+    build): ``dtype`` by identity, ``is_cuda`` / ``is_cpu`` and ``get_device()`` rather than ``device`` objects."""
+    for name, dtype in _DEVICE_CHECKS:
+        t = getattr(common, name)
+        if t is None:
+            if name in _OPTIONAL:
+                continue
+            return False
+        if t.dtype is not dtype:
+            return False
+        if cuda:
+            if not t.is_cuda or (index is not None and t.get_device() != index):
+                return False
+        elif not t.is_cpu:
+            return False
+    mask = common.spec_tree_mask
+    if mask is not None and (mask.dtype is not torch.bool or mask.is_cuda is not cuda):
+        return False
+    for name, dtype in _HOST_CHECKS:
+        t = getattr(common, name)
+        if t is None:
+            if name in _OPTIONAL:
+                continue
+            return False
+        if t.dtype is not dtype or not t.is_cpu:
+            return False
+    n = common.num_reqs
+    qsl, seq, table = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table
+    return (qsl.dim() == 1 and qsl.shape[0] > n and seq.dim() == 1 and seq.shape[0] >= n and table.dim() == 2
+            and table.shape[0] >= n)
+
+
+def _what(t: Any) -> str:
+    return _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_index_tensor(name: str, t: Any, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a {dtype} tensor, got {type(t).__name__}")
+    if t.dtype is not dtype:
+        what = "page ids" if "block_table" in name else "slots" if name == "slot_mapping" else "values"
+        raise ValueError(f"{name} must hold {dtype} {what} (every backend takes the same index dtypes: int32 "
+                         f"offsets, lengths and page ids, int64 slots); got {_describe(t)}: convert it once where "
+                         f"the batch is made (e.g. .to(torch.{str(dtype).split('.')[-1]}))")
+
+
+def check_lengths(common: CommonAttentionMetadata) -> None:
+    """seq_len >= query_len for every request of a causal batch, from the host copies (a few NumPy operations, no
+    device sync): a request cannot attend over fewer keys than its own new tokens. Raises ValueError naming
+    ``seq_lens`` and the request."""
+    n = common.num_reqs
+    seq = common.seq_lens_cpu.numpy()[:n]
+    qsl = common.query_start_loc_cpu.numpy()
+    qlens = qsl[1 : n + 1] - qsl[:n]
+    short = seq < qlens
+    if np.count_nonzero(short):
+        if qlens.min() < 0:
+            i = int(np.argmax(qlens < 0))
+            raise ValueError(f"query_start_loc is not monotonic at index {i + 1}: {int(qsl[i])} -> "
+                             f"{int(qsl[i + 1])}")
+        i = int(np.argmax(short))
+        raise ValueError(f"seq_lens[{i}] ({int(seq[i])}) < query_len ({int(qsl[i + 1] - qsl[i])}) of request {i} "
+                         "(query_start_loc): a causal request's seq_len counts its cached context and its new "
+                         "tokens (was the batch edited after it was built?)")
+
+
+def check_host_table_matches(common: CommonAttentionMetadata, block_size: int) -> None:
+    """Where the block table and its host copy are two tensors on the host, the entries the batch uses hold the same
+    page ids (NumPy on host memory, no device sync): the page guard and host-planning backends read the copy, the
+    kernels the table. Raises ValueError naming ``block_table_cpu`` and the first entry that differs."""
+    host, table = common.block_table_cpu, common.block_table
+    n = common.num_reqs
+    if not n or table.shape[1] == 0:
+        return
+    seq = common.seq_lens_cpu.numpy()[:n].astype(np.int64)
+    pages = (seq + block_size - 1) // block_size
+    width = min(int(pages.max()), table.shape[1])
+    a, b = host.numpy(), table.numpy()
+    if a.shape[0] < n or a.shape[1] < width:
+        raise ValueError(f"block_table_cpu has shape {tuple(host.shape)}, smaller than block_table's used "
+                         f"[{n}, {width}]: it must be the host copy of block_table")
+    differ = a[:n, :width] != b[:n, :width]
+    if np.count_nonzero(differ):
+        differ &= np.arange(width)[None, :] < pages[:, None]
+        if np.count_nonzero(differ):
+            i, j = (int(v) for v in np.argwhere(differ)[0])
+            raise ValueError(f"block_table_cpu[{i}, {j}] = {int(a[i, j])} but block_table[{i}, {j}] = {int(b[i, j])}: "
+                             "the host copy disagrees with the table the kernels read (a stale copy, or one of "
+                             "them rewritten in place?)")
 
 
 def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -> None:
@@ -280,8 +442,11 @@ def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -
 
     - ``common.causal`` matches the layer: causal for decoder self-attention, non-causal for the layer kinds that
       see every key of their sequence (encoder, encoder-only, cross-attention);
-    - layers with a KV cache: the page size ``common.block_size`` (where recorded) is the spec's, the block table
-      holds integer page ids, and, for causal self-attention where the block table (``block_table_cpu`` or a CPU
+    - causal layers with a KV cache: seq_len >= query_len from the host lengths, on every batch
+      (:func:`check_lengths`), also one its producer checked (an engine may edit a batch in place);
+    - layers with a KV cache: the page size ``common.block_size`` (where recorded) is the spec's; where the block
+      table and its host copy are two host tensors and no producer made them together, they agree
+      (:func:`check_host_table_matches`); and, for causal self-attention where the block table (``block_table_cpu`` or a CPU
       ``block_table``) and ``slot_mapping`` are on the host and :func:`build_common_metadata` has not already
       checked them (``common.host_checked``): seq_len >= query_len, every slot in its request's own page at the
       position its lengths imply (or -1), no slot given twice
@@ -297,6 +462,8 @@ def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -
         raise ValueError(f"common.causal is {common.causal}, but the layer's attn_type {kind.value!r} is {want}: "
                          f"build the metadata with causal={kind.is_causal}")
     common._cached_context = None  # a persistent batch may have been rewritten in place since the last build
+    if kind.uses_kv_cache and kind.is_causal:
+        check_lengths(common)
     if not kind.uses_kv_cache:
         if common.has_cached_context():
             i = int(torch.nonzero(common.seq_lens_cpu != common.query_lens_cpu)[0])
@@ -307,16 +474,16 @@ def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -
     if common.block_size is not None and common.block_size != spec.block_size:
         raise ValueError(f"the batch's slots were computed for block_size {common.block_size}, the layer's spec has "
                          f"block_size {spec.block_size}: build the common metadata with the spec's block_size")
-    table = common.block_table
-    if table.dtype not in _PAGE_ID_DTYPES:
-        raise ValueError(f"block_table must hold integer page ids (int32), got {table.dtype}")
-    if common.host_checked or not kind.is_causal:
+    if common.host_checked:
         return
-    host_table = common.block_table_cpu if common.block_table_cpu is not None else table
+    table, host = common.block_table, common.block_table_cpu
+    if host is not None and host is not table and table.is_cpu:
+        check_host_table_matches(common, spec.block_size)
+    if not kind.is_causal:
+        return
+    host_table = host if host is not None else table
     slots = common.slot_mapping
     if host_table.is_cpu and slots.is_cpu:
-        if host_table.dtype not in _PAGE_ID_DTYPES:
-            raise ValueError(f"block_table_cpu must hold integer page ids (int32), got {host_table.dtype}")
         check_slots_match_block_table(common, spec.block_size, host_table.numpy(), slots.numpy())
 
 
@@ -359,6 +526,19 @@ def _same_layout(layout: tuple, n: int, query: Any, key: Any, value: Any, kv_cac
         return c is None
     return (c is not None and kv_cache.shape == c[0] and kv_cache.stride() == c[1] and kv_cache.dtype is c[2]
             and kv_cache.device == c[3])
+
+
+def _check_metadata_device(common: CommonAttentionMetadata, query: Any) -> None:
+    """The batch's device tensors on the query's device (and so the cache's): the full validation's part of the
+    device rule, which ``build`` checked against the builder's device."""
+    device = getattr(query, "device", None)
+    if not isinstance(device, torch.device):
+        return  # not a tensor: the full validation names it
+    for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
+        t = getattr(common, name)
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, but this layer's query and kv_cache are on {device}: "
+                             "build the metadata with a builder on the device of the layer's tensors")
 
 
 def _has_cached_context(common: CommonAttentionMetadata) -> bool:
@@ -406,9 +586,12 @@ def check_forward_inputs(
                     f"kv_cache has {kv_cache.shape[0]} pages (kv_cache.shape[0]), but the metadata's builder was made "
                     f"with num_blocks={checked} and checked the batch's page ids against that: make the builder "
                     "with the page count of the caches of the layers it serves")
-    elif common is not None and spec.attn_type.uses_kv_cache and _has_cached_context(common):
-        raise ValueError(f"kv_cache is None, but the batch has cached context (seq_len > query_len) that a "
-                         f"{spec.attn_type.value!r} layer reads from its KV cache: pass the layer's kv_cache")
+    elif spec.attn_type.uses_kv_cache:
+        context = (" and the batch has cached context (seq_len > query_len) it reads from there"
+                   if common is not None and _has_cached_context(common) else "")
+        raise ValueError(f"kv_cache is None, but attn_type {spec.attn_type.value!r} keeps its keys and values in a "
+                         f"KV cache{context}: pass the layer's kv_cache (layers without one are attn_type "
+                         "'encoder' or 'encoder_only')")
     num_actual_tokens = common.num_actual_tokens if common is not None else metadata.num_actual_tokens
     layout = impl._input_layout
     debug = impl.debug or getattr(metadata, "debug", False)
@@ -427,6 +610,8 @@ def check_forward_inputs(
             kv_cache_layout = backend.kv_cache_layout
         validate_forward_inputs(spec, query, key, value, kv_cache, output, num_actual_tokens,
                                 kv_cache_shape=kv_cache_shape, kv_cache_layout=kv_cache_layout)
+    if common is not None:
+        _check_metadata_device(common, query)
     if debug and common is not None:
         validate_metadata_against_cache(common, kv_cache, spec.block_size)
     impl._input_layout = (_layout(query), _layout(key), _layout(value), _layout(kv_cache, whole_shape=True),

@@ -14,6 +14,7 @@ crash-prone case in a child: ``python tests/test_bad_input_catalogue.py TARGET K
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -326,6 +327,85 @@ def later_more_tokens_than_rows(ctx: Ctx) -> object:
 
 
 
+# ---------------------------------------------------------------------------------------------------- round three
+def metadata_planned_for(**features) -> Callable[[Ctx], object]:
+    """The batch built by this backend's builder for the layer's spec with ``features`` changed (a window, a
+    soft-cap, ALiBi, sinks, the cache dtype or the scale), run by the layer's own impl."""
+
+    def run(ctx: Ctx) -> object:
+        other = ctx.target.spec(**features)
+        reasons = ctx.backend.not_supported_reasons(other, DeviceInfo.current(ctx.target.device))
+        if reasons:
+            pytest.skip(f"{ctx.target.backend} declines the other spec: {'; '.join(reasons)}")
+        return ctx.forward(ctx.backend.get_builder_cls()(other, ctx.device).build(ctx.common))
+
+    return run
+
+
+def alibi_slopes(ctx: Ctx) -> tuple:
+    return tuple(2.0 ** -(i + 1) for i in range(ctx.spec.num_heads))
+
+
+def other_device(ctx: Ctx) -> str:
+    """A device other than the batch's that tensors can be made on here (meta on a CPU-only machine)."""
+    return "cpu" if ctx.device.type == "cuda" else "meta"
+
+
+def common_with(ctx: Ctx, **tensors):
+    """The catalogue's batch with some tensors replaced as an engine would hand-build it (marks cleared)."""
+    return dataclasses.replace(ctx.common, **tensors)
+
+
+def edited_in_place(ctx: Ctx, edit: Callable) -> object:
+    """A copy of the batch as ``build_common_metadata`` marked it (checked while built), whose tensors are then
+    rewritten in place by ``edit(common)``: what an engine does to a persistent batch after building it."""
+    common = copy.copy(ctx.common)
+    for name in ("seq_lens", "seq_lens_cpu", "slot_mapping", "block_table", "block_table_cpu",
+                 "query_start_loc", "query_start_loc_cpu"):
+        t = getattr(common, name)
+        if t is not None:
+            setattr(common, name, t.clone())
+    assert common.host_checked, "the catalogue's batch comes from build_common_metadata"
+    edit(common)
+    return common
+
+
+def shorter_seq_len_in_place(common) -> None:
+    common.seq_lens_cpu[1] = 2  # request 1 has 5 new tokens
+    common.seq_lens[1] = 2
+
+
+def slot_edited_in_place(common) -> None:
+    common.slot_mapping[0] = int(common.slot_mapping[0]) ^ 1
+
+
+def host_copy_disagrees(ctx: Ctx):
+    """The host copy of the block table names another (valid) page for request 0's first page."""
+    host = ctx.common.block_table_cpu.clone()
+    host[0, 0] = (int(host[0, 0]) + 1) % ctx.tensors["kv_cache"].shape[0]
+    return common_with(ctx, block_table=ctx.common.block_table.clone(), block_table_cpu=host)
+
+
+def device_table_past_cache(ctx: Ctx):
+    """The table the kernels read holds a page past the cache; its host copy is fine."""
+    table = ctx.common.block_table.clone()
+    table[0, 0] = ctx.tensors["kv_cache"].shape[0]
+    return common_with(ctx, block_table=table, block_table_cpu=ctx.common.block_table_cpu.clone())
+
+
+def fresh_prefill_without_cache(ctx: Ctx) -> object:
+    """A decoder layer's first step (no cached context) run with ``kv_cache=None``: its keys would never be
+    cached."""
+    fresh = Ctx(ctx.target, shapes=ENCODER_SHAPES)
+    return fresh.forward(kv_cache=None)
+
+
+def seq_lens_device_disagrees(ctx: Ctx):
+    seq = ctx.common.seq_lens.clone()
+    seq[0] += 3
+    return common_with(ctx, seq_lens=seq, seq_lens_cpu=ctx.common.seq_lens_cpu.clone())
+
+
 KINDS = [
     # First call: every tensor argument.
     Kind("query_head_count", lambda c: c.forward(query=fewer_heads(c.tensors["query"])), "query"),
@@ -444,6 +524,50 @@ KINDS = [
          crash_prone=True),
     Kind("slot_past_cache", lambda c: (c.forward(c.build(c.with_slot(2, c.num_slots))), c.step_boundary()),
          "slot_mapping", crash_prone=True),
+    # Metadata planned for a layer spec that differs from the layer's in a feature a plan bakes in: an error on
+    # every backend (the plan's origin records the features; forward compares them once per origin).
+    Kind("metadata_planned_for_other_window", metadata_planned_for(sliding_window=8), "sliding_window",
+         layers="standard"),
+    Kind("metadata_planned_for_other_soft_cap", metadata_planned_for(logits_soft_cap=30.0), "logits_soft_cap",
+         layers="standard"),
+    Kind("metadata_planned_for_alibi", lambda c: metadata_planned_for(alibi_slopes=alibi_slopes(c))(c),
+         "alibi_slopes", layers="standard"),
+    Kind("metadata_planned_for_sinks", metadata_planned_for(has_sinks=True), "has_sinks", layers="standard"),
+    Kind("metadata_planned_for_fp8_cache", metadata_planned_for(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
+    Kind("metadata_planned_for_other_scale", metadata_planned_for(scale=0.05), "scale"),
+    # Where the batch's tensors live and what they hold: checked in every build from tensor attributes.
+    Kind("block_table_on_other_device", builder_rejects(lambda c: common_with(
+        c, block_table=c.common.block_table.to(other_device(c)))), "block_table"),
+    Kind("seq_lens_on_other_device", builder_rejects(lambda c: common_with(
+        c, seq_lens=c.common.seq_lens.to(other_device(c)))), "seq_lens"),
+    Kind("host_block_table_on_other_device", builder_rejects(lambda c: common_with(
+        c, block_table_cpu=c.common.block_table_cpu.to("meta" if c.device.type == "cpu" else c.device))),
+        "block_table_cpu"),
+    Kind("host_seq_lens_on_other_device", builder_rejects(lambda c: common_with(
+        c, seq_lens_cpu=c.common.seq_lens_cpu.to("meta" if c.device.type == "cpu" else c.device))), "seq_lens_cpu"),
+    Kind("block_table_int64", builder_rejects(lambda c: common_with(
+        c, block_table=c.common.block_table.long(), block_table_cpu=c.common.block_table_cpu.long())), "block_table"),
+    Kind("seq_lens_int64", builder_rejects(lambda c: common_with(
+        c, seq_lens=c.common.seq_lens.long(), seq_lens_cpu=c.common.seq_lens_cpu.long())), "seq_lens"),
+    Kind("query_start_loc_int64", builder_rejects(lambda c: common_with(
+        c, query_start_loc=c.common.query_start_loc.long(), query_start_loc_cpu=c.common.query_start_loc_cpu.long())),
+        "query_start_loc"),
+    Kind("slot_mapping_int32", builder_rejects(lambda c: common_with(c, slot_mapping=c.common.slot_mapping.int())),
+         "slot_mapping"),
+    # A layer kind that keeps a KV cache, called without one (no cached context yet: its keys would be lost).
+    Kind("kv_cache_none_for_decoder", fresh_prefill_without_cache, "kv_cache"),
+    # The host copy and the table the kernels read: compared in build where both are on the host and no producer
+    # made them together; on a GPU the device table is then scanned as well (raised at the next check point).
+    Kind("host_block_table_disagrees", builder_rejects(host_copy_disagrees), "block_table_cpu", host_data=True),
+    Kind("debug_host_block_table_disagrees", builder_rejects(host_copy_disagrees), "block_table_cpu", debug=True),
+    Kind("device_block_table_past_cache", lambda c: (c.forward(c.build(device_table_past_cache(c))),
+                                                     c.step_boundary()), "block_table", crash_prone=True),
+    # A batch edited in place after build_common_metadata checked it.
+    Kind("seq_len_shorter_than_query_in_place", builder_rejects(
+        lambda c: edited_in_place(c, shorter_seq_len_in_place)), "seq_lens"),
+    Kind("debug_slot_edited_in_place", builder_rejects(lambda c: edited_in_place(c, slot_edited_in_place)),
+         "slot_mapping", debug=True),
+    Kind("debug_seq_lens_device_disagrees", builder_rejects(seq_lens_device_disagrees), "seq_lens", debug=True),
 ]
 KINDS_BY_NAME = {k.name: k for k in KINDS}
 assert len(KINDS_BY_NAME) == len(KINDS), "kind names must be unique"
@@ -490,6 +614,9 @@ def _kernel_reads_it(target: Target) -> bool:
 def _run_in_child(target: Target, kind: Kind) -> tuple[str, str]:
     env = dict(os.environ)
     env.setdefault("TRITON_INTERPRET", "1" if target.device == "cpu" else "0")
+    # The child imports this checkout's attnbackends (run by path, its sys.path starts at tests/).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, __file__, target.backend, target.device, kind.name],
                           capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0:

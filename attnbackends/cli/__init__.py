@@ -55,7 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (commands: {', '.join(COMMANDS)}; options go "
                      "after the command: attnbackends COMMAND --help)")
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "bench":  # bench takes the benchmarks' own arguments and points at them
+    if args.command == "bench":  # bench hands the benchmarks' own arguments to them
+        args.bench_args = extra
+    elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

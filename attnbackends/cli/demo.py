@@ -154,7 +154,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             console.print(f"to run it here: {plain(fix)}", soft_wrap=True)
         return 1
     console.print(f"backend chosen: [bold]{plain(report.backend)}[/] on {plain(report.device)} ({report.dtype})")
-    console.print(f"warm-up (kernel compilation on first use): {report.warmup_seconds:.1f} s, not counted below")
+    console.print(f"warm-up (the first steps, kernel compilation included where the backend compiles): "
+                  f"{report.warmup_seconds:.1f} s, not counted below")
     console.print(
         f"{report.num_prompts} prompts, {report.new_tokens} new tokens in {report.steps} steps: "
         f"{report.tokens_per_second:.1f} tokens/s"

@@ -20,7 +20,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     tune = sub.add_parser("tune", help="time every fitting backend and phase composition here; store the profile")
     add_spec_arguments(tune)
     add_config_arguments(tune)
-    tune.add_argument("--grid", default="small", choices=["small", "tiny"], help="tiny: a CPU smoke run")
+    tune.add_argument("--grid", default=None, choices=["small", "tiny"],
+                      help="the shapes timed: small (serving-sized steps; the default on a GPU) or tiny (a few "
+                           "tokens; the default on a CPU, where the profile is not stored)")
     tune.add_argument("--candidates", default=None, help="comma-separated backend names (default: all that fit)")
     tune.add_argument("--layers-per-step", type=int, default=LAYERS_PER_STEP,
                       help="layers sharing one build() in a timed step (the model's layer count weighs the build as "
@@ -38,10 +40,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     spec, config = spec_from_args(args), config_from_args(args)
     device = DeviceInfo.current()
     candidates = [c.strip() for c in args.candidates.split(",")] if args.candidates else None
-    console.print(f"tuning on {plain(device.describe())} (first calls compile kernels: expect minutes on a fresh "
-                  "machine)")
+    grid = args.grid or ("small" if device.is_cuda else "tiny")
+    if device.is_cuda:
+        console.print(f"tuning on {plain(device.describe())}, grid {grid} (first calls compile kernels: expect "
+                      "minutes on a fresh machine)")
+    else:
+        console.print(f"tuning on {plain(device.describe())}, grid {grid}: without a GPU this only shows what tune "
+                      "does (a smoke run of the timing on tiny steps, well under a minute); the profile it measures "
+                      "is not stored, since selection='measured' reads profiles of CUDA devices only")
     start = time.perf_counter()
-    profile = run_tune(spec, device, grid=args.grid, candidates=candidates,
+    profile = run_tune(spec, device, grid=grid, candidates=candidates,
                        layers_per_step=args.layers_per_step, rounds=args.rounds)
     console.print(f"timed in {time.perf_counter() - start:.1f} s")
     if device.is_cuda:

@@ -5,7 +5,9 @@ Detection, once per step where the builder was made with the cache's ``num_block
 
 - When the block table has a host copy (``common.block_table_cpu``, or the table itself lives on the CPU), the used
   entries are range-checked on the host before any kernel runs: a :class:`PageTableError` (a ``ValueError``) names
-  the request, the block-table slot and the page id.
+  the request, the block-table slot and the page id. The table itself is checked where it lives on the CPU; a host
+  copy stands for a GPU table only where one producer made both (``common.host_checked``: ``build_common_metadata``,
+  ``PersistentBatch``); otherwise the device table is scanned as well, as below.
 - Otherwise one small kernel scans the used entries on the device and records the first bad entry it meets in the
   device's :class:`FaultRecord` without a host-device sync. The next check point raises it: the next step's guard,
   a builder's ``build`` (:func:`raise_pending_faults`) or the engine calling :func:`raise_pending_faults` itself.
@@ -214,11 +216,10 @@ def raise_faults_before_gathering(common) -> None:
 
 
 def _host_table(common) -> Optional[torch.Tensor]:
-    if common.block_table_cpu is not None:
-        return common.block_table_cpu
+    """The table to check on the host: the kernels' own where it lives on the CPU, else its host copy."""
     if common.block_table.device.type == "cpu":
         return common.block_table
-    return None
+    return common.block_table_cpu
 
 
 def has_host_table(common) -> bool:
@@ -266,9 +267,10 @@ def guard_block_table(common, num_blocks: int, block_size: int) -> None:
     """Range-check the block-table entries the batch uses against a cache of ``num_blocks`` pages; raises
     :class:`PageTableError` for a fault found now (a host table) or recorded by an earlier step. A device-only table
     is scanned by one kernel that records its first bad entry without a host-device sync (raised at the next check
-    point). Reads ``common``, writes nothing to it: call it whenever the table may have changed (every build). A batch
-    whose producer range-checked its pages against this cache size (``common.pages_checked_for``) is not scanned
-    again.
+    point); so is a device table whose host copy no producer made from the same source (``common.host_checked``
+    unset: a hand-built batch), since the kernels read the device table. Reads ``common``, writes nothing to it:
+    call it whenever the table may have changed (every build). A batch whose producer range-checked its pages
+    against this cache size (``common.pages_checked_for``) is not scanned again.
 
     Parameters
     ----------
@@ -283,7 +285,9 @@ def guard_block_table(common, num_blocks: int, block_size: int) -> None:
         host = _host_table(common)
         if host is not None:
             _check_host(host, common.seq_lens_cpu, common.num_reqs, num_blocks, block_size)
-        else:
+        if host is None or (host is not common.block_table and not common.host_checked):
+            # The kernels read the device table: where no producer made it and its host copy from one source,
+            # the copy vouches for nothing, so the device table is scanned too.
             rec = fault_record(device)
             width = common.block_table.shape[1]
             _scan_block_table_kernel[(common.num_reqs,)](

@@ -269,7 +269,9 @@ def run_tune(spec: AttentionSpec, device: Optional[DeviceInfo] = None, *, grid: 
                     torch.cuda.synchronize(torch_device)
                 first = time.perf_counter() - start
                 if first > 1.0:
-                    logger.info("%s on %s: first call %.1f s (kernel compilation)", name, shape.label, first)
+                    logger.info("%s on %s: first call %.1f s%s", name, shape.label, first,
+                                " (kernel compilation)" if get_backend_class(name).needs_triton
+                                or get_backend_class(name).required_packages else "")
             us = time_us(step, torch_device) / layers_per_step
             earlier = times[name].get(shape.label)
             times[name][shape.label] = us if earlier is None else min(earlier, us)

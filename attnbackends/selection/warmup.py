@@ -55,6 +55,12 @@ def _builds_ahead(backend: type[AttentionBackend]) -> bool:
     return getattr(backend.warmup, "__func__", None) is not AttentionBackend.warmup.__func__
 
 
+def compiles_kernels(backend: type[AttentionBackend]) -> bool:
+    """Whether ``backend``'s first steps compile anything (Triton kernels, or a JIT-built package's modules); a
+    pure-torch backend's first steps only warm torch's own caches."""
+    return any(part.needs_triton or part.required_packages for part in _parts(backend))
+
+
 def warmup(specs: Iterable[AttentionSpec], device: Optional[DeviceInfo] = None,
            config: Optional[AttentionConfig] = None) -> list[WarmupRecord]:
     """Compile the kernels ``specs`` need on ``device`` (default: the current one); returns what ran, with times."""
@@ -83,7 +89,9 @@ def warmup(specs: Iterable[AttentionSpec], device: Optional[DeviceInfo] = None,
             impl = timing_impl(backend, spec, device.torch_device)
             for step, (query_lens, context_lens) in _STEPS.items():
                 batch = timing_batch(spec, query_lens, context_lens, device.torch_device)
-                logger.info("warm-up: %s %s step (compiling kernels on first use) ...", backend.name, step)
+                logger.info("warm-up: %s %s step (%s) ...", backend.name, step,
+                            "compiling kernels on first use" if compiles_kernels(backend)
+                            else "pure torch: nothing to compile, a first run")
                 start = time.perf_counter()
                 batch.forward(impl, builder.build(batch.common))
                 if device.is_cuda:
