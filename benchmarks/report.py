@@ -62,6 +62,16 @@ def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
     if case == "step_host" and B == 256 and row.get("pages") == 65536 and row.get("us") is not None:
         updates = max(row.get("add_us", 0.0), row.get("finish_us", 0.0))
         return "<= 150 us per step, <= 20 us per add/finish (host)", row["us"] <= 150.0 and updates <= 20.0
+    if case == "engine_graphs" and row.get("speedup") is not None:
+        return "tokens/s with graphs >= 2x eager", row["speedup"] >= 2.0
+    if case == "first_run" and row.get("seconds") is not None and row.get("command") == "demo":
+        return "`attnbackends demo` <= 30 s, fresh caches", row["seconds"] <= 30.0 and row.get("rc") == 0
+    if case == "step_wall" and backend == "triton" and row.get("us") is not None:
+        if row.get("mode") == "graph" and row.get("graph_overhead") is not None:
+            return "step <= 1.05x its kernels' GPU time", row["graph_overhead"] <= 1.05
+        if row.get("mode") == "eager" and ratio is not None:
+            return _time_target(row, 0.95, "FlashInfer's own wrappers")
+        return None
     if ratio is None or backend not in ("triton", "triton_mla", "auto"):
         return None
     if case == "decode" and peer == "flashinfer":

@@ -72,6 +72,12 @@ SUITES: dict[str, Suite] = {
                             "and forward(), by how the engine passes the batch"),
     "step_host": Suite("benchmarks.step_host", "host cost of a step's common metadata: PersistentBatch (appends + "
                        "prepare, one copy) vs build_common_metadata from lists; add/finish per request"),
+    "step_wall": Suite("benchmarks.step_wall", "whole-step wall time of 32 Llama-3-8B layers on ragged steps: "
+                       "triton eager and from a CUDA graph vs FlashInfer's own wrappers, our adapter beside"),
+    "engine_graphs": Suite("benchmarks.engine_graphs", "the built-in engine's demo model, decode-heavy: tokens/s "
+                           "with decode steps from CUDA graphs vs eager"),
+    "first_run": Suite("benchmarks.first_run", "`attnbackends demo` end to end in a fresh process with empty "
+                       "Triton and FlashInfer caches"),
     "hf_generate_batch": Suite("benchmarks.hf_generate_batch", "transformers' generate_batch tokens/s with "
                                "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
     "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import random
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -13,7 +12,9 @@ from typing import Callable, Optional
 import torch
 from rich.console import Console
 
-from ..engine import EngineConfig, PagedEngine, TinyLlama, TinyLlamaConfig
+from ..engine import TinyLlamaConfig
+from ..engine.demo_setup import BLOCK_SIZE, default_device as _default_device, default_dtype as _default_dtype
+from ..engine.demo_setup import demo_engine, demo_prompts
 from ..platform import DeviceInfo, check_device_available, is_triton_interpreted
 from ..selection.registry import BackendNotSupportedError, get_backend_class
 from ..spec import AttentionConfig, AttentionSpec, dtype_name, torch_dtype_of
@@ -22,9 +23,6 @@ from .args import plain, positive
 __all__ = ["DemoReport", "add_parser", "run", "run_demo"]
 
 logger = logging.getLogger(__name__)
-
-BLOCK_SIZE = 16
-
 
 @dataclass
 class DemoReport:
@@ -38,14 +36,6 @@ class DemoReport:
     token_agreement: float  # share of generated tokens the dense reference picks too (teacher-forced)
     max_logit_diff: float  # largest |engine - dense| over every generated position's logits
     warmup_seconds: float = 0.0  # the first steps, kernel compilation included; not in tokens_per_second
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _default_dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def run_demo(
@@ -69,14 +59,9 @@ def run_demo(
             raise ValueError(f"{name} must be >= 1, got {value}")
     device = str(check_device_available(device or _default_device()))
     dtype = _default_dtype(device) if dtype is None else torch_dtype_of(dtype)
-    model = TinyLlama(TinyLlamaConfig(), seed=seed)
-    engine = PagedEngine(
-        model, EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64), device=device, dtype=dtype,
-        attention_config=attention_config,
-    )
-    rng = random.Random(seed)
-    lengths = [1, 15, 16, 17, 40, 90][:num_prompts] + [rng.randint(2, 70) for _ in range(max(0, num_prompts - 6))]
-    prompts = [[rng.randrange(model.cfg.vocab_size) for _ in range(n)] for n in lengths]
+    engine = demo_engine(device, dtype, attention_config, seed)
+    model = engine.model
+    prompts = demo_prompts(model.cfg.vocab_size, num_prompts, seed)
     if engine.device.type == "cuda":
         say(f"warm-up: the first steps on {engine.backend.name} compile its kernels on first use on this machine "
             f"(FlashInfer: tens of seconds per module; `attnbackends warmup` builds them ahead) ...")

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..layer_groups import LayerGroupsConfig, read_layer_specs
 from ..layer_groups import explain_groups, format_layers
-from ..selection.registry import Explanation, explain
+from ..selection.registry import Explanation, cudagraph_support_text, explain
 from ..spec import AttentionConfig
 from .args import (SPEC_OPTIONS, UsageError, add_device_arguments, add_spec_arguments, describe_spec, device_from_args,
                    error_line, given_options, plain, spec_from_args)
@@ -52,6 +52,9 @@ def print_explanation(result: Explanation, console: Console, title: str) -> None
     console.print(table)
     for note in result.notes:
         console.print(f"note: {plain(note)}")
+    graphs_text = [f"{row.name}: {cudagraph_support_text(row.cudagraph)}" for row in result.rows
+                   if row.cudagraph is not None]
+    console.print(f"CUDA graphs: {plain('; '.join(graphs_text))}")
     if result.measured is not None:
         console.print(plain(result.measured.render()))
 

@@ -9,6 +9,7 @@ spec of its layers and any per-layer impl arguments (MLA impls need ``kv_b_proj`
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,13 +17,14 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-from ..interface import AttentionBackend
+from ..interface import AttentionBackend, CudaGraphSupport
 from ..metadata import CommonAttentionMetadata, decode_first_order
 from ..persistent_batch import PersistentBatch
 from ..platform import DeviceInfo
 from ..selection.registry import select
 from ..spec import AttentionConfig, AttentionSpec
 from ..speculative.tree_mask import with_tree_mask
+from .cuda_graphs import DecodeGraphs, capture_sizes
 from .speculative import DraftTree, SpeculativeConfig, accept_greedy
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "StepAttention",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -44,12 +48,16 @@ class EngineConfig:
     num_blocks : pages per layer.
     max_num_batched_tokens : token budget per step; prefills are chunked to fit it (decodes go first).
     max_num_reqs : requests running at once; the others wait and join as running ones finish.
+    cudagraph_capture_sizes : the padded batch sizes whose decode steps are captured in CUDA graphs (those up to
+        ``max_num_reqs`` and ``max_num_batched_tokens``); None: 1, 2, 4, ..., 512
+        (:data:`~attnbackends.engine.cuda_graphs.DEFAULT_CAPTURE_SIZES`).
     """
 
     block_size: int = 16
     num_blocks: int = 512
     max_num_batched_tokens: int = 64
     max_num_reqs: int = 64
+    cudagraph_capture_sizes: Optional[tuple[int, ...]] = None
 
 
 class BlockAllocator:
@@ -188,7 +196,25 @@ class PagedEngine:
         step verifies the drafter's token tree in one forward (the spec asks the backend for decodes of
         1 + ``num_speculative_tokens`` tokens with a tree mask) and keeps the longest path the model agrees with;
         greedy outputs are the same as without it.
+    cuda_graphs : run decode steps from CUDA graphs (:mod:`attnbackends.engine.cuda_graphs`: the model's whole
+        forward captured per padded batch size, ``config.cudagraph_capture_sizes``), other steps eagerly. None
+        (default): on where the engine runs on a CUDA device, the backend declares CUDA-graph support and there is
+        no speculative decoding; True asks for them (where they cannot run, the engine runs eagerly and logs why);
+        False: every step eager. ``cuda_graphs_reason`` says why they are off.
+    builder_options : keyword arguments of the selected backend's metadata builder (e.g. the Triton builder's
+        ``deterministic=True``).
+
+    Attributes
+    ----------
+    graphs : the :class:`~attnbackends.engine.cuda_graphs.DecodeGraphs` (None: every step eager).
+    cuda_graphs_reason : why decode steps run eagerly ("" when they run from graphs).
+    graph_steps, eager_steps : steps run from a graph and eagerly.
     """
+
+    graphs: Optional[DecodeGraphs] = None
+    cuda_graphs_reason = "the engine runs every step eagerly"
+    graph_steps = 0
+    eager_steps = 0
 
     def __init__(
         self,
@@ -199,7 +225,11 @@ class PagedEngine:
         dtype: torch.dtype = torch.float32,
         attention_config: Optional[AttentionConfig] = None,
         speculative: Optional[SpeculativeConfig] = None,
+        cuda_graphs: Optional[bool] = None,
+        builder_options: Optional[dict[str, Any]] = None,
     ) -> None:
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.config = config
@@ -218,7 +248,7 @@ class PagedEngine:
         debug = bool(attention_config.debug) if attention_config is not None else False
         self.builder = self.backend.get_builder_cls()(
             self.spec, self.device, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_batched_tokens,
-            debug=debug, num_blocks=config.num_blocks,
+            debug=debug, num_blocks=config.num_blocks, **(builder_options or {}),
         )
         self.impls = [self.backend.get_impl_cls()(self.spec, **model.impl_kwargs(i)) for i in range(model.num_layers)]
         self.kv_caches = [
@@ -233,6 +263,33 @@ class PagedEngine:
         )
         self.num_steps = 0
         self.scheduled_tokens: list[int] = []  # tokens per step, to show the budget at work
+        self.graph_steps = self.eager_steps = 0
+        sizes = capture_sizes(config.cudagraph_capture_sizes, config.max_num_reqs, config.max_num_batched_tokens)
+        self.cuda_graphs_reason = self._graphs_off_reason(cuda_graphs, sizes)
+        if self.cuda_graphs_reason:
+            if cuda_graphs:
+                logger.warning("cuda_graphs=True, but decode steps run eagerly: %s", self.cuda_graphs_reason)
+        else:
+            self.graphs = DecodeGraphs(self, sizes)
+
+    def _graphs_off_reason(self, asked: Optional[bool], sizes: tuple[int, ...]) -> str:
+        """Why decode steps cannot (or were asked not to) run from CUDA graphs; "" where they can."""
+        if asked is False:
+            return "turned off (cuda_graphs=False)"
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device; the engine runs on {self.device.type}"
+        if self.backend.cudagraph_support < CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+            return f"the {self.backend.name} backend declares no CUDA-graph support ({self.backend.cudagraph_support.name})"
+        if self.speculative is not None:
+            return "speculative decoding: its verify steps carry tree masks and run eagerly"
+        if not sizes:
+            return (f"no capture size fits max_num_reqs={self.config.max_num_reqs} and max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens}")
+        return ""
+
+    def step_attention_of(self, metadata: Any) -> StepAttention:
+        """The attention every layer of a step runs over ``metadata`` (built once per step)."""
+        return StepAttention(self, metadata)
 
     def _pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -290,7 +347,16 @@ class PagedEngine:
 
     def _step_attention(self, batch: list[tuple], common) -> StepAttention:
         """The step's attention: one build per step, shared by every layer."""
-        return StepAttention(self, self.builder.build(common))
+        return self.step_attention_of(self.builder.build(common))
+
+    def _graph_size(self, batch: list[tuple], common: CommonAttentionMetadata) -> Optional[int]:
+        """The capture size this step runs on: one new token per request, no draft, a size that holds it; else
+        None (eager)."""
+        if self.graphs is None or common.num_actual_tokens != common.num_reqs:
+            return None
+        if any(draft is not None for _, _, draft in batch):
+            return None
+        return self.graphs.size_for(common.num_reqs)
 
     def _prepare_step(self, batch: list[tuple]) -> tuple[CommonAttentionMetadata, list[tuple]]:
         """The step's common metadata, prepared by the persistent batch (which advances each request's cached
@@ -318,7 +384,6 @@ class PagedEngine:
                 trees.append(None)
         if any(t is not None for t in trees):
             common = with_tree_mask(common, trees)
-        attn = self._step_attention(batch, common)
         qsl = common.query_start_loc_cpu.tolist()
         rows = []  # logits rows: every verify token, else the last token of a request whose sequence is cached
         for i, (req, n, draft) in enumerate(batch):
@@ -326,9 +391,16 @@ class PagedEngine:
                 rows += range(qsl[i], qsl[i + 1])
             elif req.num_computed + n == len(req.tokens):
                 rows.append(qsl[i + 1] - 1)
-        token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model.forward(token_ids, torch.tensor(positions, device=self.device), attn,
-                                    torch.tensor(rows, dtype=torch.long, device=self.device))
+        if self._graph_size(batch, common) is not None:
+            logits = self.graphs.run(common, tokens, positions)[rows]  # one token per request: row i is request i
+            self.graph_steps += 1
+        else:
+            attn = self._step_attention(batch, common)
+            token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            logits = self.model.forward(token_ids, torch.tensor(positions, device=self.device), attn,
+                                        torch.tensor(rows, dtype=torch.long, device=self.device))
+            self.eager_steps += 1
+        logits = logits.float().cpu()  # one copy per step; the sampling below reads the host rows
         at = 0
         for req, n, draft in batch:
             if draft is not None:
@@ -337,7 +409,7 @@ class PagedEngine:
                 continue
             req.num_computed += n
             if req.num_computed == len(req.tokens):  # the whole known sequence is cached: greedy next token
-                req.step_logits.append(logits[at].float().cpu())
+                req.step_logits.append(logits[at])
                 req.output.append(int(logits[at].argmax()))
                 at += 1
         self.num_steps += 1
@@ -355,7 +427,7 @@ class PagedEngine:
         for token, row in zip([draft.tokens[a] for a in path] + [bonus], [0] + [1 + a for a in path]):
             if req.finished:
                 break
-            req.step_logits.append(logits[row].float().cpu())
+            req.step_logits.append(logits[row])
             req.output.append(token)
             emitted += 1
         req.num_computed = context + min(emitted, 1 + len(path))  # the root and the accepted drafts are cached

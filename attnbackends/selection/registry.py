@@ -16,7 +16,7 @@ from functools import lru_cache
 from importlib import metadata as importlib_metadata
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..interface import AttentionBackend
+from ..interface import AttentionBackend, CudaGraphSupport
 from ..platform import DeviceInfo
 from ..spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec
 from .phased import (
@@ -30,9 +30,11 @@ from .tuning import measured_candidates
 
 __all__ = [
     "BackendNotSupportedError",
+    "CUDAGRAPH_SUPPORT_TEXT",
     "Explanation",
     "ENTRY_POINT_GROUP",
     "backend_names",
+    "cudagraph_support_text",
     "environment_facts",
     "explain",
     "get_backend_class",
@@ -61,13 +63,29 @@ _REGISTRY: dict[str, _Target] = {
     "flashinfer_mla": "attnbackends.mla.backends:FlashInferMLABackend",
 }
 
-# Auto-selection order per (platform, MLA?). The reference backend ends the CUDA lists: it is slow but correct,
-# and is chosen there (with a warning) only when no fast backend fits.
+# Auto-selection order per (platform, MLA?) without a measured profile: first the backend measured fastest on the
+# platform that also compiles in seconds on a fresh host (Triton JITs a kernel in seconds; FlashInfer builds a
+# module per shape in tens of seconds), so a first run starts at once. FlashInfer and flash-attn come next: a
+# profile (`attnbackends tune`), the config, or a spec only they serve chooses them. The reference backend ends
+# the CUDA lists: it is slow but correct, and is chosen there (with a warning) only when no fast backend fits.
 _PRIORITIES: dict[tuple[str, bool], list[str]] = {
-    ("cuda", False): ["flashinfer", "flash_attn", "triton", "reference"],
-    ("cuda", True): ["flashinfer_mla", "triton_mla", "reference_mla"],
+    ("cuda", False): ["triton", "flashinfer", "flash_attn", "reference"],
+    ("cuda", True): ["triton_mla", "flashinfer_mla", "reference_mla"],
     ("cpu", False): ["reference"],
     ("cpu", True): ["reference_mla"],
+}
+
+#: Why each built-in list starts where it does: the note :func:`explain` adds when the static list chose.
+_PRIORITY_REASONS: dict[tuple[str, bool], str] = {
+    ("cuda", False): (
+        "no measured profile: the static CUDA list puts triton first, measured at or above FlashInfer on this "
+        "platform's decode, prefill and mixed rows (benchmarks/RESULTS.md) and compiled in seconds on first use (FlashInfer builds a "
+        "module per shape in tens of seconds); flashinfer and flash_attn are chosen by a profile (`attnbackends "
+        "tune`, selection=measured), by config (backend=...), or where only they serve the spec"),
+    ("cuda", True): (
+        "no measured profile: the static CUDA MLA list puts triton_mla first, measured faster than flashinfer_mla "
+        "on the MLA rows (benchmarks/RESULTS.md) and compiled in seconds on first use; flashinfer_mla is chosen by "
+        "a profile, by config, or where only it serves the spec"),
 }
 
 _entry_points_loaded = False
@@ -87,6 +105,7 @@ class ExplanationRow:
     reasons: list[str]
     rank: Optional[int]  # position in the priority list that was walked, None if not in it
     chosen: bool = False
+    cudagraph: Optional[CudaGraphSupport] = None  # the backend's declared CUDA-graph support
 
 
 @dataclass
@@ -123,6 +142,9 @@ class Explanation:
         width = max((len(r[0]) for r in self.as_table()), default=8)
         lines = [head] + [f"  {n:<{width}}  {s:<9}  {why}" for n, s, why in self.as_table()]
         lines += [f"note: {note}" for note in self.notes]
+        graphs = [f"{r.name}: {cudagraph_support_text(r.cudagraph)}" for r in self.rows if r.cudagraph is not None]
+        if graphs:
+            lines.append("CUDA graphs: " + "; ".join(graphs))
         if self.measured is not None:
             lines.append(self.measured.render())
         return "\n".join(lines)
@@ -138,7 +160,7 @@ def register_backend(
         the one given is refused.
     select_before : a backend name, or several: join every auto-selection list that holds one of them, right
         before the first of them in that list. The lists are per device class and kind of layer (CUDA:
-        flashinfer, flash_attn, triton, reference; CPU: reference; MLA: their own), so ``"triton"`` joins the CUDA
+        triton, flashinfer, flash_attn, reference; CPU: reference; MLA: their own), so ``"triton"`` joins the CUDA
         list only, and ``("triton", "reference")`` the CUDA list before triton and the CPU list before reference.
         By default a registered backend is chosen only explicitly or through ``AttentionConfig.priority``.
     replace : allow replacing an existing registration of the same name.
@@ -321,6 +343,7 @@ def explain(
                                          environment_facts())
     else:
         candidates = order
+    static = config.backend == "auto" and not phased and not config.priority and not result.measured
     for name in candidates:
         if name not in by_name:  # a composition: one more row, with both parts' reasons
             by_name[name] = ExplanationRow(name=name, reasons=get_backend_class(name).not_supported_reasons(spec, device),
@@ -329,10 +352,36 @@ def explain(
         if not by_name[name].reasons:
             by_name[name].chosen = True
             result.chosen = name
+            if static and name == order[0] and (device.kind, spec.is_mla) in _PRIORITY_REASONS:
+                result.notes.insert(0, _PRIORITY_REASONS[(device.kind, spec.is_mla)])
             if name in _REGISTRY:
                 result.notes += [f"{name}: {note}" for note in _REGISTRY[name].kernel_notes(spec, device)]
             break
+    for row in result.rows:
+        row.cudagraph = _cudagraph_support(row.name)
     return result
+
+
+#: Each CUDA-graph support level in words (explain's CUDA-graph line and the CLI's column).
+CUDAGRAPH_SUPPORT_TEXT = {
+    CudaGraphSupport.NEVER: "none (every step eager)",
+    CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE: "single-token decode steps",
+    CudaGraphSupport.UNIFORM_BATCH: "steps whose requests share one query length",
+    CudaGraphSupport.ALWAYS: "any step, mixed prefills and decodes included",
+}
+
+
+def cudagraph_support_text(level: CudaGraphSupport) -> str:
+    """``level`` in words, with its enum name."""
+    return f"{CUDAGRAPH_SUPPORT_TEXT[level]} ({level.name})"
+
+
+def _cudagraph_support(name: str) -> Optional[CudaGraphSupport]:
+    """The CUDA-graph support ``name``'s class declares (None when it cannot be loaded)."""
+    try:
+        return get_backend_class(name).cudagraph_support
+    except ValueError:
+        return None
 
 
 def _reasons_of_any(name: str, spec: AttentionSpec, device: DeviceInfo) -> Optional[list[str]]:

@@ -278,12 +278,42 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return TritonMetadata(common, plan, step, self.runner, self.debug, schedule)
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        """:meth:`build`, where a decode-only batch scheduled balanced gets a persistent unit table of fixed size
-        that every later build of its shape rewrites (the captured graph reads it)."""
+        """The metadata a CUDA graph captures for ``common``'s shape (``num_reqs`` requests, ``num_actual_tokens``
+        tokens, padding included), whose launches read every per-step value (query_start_loc, seq_lens,
+        block_table, slot_mapping) from those tensors at replay:
+
+        - a decode-only batch (every query at most ``reorder_batch_threshold`` tokens): :meth:`build`'s plan; a
+          batch scheduled balanced gets a persistent unit table of fixed size that every later :meth:`build` of its
+          shape rewrites (so call :meth:`build` on each replayed batch before the replay). It replays decode-only
+          batches of the same shape;
+        - any other batch of a paged causal layer without a tree mask: :meth:`_capture_plan_mixed`, one unified
+          launch whose grid depends only on the shape, replaying any batch of the same shape, prefills, chunks and
+          decodes in any mix;
+        - otherwise (encoders, tree masks): :meth:`build`.
+        """
+        split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
+        if (split.num_prefills and self.spec.attn_type.uses_kv_cache and common.spec_tree_mask is None
+                and self.spec.causal and common.causal):
+            return self._capture_plan_mixed(common)
         if self.decode_scheduler is None:
             return self.build(common)
         with self.decode_scheduler.capturing():
             return self.build(common)
+
+    def _capture_plan_mixed(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        """A whole-batch plan fixed by ``common``'s shape alone: every request on the unified kernel's generic path
+        (no decode programs, whose count would change per step; no KV split; no prefill kernel, whose grids follow
+        the query lengths). Its grid, ``num_actual_tokens // BLOCK_Q + num_reqs`` programs, covers every way of
+        sharing the tokens among the requests: each program finds its request by a search over query_start_loc at
+        run time, and the ones past a request's queries (padding, requests with fewer tokens) exit."""
+        if self.debug:
+            validate_common_metadata(common, block_size=self.spec.block_size)
+        raise_pending_faults(self.device)
+        plan = plan_attention(
+            num_tokens=common.num_actual_tokens, block_size=self.spec.block_size, num_seqs=common.num_reqs,
+            max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=True, num_decodes=0,
+            num_kv_splits=1, **self._plan_args)
+        return TritonMetadata(common, plan, make_step_plan(plan), self.runner, self.debug)
 
     def _schedule_decodes(self, common: CommonAttentionMetadata, num_decodes: int,
                           decode_only: bool) -> Optional[DecodeSchedule]:
@@ -502,7 +532,9 @@ class TritonAttentionBackend(AttentionBackend):
     supports_alibi = True
     supports_logits_soft_cap = True
     supports_sinks = True
-    cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # Any step: decode-only shapes from build()'s plan (balanced tables rewritten in place), others from one unified
+    # launch whose grid depends only on the shape (TritonMetadataBuilder.build_for_cudagraph_capture).
+    cudagraph_support = CudaGraphSupport.ALWAYS
 
     @classmethod
     def kernel_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
