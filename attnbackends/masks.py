@@ -35,6 +35,7 @@ __all__ = [
     "dense_visibility",
     "pack_custom_masks",
     "span_key_end",
+    "unpack_custom_masks",
     "with_custom_masks",
     "with_spans",
 ]
@@ -217,3 +218,21 @@ def dense_visibility(spec: AttentionSpec, query_positions: torch.Tensor, seq_len
     if window is not None:
         visible = visible & (j >= pos - window[0]) & (j <= pos + window[1])
     return visible.expand(pos.shape[0], seq_len).clone()
+
+
+def unpack_custom_masks(common: Any, first: int = 0, last: Optional[int] = None) -> torch.Tensor:
+    """The custom masks of requests ``first..last-1`` unpacked on the device: [sum_i Q_i * L_i] bool, request i's
+    [Q_i, L_i] row-major (FlashInfer's ``custom_mask`` layout). Sizes from the host copies; no host-device sync."""
+    masks: BatchMasks = common.masks
+    last = common.num_reqs if last is None else last
+    q_lens = common.query_lens_cpu[first:last].long()
+    sizes = q_lens * common.seq_lens_cpu[first:last].long()
+    total = int(sizes.sum())
+    device = masks.custom_mask.device
+    byte_start = masks.custom_mask_indptr_cpu[first:last].long()
+    offsets = torch.cumsum(sizes, 0) - sizes
+    req = torch.repeat_interleave(torch.arange(last - first), sizes, output_size=total).to(device)
+    within = torch.arange(total, device=device) - offsets.to(device)[req]
+    bit = byte_start.to(device)[req] * 8 + within
+    byte = masks.custom_mask[bit // 8].to(torch.int32)
+    return ((byte >> (bit % 8).to(torch.int32)) & 1).bool()

@@ -142,3 +142,28 @@ def random_spans_for(rng, seq_len):
     from attnbackends.testing.masks import random_spans
 
     return random_spans(rng, seq_len, past_end=4)
+
+
+def test_backends_declare_the_kinds_they_serve_and_explain_the_rest():
+    from attnbackends.flash_attn.backend import FlashAttnBackend
+    from attnbackends.flashinfer.backend import FlashInferBackend
+    from attnbackends.mla.backends import TritonMLABackend
+
+    def reasons(backend, mask):
+        return " ".join(backend.mask_reasons(spec_for(mask)))
+
+    assert not reasons(FlashInferBackend, MASKS["custom"]) and not reasons(FlashInferBackend, MASKS["non_causal"])
+    assert "ignored" in reasons(FlashInferBackend, MASKS["non_causal_window"])  # window_right
+    assert "block" in reasons(FlashInferBackend, MASKS["block_causal"])
+    assert not reasons(FlashAttnBackend, MASKS["non_causal_window"])
+    assert "flash-attn" in reasons(FlashAttnBackend, MASKS["causal_spans"])
+    mla = AttentionSpec.mla(num_heads=4, mask=AttentionMask(kind="non_causal"))
+    assert any("causal only" in r for r in TritonMLABackend.spec_reasons(mla))
+    assert not ReferenceBackend.mask_reasons(spec_for(MASKS["custom"]))
+
+
+def test_explain_names_the_reason_a_backend_declines_a_mask():
+    from attnbackends import explain
+
+    text = str(explain(spec_for(MASKS["block_causal_window"], dtype="bfloat16")))
+    assert "mask kind 'block_causal' not supported" in text and "FlashInfer has no block-causal mask" in text
