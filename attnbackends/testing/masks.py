@@ -22,26 +22,30 @@ __all__ = ["MaskedBatch", "check_backend_on_masked_batch", "expected_visibility"
 
 def expected_visibility(spec: AttentionSpec, shape: SequenceShape, spans: Sequence[tuple[int, int]] = (),
                         custom: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[query_len, seq_len] bool: query t (position context + t) sees key j, from the kind's definition in words."""
+    """[query_len, seq_len] bool: query t (position context + t) sees key j, from the kind's definition in words,
+    one query row at a time."""
     mask = spec.mask
     window = spec.window
+    j = torch.arange(shape.seq_len)
     out = torch.zeros(shape.query_len, shape.seq_len, dtype=torch.bool)
     for t in range(shape.query_len):
         p = shape.context_len + t
-        for j in range(shape.seq_len):
-            if mask.kind is MaskKind.CAUSAL:
-                ok = j <= p
-            elif mask.kind is MaskKind.NON_CAUSAL:
-                ok = True
-            elif mask.kind is MaskKind.BLOCK_CAUSAL:
-                ok = j // mask.block_len <= p // mask.block_len
-            elif mask.kind is MaskKind.CAUSAL_SPANS:
-                ok = j <= p or any(s <= p < e and s <= j < e for s, e in spans)
-            else:
-                ok = bool(custom[t, j])
-            if window is not None:
-                ok = ok and p - window[0] <= j <= p + window[1]
-            out[t, j] = ok
+        if mask.kind is MaskKind.CAUSAL:
+            row = j <= p
+        elif mask.kind is MaskKind.NON_CAUSAL:
+            row = torch.ones_like(j, dtype=torch.bool)
+        elif mask.kind is MaskKind.BLOCK_CAUSAL:
+            row = j // mask.block_len <= p // mask.block_len
+        elif mask.kind is MaskKind.CAUSAL_SPANS:
+            row = j <= p
+            for s, e in spans:
+                if s <= p < e:
+                    row = row | ((j >= s) & (j < e))
+        else:
+            row = custom[t].clone()
+        if window is not None:
+            row = row & (j >= p - window[0]) & (j <= p + window[1])
+        out[t] = row
     return out
 
 
