@@ -22,6 +22,10 @@ work units of near-equal size and the decode programs run one unit each (grid (K
 gets many programs and a short one one). A unit is a request, a tile-aligned key range, its index among its request's
 units and their count; a request with one unit writes its output directly, the units of a split request write
 partials at their index and the last to finish merges them (the same fused merge, with the request's own count).
+
+Layer mask kinds (``MASK_KIND`` != 0: non-causal over the cache, block-causal, causal plus spans, two-sided
+windows): each row sees one interval of keys, computed by :mod:`.mask_math`, which also bounds the tiles visited and
+the unmasked ones.
 """
 
 import triton
