@@ -607,7 +607,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 spec.num_kv_heads,
                 spec.head_size,
                 bs,
-                causal=True,
+                causal=spec.causal,
                 pos_encoding_mode="NONE",
                 **self._plan_kwargs,
             )
