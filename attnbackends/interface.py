@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .speculative.draft_steps import DraftSteps
 from . import platform as _platform
 from .platform import DeviceInfo
-from .spec import AttentionSpec, AttentionType
+from .spec import AttentionSpec, AttentionType, MaskKind
 from .ops.page_guard import guard_block_table
 from .validation import (check_batch_for_spec, check_batch_limits, check_device_available, check_forward_inputs,
                          check_metadata_tensors, same_device)
@@ -89,6 +89,11 @@ class AttentionBackend(ABC):
     supports_logits_soft_cap: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
     supports_separate_v_head_size: ClassVar[bool] = False
+    #: The mask kinds (AttentionSpec.mask.kind) the backend serves, whether it serves a window that looks ahead
+    #: (mask.window right > 0), and, per kind or "window_right" it declines, why (shown by `attnbackends explain`).
+    supported_mask_kinds: ClassVar[frozenset[MaskKind]] = frozenset({MaskKind.CAUSAL})
+    supports_window_right: ClassVar[bool] = False
+    mask_decline_notes: ClassVar[dict[str, str]] = {}
     kv_cache_16bit_must_match_dtype: ClassVar[bool] = False  # True: a float16/bfloat16 cache must be the model dtype
     min_compute_capability_fp8_e4m3: ClassVar[Optional[tuple[int, int]]] = None  # e4m3 cache conversions need this
     is_mla: ClassVar[bool] = False  # True: serves MLA specs only; False: standard specs only
@@ -129,6 +134,8 @@ class AttentionBackend(ABC):
             "cpu": cls.runs_on_cpu,
             "attn_types": sorted(t.value for t in cls.supported_attn_types),
             "features": features,
+            "mask_kinds": [k.value for k in MaskKind if k in cls.supported_mask_kinds]
+            + (["window_right"] if cls.supports_window_right else []),
             "cudagraph": cls.cudagraph_support.name,
             "packages": list(cls.required_packages),
             "speculative": cls.get_builder_cls().speculative_capability(),
@@ -200,6 +207,26 @@ class AttentionBackend(ABC):
         ):
             if wanted and not supported:
                 reasons.append(f"{feature} not supported")
+        reasons += cls.mask_reasons(spec)
+        return reasons
+
+    @classmethod
+    def mask_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Why the backend cannot serve the layer's mask (:class:`~attnbackends.spec.AttentionMask`): its kind, a
+        window that looks ahead, or a window at all; empty when it can."""
+        reasons = []
+        kind, window = spec.mask.kind, spec.mask.window
+        if kind not in cls.supported_mask_kinds:
+            allowed = ", ".join(k.value for k in MaskKind if k in cls.supported_mask_kinds)
+            note = cls.mask_decline_notes.get(kind.value)
+            reasons.append(f"mask kind {kind.value!r} not supported (supported: {allowed})"
+                           + (f": {note}" if note else ""))
+        if window is not None and window[1] > 0 and not cls.supports_window_right:
+            note = cls.mask_decline_notes.get("window_right")
+            reasons.append(f"two-sided window {window} (keys after the query) not supported"
+                           + (f": {note}" if note else ""))
+        elif window is not None and not cls.supports_sliding_window:
+            reasons.append("sliding window not supported")
         return reasons
 
     @classmethod

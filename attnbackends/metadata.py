@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from .masks import BatchMasks
 from .platform import check_device_available
 
 __all__ = [
@@ -83,6 +84,10 @@ class CommonAttentionMetadata:
     spec_tree_mask_indptr, spec_tree_mask_indptr_cpu : torch.Tensor or None
         [num_reqs + 1] int32 on the device and on the host: request i's mask is
         ``spec_tree_mask[indptr[i] : indptr[i + 1]]`` (n_i * n_i entries).
+    masks : BatchMasks or None
+        The per-request data of the layer's mask kind (:mod:`attnbackends.masks`): bidirectional spans (kind
+        ``causal_spans``) or custom masks (kind ``custom``); made by :func:`attnbackends.masks.with_spans` and
+        :func:`attnbackends.masks.with_custom_masks`. None: no per-request mask data.
     """
 
     query_start_loc: torch.Tensor
@@ -102,6 +107,7 @@ class CommonAttentionMetadata:
     spec_tree_mask_indptr: Optional[torch.Tensor] = None
     spec_tree_mask_indptr_cpu: Optional[torch.Tensor] = None
     block_size: Optional[int] = None
+    masks: Optional[BatchMasks] = None
     pages_checked_for: Optional[int] = field(default=None, init=False, repr=False, compare=False)
     host_checked: bool = field(default=False, init=False, repr=False, compare=False)
     _cached_context: Optional[bool] = field(default=None, init=False, repr=False, compare=False)

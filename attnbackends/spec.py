@@ -18,7 +18,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "AttentionMask",
     "AttentionType",
+    "MaskKind",
     "AttentionSpec",
     "AttentionConfig",
     "KV_CACHE_DTYPES",
@@ -134,6 +136,9 @@ class AttentionSpec(BaseModel):
     )
     speculative_tree: bool = Field(
         default=False, description="draft tokens form a tree: verify batches carry CommonAttentionMetadata.spec_tree_mask"
+    )
+    mask: "AttentionMask" = Field(
+        default_factory=lambda: AttentionMask(), description="which keys a query sees (decoder layers; see AttentionMask)"
     )
 
     @field_validator("dtype", mode="before")
@@ -269,7 +274,102 @@ class AttentionSpec(BaseModel):
 
     @property
     def causal(self) -> bool:
-        return self.attn_type.is_causal
+        """Whether the layer's mask has a causal part (causal, block-causal, causal plus spans): what
+        ``CommonAttentionMetadata.causal`` must say. False for encoders, non-causal decoders and custom masks."""
+        return self.attn_type.is_causal and self.mask.kind in _CAUSAL_KINDS
+
+    @property
+    def window(self) -> "Optional[tuple[int, int]]":
+        """The layer's window as (left, right): key j is visible from position p only if p - left <= j <= p + right
+        (``sliding_window`` W is (W - 1, 0)); None: no window."""
+        if self.mask.window is not None:
+            return self.mask.window
+        return (self.sliding_window - 1, 0) if self.sliding_window is not None else None
+
+    @property
+    def has_extended_mask(self) -> bool:
+        """Whether the layer's mask is beyond causal with a one-sided window (a kind other than causal, or a window
+        that looks ahead): the backends that serve it declare it (``AttentionBackend.supported_mask_kinds``)."""
+        return self.mask.kind is not MaskKind.CAUSAL or (self.mask.window is not None and self.mask.window[1] > 0)
+
+    @model_validator(mode="after")
+    def _check_mask(self) -> "AttentionSpec":
+        mask = self.mask
+        if mask != AttentionMask() and self.attn_type is not AttentionType.DECODER:
+            raise ValueError(f"mask {mask.describe()!r} is for decoder layers over a KV cache; attn_type "
+                             f"{self.attn_type.value!r} already sees every key of its sequence")
+        if mask.window is not None and self.sliding_window is not None:
+            raise ValueError(f"sliding_window ({self.sliding_window}) and mask.window {mask.window} both set: give "
+                             f"one (sliding_window W is mask.window ({self.sliding_window - 1}, 0))")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention masks: which keys a query sees, beyond the attention type (the exact definition: DESIGN.md and
+# attnbackends.masks.dense_visibility, which the reference backend applies).
+# ----------------------------------------------------------------------------------------------------------------
+class MaskKind(str, Enum):
+    """A decoder layer's mask over its sequence (query at position p, key at position j < seq_len)."""
+
+    #: j <= p.
+    CAUSAL = "causal"
+    #: Every key of the sequence, cached context included (diffusion LMs, rerankers).
+    NON_CAUSAL = "non_causal"
+    #: Causal across blocks of ``block_len`` positions, bidirectional inside one: j // b <= p // b.
+    BLOCK_CAUSAL = "block_causal"
+    #: Causal, plus bidirectional inside each of a request's spans (image tokens): j <= p, or p and j in one span.
+    #: The spans come per batch (``CommonAttentionMetadata.masks``).
+    CAUSAL_SPANS = "causal_spans"
+    #: A per-request [query, key] bit mask given per batch (``CommonAttentionMetadata.masks``), as FlashInfer's
+    #: ``custom_mask``; nothing else is implied (no causality).
+    CUSTOM = "custom"
+
+
+_CAUSAL_KINDS = frozenset({MaskKind.CAUSAL, MaskKind.BLOCK_CAUSAL, MaskKind.CAUSAL_SPANS})
+
+
+class AttentionMask(BaseModel):
+    """The mask of a decoder layer: its ``kind`` (:class:`MaskKind`), the block length of a block-causal mask, and
+    an optional two-sided ``window`` (left, right): key j is visible from position p only if
+    p - left <= j <= p + right (flash-attn's ``window_size``; the spec's one-sided ``sliding_window`` W is
+    (W - 1, 0)). The window intersects the kind's mask."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: MaskKind = MaskKind.CAUSAL
+    block_len: Optional[int] = Field(default=None, description="positions per block of a block_causal mask")
+    window: Optional[tuple[int, int]] = Field(default=None, description="(left, right) keys around the query")
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _normalise_kind(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in {k.value for k in MaskKind}:
+            raise ValueError(f"mask kind {value!r} is not one of: {', '.join(k.value for k in MaskKind)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "AttentionMask":
+        if self.window is not None:
+            left, right = self.window
+            if left < 0 or right < 0:
+                raise ValueError(f"mask.window (left, right) = {self.window}: both sides must be >= 0 keys")
+            if right > 0 and self.kind is MaskKind.CAUSAL:
+                raise ValueError(f"mask.window {self.window} looks {right} keys ahead, which a causal mask never "
+                                 "shows: use kind 'non_causal', 'block_causal' or 'causal_spans', or right = 0")
+        if (self.block_len is not None) != (self.kind is MaskKind.BLOCK_CAUSAL):
+            raise ValueError(f"mask.block_len goes with kind 'block_causal' (and it needs one); got kind "
+                             f"{self.kind.value!r} and block_len {self.block_len}")
+        if self.block_len is not None and self.block_len < 1:
+            raise ValueError(f"mask.block_len must be >= 1 position, got {self.block_len}")
+        return self
+
+    def describe(self) -> str:
+        """The mask in words, e.g. ``block_causal(b=32) window (128, 0)``."""
+        text = self.kind.value + (f"(b={self.block_len})" if self.block_len is not None else "")
+        return text + (f" window {self.window}" if self.window is not None else "")
+
+
+AttentionSpec.model_rebuild()
 
 
 def read_config_file(path: "str | os.PathLike") -> dict:

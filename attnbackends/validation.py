@@ -43,6 +43,7 @@ import torch
 
 from .metadata import CommonAttentionMetadata, MetadataOrigin, check_slots_match_block_table, validate_common_metadata
 from .ops.page_guard import guard_block_table
+from .masks import check_masks_for_spec
 from .platform import check_device_available
 from .spec import AttentionSpec
 
@@ -457,10 +458,13 @@ def check_batch_for_spec(spec: AttentionSpec, common: CommonAttentionMetadata) -
     Raises ValueError naming the field and what the layer expects.
     """
     kind = spec.attn_type
-    if bool(common.causal) != kind.is_causal:
-        want = "causal" if kind.is_causal else "non-causal (every query sees every key of its sequence)"
-        raise ValueError(f"common.causal is {common.causal}, but the layer's attn_type {kind.value!r} is {want}: "
-                         f"build the metadata with causal={kind.is_causal}")
+    check_masks_for_spec(spec, common)
+    if bool(common.causal) != spec.causal:
+        want = "causal" if spec.causal else "non-causal (every query sees every key of its sequence)"
+        hint = (" (a decoder layer that sees its whole cache declares AttentionSpec(mask=AttentionMask("
+                "kind='non_causal')))" if spec.causal else "")
+        raise ValueError(f"common.causal is {common.causal}, but the layer (attn_type {kind.value!r}, mask "
+                         f"{spec.mask.describe()!r}) is {want}: build the metadata with causal={spec.causal}{hint}")
     common._cached_context = None  # a persistent batch may have been rewritten in place since the last build
     if kind.uses_kv_cache and kind.is_causal:
         check_lengths(common)

@@ -80,6 +80,8 @@ SUITES: dict[str, Suite] = {
                        "Triton and FlashInfer caches"),
     "hf_generate_batch": Suite("benchmarks.hf_generate_batch", "transformers' generate_batch tokens/s with "
                                "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
+    "mask_prefill": Suite("benchmarks.mask_prefill", "masked prefill (image spans, block-causal, two-sided window, "
+                          "non-causal, custom) vs our causal prefill on equal work and FlashInfer's custom mask"),
     "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",
                        gpus=2),
 }

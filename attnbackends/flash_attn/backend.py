@@ -21,7 +21,7 @@ from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilde
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
 from ..ops.kv_cache_write import reshape_and_cache
 from ..platform import DeviceInfo
-from ..spec import AttentionSpec, AttentionType
+from ..spec import AttentionSpec, AttentionType, MaskKind
 from ..validation import check_forward_inputs
 from . import library
 
@@ -99,8 +99,9 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
     def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
         if self.debug:
             validate_common_metadata(common, block_size=self.spec.block_size)
-        if not common.causal:
-            raise ValueError("the flash_attn backend serves causal decoder layers; common.causal is False")
+        if bool(common.causal) != self.spec.causal:
+            raise ValueError(f"common.causal is {common.causal}, the layer's mask ({self.spec.mask.describe()}) is "
+                             f"{'causal' if self.spec.causal else 'non-causal'}")
         num_reqs = common.num_reqs
         block_table = common.block_table[:num_reqs]  # flash-attn takes exactly one row per request
         if block_table.dtype != torch.int32 or (block_table.shape[1] > 1 and block_table.stride(-1) != 1):
@@ -144,8 +145,9 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
         spec = self.spec
         call = library.PagedCall(
             softmax_scale=self.scale,
-            causal=True,
-            window_left=spec.sliding_window - 1 if spec.sliding_window is not None else None,
+            causal=spec.causal,
+            window_left=spec.window[0] if spec.window is not None else None,
+            window_right=spec.window[1] if spec.window is not None else None,
             softcap=spec.logits_soft_cap,
             sinks=self.sinks.to(device).contiguous() if self.sinks is not None else None,
         )
@@ -206,6 +208,11 @@ class FlashAttnBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_sinks = True
     supports_separate_v_head_size = False
+    # flash-attn's API: causal or not, and window_size=(left, right).
+    supported_mask_kinds = frozenset({MaskKind.CAUSAL, MaskKind.NON_CAUSAL})
+    supports_window_right = True
+    mask_decline_notes = {kind: "flash-attn's API takes causal=True/False and a (left, right) window only"
+                          for kind in ("block_causal", "causal_spans", "custom")}
     cudagraph_support = CudaGraphSupport.NEVER
 
     @classmethod

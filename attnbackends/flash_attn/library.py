@@ -82,14 +82,23 @@ def installed_flash_attn() -> Optional[FlashAttnInstall]:
 
 @dataclass(frozen=True)
 class PagedCall:
-    """What a layer fixes for every call: scale, causality, window (keys left of the query; None: unbounded),
-    soft-cap (None: off) and sinks ([num_heads] float32 on the device, or None)."""
+    """What a layer fixes for every call: scale, causality, window (keys left and right of the query; None:
+    unbounded), soft-cap (None: off) and sinks ([num_heads] float32 on the device, or None)."""
 
     softmax_scale: float
     causal: bool
     window_left: Optional[int]
     softcap: Optional[float]
     sinks: Optional[torch.Tensor]
+    window_right: Optional[int] = None
+
+    @property
+    def window(self) -> tuple[Optional[int], Optional[int]]:
+        """(left, right); a causal call's right side is 0 wherever a left side is set (as flash-attn reads it)."""
+        right = self.window_right
+        if right is None and self.window_left is not None and self.causal:
+            right = 0
+        return self.window_left, right
 
 
 # A paged forward: (query [T, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D] (strided views of our
@@ -110,7 +119,7 @@ def paged_forward(install: FlashAttnInstall, call: PagedCall) -> PagedForward:
 
 
 def _fa4_forward(install: FlashAttnInstall, call: PagedCall) -> PagedForward:
-    window = (call.window_left, 0) if call.window_left is not None else (None, None)
+    window = call.window
     _flash_attn_fwd = flash_attn_cute_private_forward(install.version)
     if _flash_attn_fwd is not None:
         fixed: dict[str, Any] = dict(
@@ -145,7 +154,8 @@ def _fa4_forward(install: FlashAttnInstall, call: PagedCall) -> PagedForward:
 
 def _window_pair(call: PagedCall) -> tuple[int, int]:
     """flash-attn 2/3's (left, right) window; -1: unbounded."""
-    return (call.window_left, 0) if call.window_left is not None else (-1, -1)
+    left, right = call.window
+    return (-1 if left is None else left, -1 if right is None else right)
 
 
 def _fa3_forward(call: PagedCall) -> PagedForward:

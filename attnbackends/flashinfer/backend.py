@@ -46,7 +46,8 @@ from ..compat import import_flashinfer
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, validate_common_metadata
 from ..platform import DeviceInfo
-from ..spec import AttentionSpec, AttentionType
+from ..spec import AttentionSpec, AttentionType, MaskKind
+from ..masks import unpack_custom_masks
 from ..speculative.tree_mask import expand_tree_mask
 from ..validation import check_forward_inputs
 from .cascade import CascadePolicy, cascade_prefix_blocks
@@ -323,7 +324,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self.max_model_len = max_model_len
         self.use_tensor_cores = spec.num_queries_per_kv > 1 if use_tensor_cores is None else bool(use_tensor_cores)
         # FlashInfer's window_left counts the keys left of the query: W visible keys, self included -> W - 1.
-        self.window_left = spec.sliding_window - 1 if spec.sliding_window is not None else -1
+        self.window_left = spec.window[0] if spec.window is not None else -1
         self._pin = self.device.type == "cuda"
         self._plan_kwargs = dict(
             window_left=self.window_left,
@@ -378,8 +379,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 f"CUDA-graph capture takes pure-decode batches (query_len <= {self.reorder_batch_threshold}); this "
                 f"one has {split.num_prefills} prefill requests"
             )
-        if common.spec_tree_mask is not None or common.num_actual_tokens > common.num_reqs:
-            self.wrappers.graph_verify(common.num_reqs, common.num_actual_tokens, common.spec_tree_mask is not None)
+        custom = common.masks is not None and common.masks.custom_mask is not None
+        if common.spec_tree_mask is not None or custom or common.num_actual_tokens > common.num_reqs:
+            self.wrappers.graph_verify(common.num_reqs, common.num_actual_tokens,
+                                       common.spec_tree_mask is not None or custom)
         else:
             self.wrappers.graph_decode(common.num_reqs)
         return self._build(common, 0)
@@ -402,8 +405,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         step_wrapper, buffer = draft_step if draft_step is not None else (None, None)
         if self.debug:
             validate_common_metadata(common, block_size=self.spec.block_size)
-        if not common.causal:
-            raise ValueError("the flashinfer backend serves causal decoder layers; common.causal is False")
+        if bool(common.causal) != self.spec.causal:
+            raise ValueError(f"common.causal is {common.causal}, the layer's mask ({self.spec.mask.describe()}) is "
+                             f"{'causal' if self.spec.causal else 'non-causal'}")
         split = self._split(common, draft=step_wrapper is not None)
         num_reqs = common.num_reqs
         graph_decode = (self.wrappers.captured_decode(num_reqs)
@@ -454,7 +458,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         else:
             split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
             num_decodes, num_decode_tokens, num_prefills = split.num_decodes, split.num_decode_tokens, split.num_prefills
-        tree = common.spec_tree_mask is not None
+        # a tree or a custom mask: FlashInfer's custom_mask on the prefill wrapper, for every request
+        tree = common.spec_tree_mask is not None or (common.masks is not None and common.masks.custom_mask is not None)
         if tree or num_decode_tokens > num_decodes:
             return _Split(0, 0, num_reqs, verify=num_prefills == 0 and not draft, tree=tree)
         return _Split(num_decodes, num_decode_tokens, num_prefills, verify=False, tree=tree)
@@ -517,8 +522,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 part.kv_indices,
                 last_page_len,
                 spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
-                causal=True,
-                custom_mask=expand_tree_mask(common, first, num_reqs) if tree else None,
+                causal=spec.causal,
+                custom_mask=self._custom_mask(common, first, num_reqs) if tree else None,
                 pos_encoding_mode="NONE",
                 o_data_type=spec.torch_dtype,
                 non_blocking=True,
@@ -526,6 +531,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 **self._plan_kwargs,
             )
         return PrefillPart(wrapper, split.num_decode_tokens, common.num_actual_tokens)
+
+    @staticmethod
+    def _custom_mask(common: CommonAttentionMetadata, first: int, last: int) -> torch.Tensor:
+        """The [sum query_len * seq_len] bool mask of requests ``first..last-1`` for the prefill wrapper's
+        ``custom_mask``: the batch's custom masks (kind custom), else its tree mask expanded."""
+        if common.masks is not None and common.masks.custom_mask is not None:
+            return unpack_custom_masks(common, first, last)
+        return expand_tree_mask(common, first, last)
 
     def _device_buffer(self) -> DevicePlanBuffer:
         if self._device_plan_buffer is None:
@@ -594,7 +607,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 spec.num_kv_heads,
                 spec.head_size,
                 bs,
-                causal=True,
+                causal=spec.causal,
                 pos_encoding_mode="NONE",
                 **self._plan_kwargs,
             )
@@ -674,6 +687,14 @@ class FlashInferBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_sinks = False
     supports_separate_v_head_size = False
+    # Custom masks on the prefill wrapper (custom_mask), every request there; non-causal: causal=False (a decode
+    # sees its whole cache either way).
+    supported_mask_kinds = frozenset({MaskKind.CAUSAL, MaskKind.NON_CAUSAL, MaskKind.CUSTOM})
+    mask_decline_notes = {
+        "window_right": "FlashInfer's window_right is ignored by its kernels (FlashInfer issue #4893)",
+        "block_causal": "FlashInfer has no block-causal mask (a custom mask of kind 'custom' expresses it)",
+        "causal_spans": "FlashInfer has no span mask (a custom mask of kind 'custom' expresses it)",
+    }
     # Pure-decode batches of a captured size replay on the builder's persistent plan buffers (see
     # FlashInferMetadataBuilder.build_for_cudagraph_capture); prefills and cascade run eagerly.
     cudagraph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE

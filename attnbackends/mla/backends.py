@@ -46,6 +46,9 @@ class _MLABackendBase(AttentionBackend):
     is_mla = True
     kv_cache_layout = MLA_KV_CACHE_LAYOUT
     cudagraph_support = CudaGraphSupport.NEVER
+    # Causal only: the latent decode kernels and the chunked-context prefill have no mask beyond causal and windows.
+    mask_decline_notes = {kind: "MLA's decode kernels and chunked-context prefill are causal only"
+                          for kind in ("non_causal", "block_causal", "causal_spans", "custom")}
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:

@@ -11,14 +11,17 @@ from typing import Optional
 
 import torch
 
+from ..masks import custom_mask_of, dense_visibility
 from ..interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, CudaGraphSupport, QueryLenSupport
 from ..metadata import CommonAttentionMetadata, validate_common_metadata
 from ..ops.kv_cache_write import gather_kv_torch, reshape_and_cache_torch
 from ..ops.page_guard import raise_faults_before_gathering
 from ..speculative.tree_mask import request_tree_mask
-from ..spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
+from ..spec import KV_CACHE_DTYPES, AttentionMask, AttentionSpec, AttentionType, MaskKind
 from ..validation import check_forward_inputs
 from .functional import sequence_attention
+
+_PLAIN_MASK = AttentionMask()
 
 __all__ = ["ReferenceBackend", "ReferenceMetadata", "ReferenceMetadataBuilder", "ReferenceImpl"]
 
@@ -113,6 +116,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
         alibi = self.alibi_slopes.to(query.device) if self.alibi_slopes is not None else None
         sinks = self.sinks.to(query.device) if self.sinks is not None else None
         causal = spec.causal and common.causal
+        masked = spec.mask != _PLAIN_MASK  # the layer's mask kind, applied as its definition
+        masks = common.masks
         qsl = metadata.query_start_loc
         for i in range(common.num_reqs):
             start, end = qsl[i], qsl[i + 1]
@@ -123,19 +128,27 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
                 k, v = key[start:end], value[start:end]
             context = seq_len - (end - start)
             positions = torch.arange(context, seq_len, device=query.device)
+            visible = None
+            if masked:
+                visible = dense_visibility(
+                    spec, positions, seq_len,
+                    spans=masks.spans[i] if masks is not None and masks.spans else (),
+                    custom=(custom_mask_of(masks, i, end - start, seq_len)
+                            if masks is not None and masks.custom_mask is not None else None))
             out, _ = sequence_attention(
                 query[start:end],
                 k,
                 v,
                 positions,
                 scale=self.scale,
-                causal=causal,
+                causal=causal and not masked,
                 sliding_window=spec.sliding_window,
                 logits_soft_cap=spec.logits_soft_cap,
                 alibi_slopes=alibi,
                 sinks=sinks,
                 compute_dtype=compute,
                 tree_mask=metadata.tree_masks[i] if metadata.tree_masks is not None else None,
+                visible=visible,
             )
             output[start:end] = out.to(output.dtype)
         return output
@@ -154,6 +167,8 @@ class ReferenceBackend(AttentionBackend):
     supports_alibi = True
     supports_logits_soft_cap = True
     supports_sinks = True
+    supported_mask_kinds = frozenset(MaskKind)
+    supports_window_right = True
     supports_separate_v_head_size = False
     cudagraph_support = CudaGraphSupport.NEVER
 

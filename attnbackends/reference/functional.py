@@ -23,6 +23,7 @@ def sequence_attention(
     sinks: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
     tree_mask: Optional[torch.Tensor] = None,
+    visible: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one sequence's queries over its keys 0..L-1.
 
@@ -35,6 +36,8 @@ def sequence_attention(
     alibi_slopes : [Hq] or None; sinks : [Hq] sink logits or None
     tree_mask : [n, n] bool or None: the last n queries and the last n keys are a draft segment in which query a
         sees key b only where ``tree_mask[a, b]`` (tree verification)
+    visible : [Q, L] bool or None: keys each query may see, on top of ``causal`` and ``sliding_window`` (a layer's
+        mask kind: :func:`attnbackends.masks.dense_visibility`)
 
     Returns
     -------
@@ -54,15 +57,17 @@ def sequence_attention(
     distance = key_positions[None, :] - query_positions.to(query.device)[:, None]  # [Q, L], j - p
     if alibi_slopes is not None:
         logits = logits + alibi_slopes.to(compute_dtype)[:, None, None] * distance.to(compute_dtype)[None]
-    visible = torch.ones_like(distance, dtype=torch.bool)
+    visible_all = torch.ones_like(distance, dtype=torch.bool)
     if causal:
-        visible &= distance <= 0
+        visible_all &= distance <= 0
     if sliding_window is not None:
-        visible &= distance > -sliding_window
+        visible_all &= distance > -sliding_window
+    if visible is not None:
+        visible_all &= visible.to(visible_all.device)
     if tree_mask is not None:
         n = tree_mask.shape[0]
-        visible[visible.shape[0] - n :, visible.shape[1] - n :] &= tree_mask.to(visible.device)
-    logits = logits.masked_fill(~visible[None], float("-inf"))
+        visible_all[visible_all.shape[0] - n :, visible_all.shape[1] - n :] &= tree_mask.to(visible_all.device)
+    logits = logits.masked_fill(~visible_all[None], float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(compute_dtype)[:, None, None].expand(num_q_heads, logits.shape[1], 1)
         logits = torch.cat([logits, sink_col], dim=-1)

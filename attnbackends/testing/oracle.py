@@ -3,6 +3,8 @@ cache), written independently of the reference backend."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from .cases import RandomBatch
@@ -30,8 +32,11 @@ def draft_visibility(parents: list[int], query_len: int, seq_len: int) -> torch.
 _draft_visibility = draft_visibility  # the name older tests import
 
 
-def oracle_attention(batch: RandomBatch) -> torch.Tensor:
-    """The exact answer for ``batch``: [num_actual_tokens, num_heads, value_head_size] float64 on the CPU."""
+def oracle_attention(batch: RandomBatch, allowed: "Optional[Sequence[torch.Tensor]]" = None) -> torch.Tensor:
+    """The exact answer for ``batch``: [num_actual_tokens, num_heads, value_head_size] float64 on the CPU.
+
+    ``allowed``: per request a [query_len, seq_len] bool mask that replaces the spec's causal / sliding-window rule
+    (a layer mask kind the caller wrote out; draft trees still apply)."""
     spec = batch.spec
     hq, hkv = spec.num_heads, spec.num_kv_heads
     group = hq // hkv
@@ -42,7 +47,8 @@ def oracle_attention(batch: RandomBatch) -> torch.Tensor:
     outputs = []
     start = 0
     trees = batch.tree_parents or [None] * len(batch.shapes)
-    for shape, keys, values, parents in zip(batch.shapes, batch.dense_keys, batch.dense_values, trees):
+    masks = list(allowed) if allowed is not None else [None] * len(batch.shapes)
+    for shape, keys, values, parents, given in zip(batch.shapes, batch.dense_keys, batch.dense_values, trees, masks):
         q = query[start : start + shape.query_len]  # [Q, Hq, D]
         start += shape.query_len
         q = q.reshape(shape.query_len, hkv, group, -1).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
@@ -56,10 +62,13 @@ def oracle_attention(batch: RandomBatch) -> torch.Tensor:
         if slopes is not None:
             s = s + slopes.reshape(hkv, group, 1, 1) * (k_pos - p_pos)
         allowed = torch.ones(shape.query_len, shape.seq_len, dtype=torch.bool)
-        if spec.causal:
-            allowed &= k_pos <= p_pos
-        if spec.sliding_window is not None:
-            allowed &= k_pos > p_pos - spec.sliding_window
+        if given is not None:
+            allowed &= given.to(torch.bool).cpu()
+        else:
+            if spec.causal:
+                allowed &= k_pos <= p_pos
+            if spec.sliding_window is not None:
+                allowed &= k_pos > p_pos - spec.sliding_window
         if parents:
             allowed &= draft_visibility(parents, shape.query_len, shape.seq_len)
         s = torch.where(allowed, s, torch.full_like(s, -torch.inf))

@@ -27,13 +27,14 @@ from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, vali
 from ..ops.kv_cache_write import check_reshape_and_cache_args, reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
-from ..spec import AttentionSpec, AttentionType
+from ..spec import AttentionSpec, AttentionType, MaskKind
 from ..validation import (
     UNIFIED_MAX_HEAD_SIZE,
     UNIFIED_MIN_HEAD_SIZE,
     check_forward_inputs,
     check_unified_attention_args,
 )
+from .mask_math import MASK_SPANS
 from .heuristics import (
     MAX_DECODE_TILE_ROWS,
     MAX_KV_SPLITS,
@@ -43,10 +44,20 @@ from .heuristics import (
     prefill_kernel_pays,
 )
 from .decode_schedule import DecodeSchedule, DecodeScheduler, decode_schedule_note
-from .launch import LaunchPlan, SplitKVWorkspace, plan_attention, schedule_fits, unified_attention
+from .launch import (
+    LaunchPlan,
+    MaskPlan,
+    SplitKVWorkspace,
+    causal_sliding_window,
+    mask_plan,
+    plan_attention,
+    schedule_fits,
+    unified_attention,
+)
 from .choices import (
     FreshPrefillCacheWrite,
     FreshPrefillKernel,
+    MaskPath,
     PagedPrefill,
     PrefillSplit,
     TritonBuilderOptions,
@@ -224,12 +235,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             )
         #: The decodes' balanced schedules (None: every batch's decodes run the uniform split).
         self.decode_scheduler: Optional[DecodeScheduler] = None
-        if decode_schedule != "uniform" and self.workspace is not None:
+        #: The layer's mask on the unified kernel (None: the causal / sliding-window path).
+        self.mask = mask_plan(spec)
+        masked = self.choices.mask.kernel is MaskPath.UNIFIED_ONLY
+        if decode_schedule != "uniform" and self.workspace is not None and not masked:
             self.decode_scheduler = DecodeScheduler.for_spec(decode_schedule, spec, self.device, num_sms=self.num_sms,
                                                              workspace_segments=self.workspace.max_segments)
         self._plan_args = dict(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-            kv_fp8=spec.is_fp8_kv_cache, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+            kv_fp8=spec.is_fp8_kv_cache, sliding_window=causal_sliding_window(spec),
+            logits_soft_cap=spec.logits_soft_cap,
             use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, config=self.kernel_config,
             device=self.device,
         )
@@ -239,7 +254,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             paged = self.spec.attn_type.uses_kv_cache  # encoder batches have no block table to check
             validate_common_metadata(common, block_size=self.spec.block_size if paged else None)
         raise_pending_faults(self.device)
-        causal = self.spec.causal and common.causal
+        mask, key_end = self._batch_mask(common)
+        causal = self.spec.causal and common.causal and mask is None
         if not self.spec.attn_type.uses_kv_cache:
             plan = plan_attention(  # encoder attention: no cache, no decodes, one varlen launch
                 num_tokens=common.num_actual_tokens, block_size=16, num_seqs=common.num_reqs,
@@ -260,7 +276,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             num_tokens=common.num_actual_tokens, block_size=self.spec.block_size, num_seqs=common.num_reqs,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=self.workspace,
-            decode_query_len=decode_q, use_tree=tree is not None, decode_schedule=schedule,
+            decode_query_len=decode_q, use_tree=tree is not None, decode_schedule=schedule, mask=mask,
             **self._plan_args)
         prefills = causal and split.num_prefills > 0 and tree is None  # a prefill kernel may serve them
         paged = None  # (decodes' plan, the paged Gluon prefill's plan): the prefills with keys from the pages
@@ -274,8 +290,20 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                 and prefill_kernel_pays(common.query_lens_cpu, common.seq_lens_cpu, num_decodes))):
             step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged, schedule)
         else:
-            step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged)
+            step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged,
+                                  span_key_end=key_end)
         return TritonMetadata(common, plan, step, self.runner, self.debug, schedule)
+
+    def _batch_mask(self, common: CommonAttentionMetadata) -> "tuple[Optional[MaskPlan], Optional[torch.Tensor]]":
+        """The batch's mask on the unified kernel and the spans' per-token key ends it reads: (None, None) for a
+        causal layer, and for a spans layer whose batch has no spans (then plainly causal)."""
+        mask = self.mask
+        if mask is None or mask.kind != MASK_SPANS:
+            return mask, None
+        masks = common.masks
+        if masks is None or masks.span_key_end is None:
+            return None, None
+        return mask, masks.span_key_end
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> TritonMetadata:
         """The metadata a CUDA graph captures for ``common``'s shape (``num_reqs`` requests, ``num_actual_tokens``
@@ -286,14 +314,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
           batch scheduled balanced gets a persistent unit table of fixed size that every later :meth:`build` of its
           shape rewrites (so call :meth:`build` on each replayed batch before the replay). It replays decode-only
           batches of the same shape;
-        - any other batch of a paged causal layer without a tree mask: :meth:`_capture_plan_mixed`, one unified
+        - any other batch of a paged causal layer without a tree mask or a mask kind beyond causal: :meth:`_capture_plan_mixed`, one unified
           launch whose grid depends only on the shape, replaying any batch of the same shape, prefills, chunks and
           decodes in any mix;
         - otherwise (encoders, tree masks): :meth:`build`.
         """
         split = split_decodes_and_prefills(common, self.reorder_batch_threshold)
         if (split.num_prefills and self.spec.attn_type.uses_kv_cache and common.spec_tree_mask is None
-                and self.spec.causal and common.causal):
+                and self.spec.causal and common.causal and self.mask is None):
             return self._capture_plan_mixed(common)
         if self.decode_scheduler is None:
             return self.build(common)
@@ -532,6 +560,11 @@ class TritonAttentionBackend(AttentionBackend):
     supports_alibi = True
     supports_logits_soft_cap = True
     supports_sinks = True
+    supported_mask_kinds = frozenset({MaskKind.CAUSAL, MaskKind.NON_CAUSAL, MaskKind.BLOCK_CAUSAL,
+                                      MaskKind.CAUSAL_SPANS})
+    supports_window_right = True
+    mask_decline_notes = {"custom": "the unified kernel reads no packed custom mask (reference and flashinfer "
+                                    "serve custom masks)"}
     # Any step: decode-only shapes from build()'s plan (balanced tables rewritten in place), others from one unified
     # launch whose grid depends only on the shape (TritonMetadataBuilder.build_for_cudagraph_capture).
     cudagraph_support = CudaGraphSupport.ALWAYS

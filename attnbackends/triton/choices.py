@@ -21,6 +21,7 @@ from .prefill_launch import prefill_new_kv_unsupported_reason
 from .decode_schedule import DECODE_SCHEDULE_MODES
 
 __all__ = [
+    "MaskPath",
     "FreshPrefillCacheWrite",
     "FreshPrefillKernel",
     "KernelChoice",
@@ -73,6 +74,27 @@ class FreshPrefillCacheWrite(enum.Enum):
     IN_KERNEL = "in kernel"
     #: The write kernel: first, or beside the prefill on the SMs it leaves (:mod:`.write_beside`).
     WRITE_KERNEL = "write kernel"
+
+
+class MaskPath(enum.Enum):
+    """Which kernels serve the layer's mask (:class:`attnbackends.spec.AttentionMask`)."""
+
+    #: Causal (with a one-sided window or none): every kernel, the prefill kernels and the balanced decode schedule
+    #: included.
+    EVERY_KERNEL = "every kernel"
+    #: Another kind or a window that looks ahead: the unified kernel serves every batch, its decodes on the uniform
+    #: split (the Gluon and Triton prefill kernels and the balanced decode schedule serve causal masks only).
+    UNIFIED_ONLY = "unified kernel only"
+
+
+#: Why the prefill kernels and the balanced decode schedule decline a masked layer.
+MASK_DECLINE = "the layer's mask ({}) is served by the unified kernel only (the prefill kernels and the balanced " \
+               "decode schedule serve causal masks)"
+
+
+def mask_reason(spec: AttentionSpec) -> Optional[str]:
+    """Why the prefill kernels and the balanced decode schedule do not serve ``spec``'s mask; None where they do."""
+    return MASK_DECLINE.format(spec.mask.describe()) if spec.has_extended_mask else None
 
 
 E = TypeVar("E", bound=enum.Enum)
@@ -148,6 +170,7 @@ class TritonKernelChoices:
         CUDA device).
     cache_write_sms : SMs a batch of fresh prompts on the Gluon kernel leaves to a cache write beside it: None, the
         rule's choice per batch (:func:`.write_beside.cache_write_sms`); 0, the write runs first; k, k SMs.
+    mask : which kernels serve the layer's mask (a masked layer: the unified kernel, decodes unscheduled).
     """
 
     prefill_split: KernelChoice[PrefillSplit]
@@ -156,6 +179,7 @@ class TritonKernelChoices:
     fresh_cache_write: KernelChoice[FreshPrefillCacheWrite]
     overlap_decodes: bool
     cache_write_sms: Optional[int]
+    mask: KernelChoice[MaskPath] = KernelChoice(MaskPath.EVERY_KERNEL, "a causal mask")
 
     @classmethod
     def decide(cls, spec: AttentionSpec, options: TritonBuilderOptions,
@@ -174,6 +198,8 @@ class TritonKernelChoices:
             fresh_cache_write=_fresh_cache_write(spec, options),
             overlap_decodes=options.overlap_decodes and is_cuda,
             cache_write_sms=options.cache_write_sms,
+            mask=(KernelChoice(MaskPath.UNIFIED_ONLY, mask_reason(spec)) if mask_reason(spec)
+                  else KernelChoice(MaskPath.EVERY_KERNEL, f"the layer's mask is {spec.mask.describe()}")),
         )
 
 
@@ -186,6 +212,8 @@ def _prefill_split(spec: AttentionSpec, options: TritonBuilderOptions, compute_c
         return KernelChoice(PrefillSplit.OFF, "off by default on the CPU (pass prefill_kernel=True to use it there)")
     if not spec.attn_type.uses_kv_cache:
         return KernelChoice(PrefillSplit.OFF, "encoder attention")
+    if mask_reason(spec):
+        return KernelChoice(PrefillSplit.OFF, mask_reason(spec))
     why = prefill_new_kv_unsupported_reason(
         head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
         use_alibi=spec.alibi_slopes is not None, compute_capability=compute_capability, interpreted=interpreted,
@@ -202,6 +230,8 @@ def _fresh_prefill(spec: AttentionSpec, options: TritonBuilderOptions, compute_c
                    interpreted: bool) -> KernelChoice[FreshPrefillKernel]:
     if not options.hopper_prefill:
         return KernelChoice(FreshPrefillKernel.AS_OTHER_PREFILLS, "turned off (hopper_prefill=False)")
+    if mask_reason(spec):
+        return KernelChoice(FreshPrefillKernel.AS_OTHER_PREFILLS, mask_reason(spec))
     why = hopper_prefill_reason(spec, compute_capability, interpreted=interpreted,
                                 deterministic=options.deterministic)
     if why:
@@ -219,6 +249,8 @@ def _paged_prefill(spec: AttentionSpec, options: TritonBuilderOptions, compute_c
                                               "on alone)")
     if asked is None and not PAGED_PREFILL_DEFAULT:
         return KernelChoice(PagedPrefill.OFF, "off unless asked for (hopper_paged_prefill=True)")
+    if mask_reason(spec):
+        return KernelChoice(PagedPrefill.OFF, mask_reason(spec))
     why = paged_prefill_reason(spec, compute_capability, interpreted=interpreted, deterministic=options.deterministic)
     if why:
         return KernelChoice(PagedPrefill.OFF, why)

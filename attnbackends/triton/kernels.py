@@ -22,6 +22,10 @@ work units of near-equal size and the decode programs run one unit each (grid (K
 gets many programs and a short one one). A unit is a request, a tile-aligned key range, its index among its request's
 units and their count; a request with one unit writes its output directly, the units of a split request write
 partials at their index and the last to finish merges them (the same fused merge, with the request's own count).
+
+Layer mask kinds (``MASK_KIND`` != 0: non-causal over the cache, block-causal, causal plus spans, two-sided
+windows): each row sees one interval of keys, computed by :mod:`.mask_math`, which also bounds the tiles visited and
+the unmasked ones.
 """
 
 import triton
@@ -31,6 +35,7 @@ from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import load_kv_scales
 from ..ops.tree_mask import tree_visible
+from .mask_math import interval_visible, row_key_bounds, tile_bounds
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -52,10 +57,11 @@ def _attn_tile(
     acc, l_i, m_i, q, j,
     key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
+    MASK_KIND: tl.constexpr,
 ):
     offs_n = j * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
     n_ok = offs_n < kv_end
@@ -105,7 +111,9 @@ def _attn_tile(
     if USE_ALIBI:
         s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
     if MASKED:
-        if CAUSAL:
+        if MASK_KIND != 0:  # the layer's mask kind: each row's keys [row_lo, row_hi) (.mask_math)
+            vis = interval_visible(offs_n, row_lo, row_hi)
+        elif CAUSAL:
             vis = offs_n[None, :] <= pos[:, None]
         else:  # every key of the sequence, also for queries past its length (cross-attention: more queries than keys)
             vis = n_ok[None, :]
@@ -130,10 +138,11 @@ def _attn_range(
     acc, l_i, m_i, q, lo, hi,
     key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
+    MASK_KIND: tl.constexpr,
 ):
     """Tiles lo..hi-1. Compiled: a pipelined for-loop. Interpreted: a while-loop, because the interpreter
     (with numpy >= 2.3) cannot turn its 1-element scalar arrays into range() bounds."""
@@ -143,18 +152,18 @@ def _attn_range(
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-                MASKED, USE_TREE, INTERPRET)
+                MASKED, USE_TREE, INTERPRET, MASK_KIND)
             j += 1
     else:
         for j in range(lo, hi):
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-                MASKED, USE_TREE, INTERPRET)
+                MASKED, USE_TREE, INTERPRET, MASK_KIND)
     return acc, l_i, m_i
 
 
@@ -162,6 +171,7 @@ def _attn_range(
 def _attend(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
+    key_end_ptr, mask_block, window_left, window_right,
     seq_idx, q_block, kv_head, segm, unit_lo, unit_hi, num_units,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -172,6 +182,7 @@ def _attend(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, Q_FP16: tl.constexpr,
     RETURN_LSE: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr, SCHEDULED: tl.constexpr,
+    MASK_KIND: tl.constexpr,
 ):
     """One program's rows (query block ``q_block`` of ``seq_idx`` x the ``QPK`` query heads of ``kv_head``) over
     its keys: segment ``segm`` of ``NUM_SEGMENTS``, or with ``SCHEDULED`` the work unit ``segm`` of ``num_units``
@@ -230,6 +241,14 @@ def _attend(
         else:
             kv_lo = 0
             full_lo = 0
+        if MASK_KIND != 0:
+            row_lo, row_hi = row_key_bounds(pos, row_ok, q_start + tok, seq_len, key_end_ptr, mask_block,
+                                            window_left, window_right, MASK_KIND)
+            kv_lo, kv_end, full_lo, mask_full_hi = tile_bounds(row_lo, row_hi, row_ok, TILE_N)
+            full_hi = tl.minimum(full_hi, mask_full_hi)
+        else:
+            row_lo = pos
+            row_hi = pos
         tile_lo = kv_lo // TILE_N
         tile_hi = _cdiv(kv_end, TILE_N)
         if SCHEDULED:
@@ -263,23 +282,23 @@ def _attend(
             acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET)
+            True, USE_TREE, INTERPRET, MASK_KIND)
         acc, l_i, m_i = _attn_range(
             acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            False, USE_TREE, INTERPRET)
+            False, USE_TREE, INTERPRET, MASK_KIND)
         acc, l_i, m_i = _attn_range(
             acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len,
+            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET)
+            True, USE_TREE, INTERPRET, MASK_KIND)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]
@@ -403,20 +422,20 @@ def _merge_when_last(
 @triton.jit(
     do_not_specialize=["num_blocks", "num_seqs", "num_decodes", "num_decode_programs", "stride_qt", "stride_qh",
                        "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph", "stride_ps", "stride_lt",
-                       "stride_lh", "stride_lse_h"],
+                       "stride_lh", "stride_lse_h", "mask_block", "window_left", "window_right"],
     do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "alibi_ptr",
                                     "sinks_ptr", "partial_lse_ptr", "lse_out_ptr", "counter_ptr", "k_scale",
-                                    "v_scale", "tree_mask_ptr", "tree_indptr_ptr", "schedule_ptr"],
+                                    "v_scale", "tree_mask_ptr", "tree_indptr_ptr", "schedule_ptr", "key_end_ptr"],
 )
 def _unified_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, counter_ptr, k_scale, v_scale,
-    tree_mask_ptr, tree_indptr_ptr, schedule_ptr,
+    tree_mask_ptr, tree_indptr_ptr, schedule_ptr, key_end_ptr,
     num_seqs, num_decodes, num_decode_programs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_lse_h,
-    softmax_scale, soft_cap,
+    softmax_scale, soft_cap, mask_block, window_left, window_right,
     QPK: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DECODE_PATH: tl.constexpr, DECODE_BLOCK_M: tl.constexpr, DECODE_TILE_N: tl.constexpr,
     GENERIC_PATH: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
@@ -424,7 +443,7 @@ def _unified_attention_kernel(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
     DECODE_Q: tl.constexpr, USE_TREE: tl.constexpr, FUSED_REDUCE: tl.constexpr, SEG_PAD: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, DECODE_SCHEDULED: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, DECODE_SCHEDULED: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """Grid: (num_decode_programs + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
     NUM_SEGMENTS). Programs below num_decode_programs (= num_decodes) take one decode sequence each (query_len <=
@@ -475,7 +494,7 @@ def _unified_attention_kernel(
                     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                     seq_lens_ptr, query_start_loc_ptr,
                     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr,
-                    tree_indptr_ptr,
+                    tree_indptr_ptr, key_end_ptr, mask_block, window_left, window_right,
                     seq_idx, 0, kv_head, meta & 0xFFFF, tl.load(unit + 1), tl.load(unit + 2), num_units,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -483,7 +502,7 @@ def _unified_attention_kernel(
                     q_scale, qk_scale, soft_cap, vs,
                     QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                     PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, 1, KV_FP8, RETURN_LSE,
-                    USE_TREE, INTERPRET, True)
+                    USE_TREE, INTERPRET, True, MASK_KIND)
                 if num_units > 1:
                     # Every unit of a split request takes its ticket, also where it had no tokens or keys.
                     _merge_when_last(
@@ -497,6 +516,7 @@ def _unified_attention_kernel(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                 seq_lens_ptr, query_start_loc_ptr,
                 alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
+                key_end_ptr, mask_block, window_left, window_right,
                 pid, 0, kv_head, segm, 0, 0, 1,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -504,7 +524,7 @@ def _unified_attention_kernel(
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                USE_TREE, INTERPRET, False)
+                USE_TREE, INTERPRET, False, MASK_KIND)
         if FUSED_REDUCE:
             # Outside every condition: each segment program takes its ticket, also where it had no tokens or keys.
             _merge_when_last(
@@ -538,6 +558,7 @@ def _unified_attention_kernel(
                 query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks,
                 seq_lens_ptr, query_start_loc_ptr,
                 alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
+                key_end_ptr, mask_block, window_left, window_right,
                 seq_idx, q_block, kv_head, segm, 0, 0, 1,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -545,7 +566,7 @@ def _unified_attention_kernel(
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, BLOCK_Q, BLOCK_M, TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                USE_TREE, INTERPRET, False)
+                USE_TREE, INTERPRET, False, MASK_KIND)
 
 
 @triton.jit(

@@ -31,6 +31,7 @@ from ..ops.launch import DirectLauncher
 from ..ops.launch_math import next_power_of_2
 from ..ops.quant import FP8_DTYPES
 from ..platform import is_triton_interpreted
+from ..spec import AttentionSpec, MaskKind
 from ..validation import check_return_lse, check_unified_attention_args, check_varlen_attention_args
 from .heuristics import (
     MAX_KV_SPLITS,
@@ -42,12 +43,16 @@ from .heuristics import (
 )
 from .decode_schedule import SCHEDULED_MERGE_VALUES, DecodeSchedule
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
+from .mask_math import MASK_BLOCK_CAUSAL, MASK_NON_CAUSAL, MASK_NONE, MASK_SPANS
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "LaunchPlan",
+    "MaskPlan",
     "SplitKVWorkspace",
+    "causal_sliding_window",
+    "mask_plan",
     "launch_attention",
     "plan_attention",
     "unified_attention",
@@ -134,7 +139,7 @@ UNIFIED_CONSTEXPRS = (
     "QPK", "HEAD_SIZE", "HEAD_PAD", "BLOCK_SIZE", "DECODE_PATH", "DECODE_BLOCK_M", "DECODE_TILE_N", "GENERIC_PATH",
     "BLOCK_Q", "BLOCK_M", "TILE_N", "PAGED", "CAUSAL", "SLIDING_WINDOW", "USE_SOFTCAP", "USE_ALIBI", "USE_SINKS",
     "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET", "DECODE_Q", "USE_TREE", "FUSED_REDUCE",
-    "SEG_PAD", "MERGE_ROWS", "DECODE_SCHEDULED",
+    "SEG_PAD", "MERGE_ROWS", "DECODE_SCHEDULED", "MASK_KIND",
 )
 REDUCE_CONSTEXPRS = ("HEAD_SIZE", "HEAD_PAD", "NUM_SEGMENTS", "SEG_PAD", "RETURN_LSE")
 
@@ -163,6 +168,8 @@ class LaunchPlan:
         launch, for an unsplit or a fused plan).
     decode_schedule : the decodes' balanced schedule (:mod:`.decode_schedule`; grid (num_kv_heads, programs, 1),
         the units merged in the launch through ``workspace``), or None: one program per decode (x segments).
+    mask_args : the layer mask's runtime ints (block length, window left, window right; -1: that window side
+        unbounded) beside the ``MASK_KIND`` constexpr (:mod:`.mask_math`).
     """
 
     grid: tuple[int, int, int]
@@ -179,6 +186,7 @@ class LaunchPlan:
     reduce_constexprs: tuple
     reduce_num_warps: int
     decode_schedule: Optional[DecodeSchedule] = None
+    mask_args: tuple[int, int, int] = (0, -1, -1)
 
     @property
     def num_kv_splits(self) -> int:
@@ -199,6 +207,7 @@ def plan_attention(
     num_kv_splits: Optional[int] = None, num_sms: int = 1, workspace: Optional[SplitKVWorkspace] = None,
     config: Optional[KernelConfig] = None, device: Union[torch.device, str, None] = None,
     decode_query_len: int = 1, use_tree: bool = False, decode_schedule: Optional[DecodeSchedule] = None,
+    mask: Optional["MaskPlan"] = None,
 ) -> LaunchPlan:
     """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
 
@@ -218,7 +227,13 @@ def plan_attention(
     (:func:`schedule_fits`), the config's decode tile must divide the schedule's alignment, and ``num_kv_splits``
     must be None or 1. Where the units and the prefill programs together exceed the grid's :data:`MAX_GRID_Y`, the
     plan runs one program per decode instead (no schedule).
+
+    ``mask``: the layer's mask kind on the unified kernel (:class:`.mask_math` kinds, :func:`mask_plan`); None: the
+    ``causal`` / ``sliding_window`` path. A masked plan takes no decode schedule.
     """
+    if mask is not None and decode_schedule is not None:
+        raise ValueError("a masked plan runs its decodes unscheduled: the balanced decode schedule serves causal "
+                         "layers only")
     qpk = num_heads // num_kv_heads
     if num_decodes is None:
         num_decodes = num_seqs if max_query_len <= 1 else 0
@@ -271,7 +286,7 @@ def plan_attention(
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
         num_kv_splits, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), fused_reduce, seg_pad,
-        merge_rows, False,
+        merge_rows, False, mask.kind if mask is not None else MASK_NONE,
     )
     reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs and not fused_reduce else None
     return LaunchPlan(
@@ -280,6 +295,7 @@ def plan_attention(
         workspace=workspace, partial_strides=partial_strides, fused_reduce=fused_reduce, reduce_grid=reduce_grid,
         reduce_constexprs=(head_size, head_pad, num_kv_splits, seg_pad, return_lse),
         reduce_num_warps=4 if head_pad * num_kv_splits >= 2048 else 2,
+        mask_args=mask.args if mask is not None else (0, -1, -1),
     )
 
 
@@ -342,7 +358,7 @@ def _plan_scheduled(
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
         1, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), False, seg_pad,
-        merge_rows, True,
+        merge_rows, True, MASK_NONE,
     )
     return LaunchPlan(
         grid=(num_kv_heads, programs, 1), num_seqs=num_seqs, num_decodes=num_decodes, constexprs=constexprs,
@@ -351,6 +367,38 @@ def _plan_scheduled(
         reduce_grid=None, reduce_constexprs=(head_size, head_pad, 1, 1, return_lse), reduce_num_warps=2,
         decode_schedule=schedule,
     )
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """A layer's mask on the unified kernel: the ``MASK_KIND`` constexpr (:mod:`.mask_math`) and its runtime ints
+    ``args`` (block length, window left, window right; -1: unbounded side)."""
+
+    kind: int
+    args: tuple[int, int, int]
+
+
+def mask_plan(spec: AttentionSpec) -> Optional[MaskPlan]:
+    """The unified kernel's plan for ``spec``'s mask; None for a causal layer (its window, one-sided, runs as the
+    kernel's ``SLIDING_WINDOW``: :func:`causal_sliding_window`). ValueError for a kind the kernel does not serve
+    (custom masks: the backend declines them)."""
+    kind = spec.mask.kind
+    if kind is MaskKind.CAUSAL or not spec.attn_type.is_causal:
+        return None
+    codes = {MaskKind.NON_CAUSAL: MASK_NON_CAUSAL, MaskKind.BLOCK_CAUSAL: MASK_BLOCK_CAUSAL,
+             MaskKind.CAUSAL_SPANS: MASK_SPANS}
+    if kind not in codes:
+        raise ValueError(f"mask kind {kind.value!r} is not served by the unified kernel")
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    return MaskPlan(codes[kind], (spec.mask.block_len or 0, left, right))
+
+
+def causal_sliding_window(spec: AttentionSpec) -> Optional[int]:
+    """The ``sliding_window`` (keys seen, self included) of a causal layer's window, from ``sliding_window`` or a
+    one-sided ``mask.window`` (left, 0); None without a window or for a masked layer (:func:`mask_plan`)."""
+    if spec.mask.kind is not MaskKind.CAUSAL or spec.window is None:
+        return None
+    return spec.window[0] + 1
 
 
 def _alignment(t: torch.Tensor) -> bool:
@@ -364,6 +412,7 @@ def launch_attention(
     alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, k_scale: Scale = 1.0,
     v_scale: Scale = 1.0, return_lse: Optional[torch.Tensor] = None, *, cache_key: Optional[tuple] = None,
     tree_mask: Optional[torch.Tensor] = None, tree_indptr: Optional[torch.Tensor] = None,
+    span_key_end: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Run ``plan`` on these tensors (no checks: see :func:`unified_attention` for the shapes).
 
@@ -371,7 +420,9 @@ def launch_attention(
     paged; ``[num_tokens, num_kv_heads, head_size]`` keys and values otherwise (``seq_lens`` and ``block_table``
     None). ``cache_key``: what the caller knows fixes the caches' part of the compiled-kernel key (their dtype,
     strides and alignment); computed here when None. ``tree_mask`` ([sum n_i^2] uint8) and ``tree_indptr``
-    ([num_seqs + 1] int32): the packed tree mask of a plan made with ``use_tree``.
+    ([num_seqs + 1] int32): the packed tree mask of a plan made with ``use_tree``. ``span_key_end`` ([num_tokens]
+    int32): per token, the end of its visible keys, for a plan of mask kind spans
+    (:attr:`attnbackends.masks.BatchMasks.span_key_end`).
     """
     if plan.grid[0] == 0:
         return output
@@ -406,11 +457,11 @@ def launch_attention(
         partial_out, partial_lse, lse, counters,
         k_scale if scales_are_ptrs else float(k_scale), v_scale if scales_are_ptrs else float(v_scale),
         tree_mask if tree_mask is not None else dummy, tree_indptr if tree_indptr is not None else dummy,
-        schedule.units if schedule is not None else dummy,
+        schedule.units if schedule is not None else dummy, span_key_end if span_key_end is not None else dummy,
         plan.num_seqs, plan.num_decodes, plan.num_decode_programs,
         q_strides[0], q_strides[1], o_strides[0], o_strides[1],
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        *plan.partial_strides, lse_stride_h, softmax_scale, logits_soft_cap,
+        *plan.partial_strides, lse_stride_h, softmax_scale, logits_soft_cap, *plan.mask_args,
     )
     out_aligned = _alignment(output)
     key = (plan.constexprs, plan.num_warps, plan.num_stages, query.dtype, output.dtype, block_table.dtype,

@@ -153,6 +153,8 @@ class TritonStepPlan:
         ``use_tree``), else None.
     paged_no_new_kv, paged_new_kv : the programs on the paged Gluon prefill without / with new keys; None: not
         planned for this batch.
+    span_key_end : [num_tokens] int32, the batch's spans as per-token key ends for unified launches planned with
+        the spans mask (:attr:`attnbackends.masks.BatchMasks.span_key_end`), else None.
     """
 
     no_cache: StepProgram
@@ -166,6 +168,7 @@ class TritonStepPlan:
     tree_mask: Optional[torch.Tensor] = None
     paged_no_new_kv: Optional[StepProgram] = None
     paged_new_kv: Optional[StepProgram] = None
+    span_key_end: Optional[torch.Tensor] = None
 
     def program_for(self, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
                     output: torch.Tensor, kv_cache: Optional[torch.Tensor],
@@ -249,7 +252,8 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
                    cache_write_sms: int = 0, unwritten_prefill: Optional[Launch] = None,
                    write_todo: Optional[torch.Tensor] = None,
                    tree_mask: Optional[torch.Tensor] = None,
-                   paged: "Optional[tuple[Optional[LaunchPlan], Any]]" = None) -> TritonStepPlan:
+                   paged: "Optional[tuple[Optional[LaunchPlan], Any]]" = None,
+                   span_key_end: Optional[torch.Tensor] = None) -> TritonStepPlan:
     """The step plan of a batch whose unified launch is ``attention`` and, where the builder split it, whose
     decodes run ``decode`` (None: no decodes) and whose prefills run ``prefill`` (a launch of a prefill kind).
 
@@ -267,7 +271,11 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
         one never splits).
     paged : (the decodes' unified plan or None, the paged Gluon prefill's plan) where the builder planned the
         batch's prefills on the paged kernel: the ``paged_*`` programs.
+    span_key_end : the spans' per-token key ends for an ``attention`` planned with the spans mask (a masked batch
+        never splits).
     """
+    if span_key_end is not None and (prefill is not None or paged is not None):
+        raise ValueError("a batch with bidirectional spans runs unsplit (the prefill kernels serve causal masks)")
     no_cache = StepProgram((Launch(LaunchKind.ATTENTION_NO_CACHE, attention),), WritePolicy.NONE)
     no_new_kv = StepProgram((Launch(LaunchKind.ATTENTION, attention),), WritePolicy.NONE)
     new_kv = StepProgram((_WRITE, Launch(LaunchKind.ATTENTION, attention)), WritePolicy.FIRST)
@@ -284,7 +292,8 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
         if decode is not None or write is not WritePolicy.FIRST or overlap or cache_write_sms or unwritten_prefill:
             raise ValueError("decode, write, overlap, cache_write_sms and unwritten_prefill describe a split: "
                              "pass the split's prefill launch too")
-        return TritonStepPlan(no_cache, no_new_kv, new_kv, tree_mask=tree_mask, **paged_programs)
+        return TritonStepPlan(no_cache, no_new_kv, new_kv, tree_mask=tree_mask, span_key_end=span_key_end,
+                              **paged_programs)
     if tree_mask is not None:
         raise ValueError("a batch with a tree mask runs unsplit (the prefill kernels take no tree mask)")
     if prefill.kind not in PREFILL_KINDS or prefill.stream is not StreamRole.MAIN:
