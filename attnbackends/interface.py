@@ -149,9 +149,11 @@ class AttentionBackend(ABC):
         reasons += cls._device_reasons(device)
         reasons += cls.spec_reasons(spec)
         fp8_cc = cls.min_compute_capability_fp8_e4m3
-        if fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda:
+        if (fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_per_token_head", "nvfp4")
+                and device.is_cuda):
             if device.compute_capability < fp8_cc:
-                reasons.append(f"fp8 e4m3 KV cache needs compute capability >= {fp8_cc[0]}.{fp8_cc[1]}")
+                reasons.append(f"fp8 e4m3 values or scales in the KV cache ({spec.kv_cache_dtype}) need compute "
+                               f"capability >= {fp8_cc[0]}.{fp8_cc[1]}")
         return reasons
 
     @classmethod

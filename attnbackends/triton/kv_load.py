@@ -26,8 +26,8 @@ from ..ops.kv_quant import e2m1_decode
 from ..spec import KVCacheFormat
 
 __all__ = [
-    "KV_NVFP4", "KV_PLAIN", "KV_TOKEN_HEAD_8BIT", "KV_TOKEN_HEAD_INT4", "PV_FOLD", "fold_v_scales",
-    "kernel_kv_format", "launch_tensor_scales", "load_kv_tile", "scale_scores",
+    "KV_NVFP4", "KV_PLAIN", "KV_TOKEN_HEAD_8BIT", "KV_TOKEN_HEAD_INT4", "PV_FOLD", "dots_in_fp16", "fold_v_scales",
+    "kernel_kv_format", "launch_tensor_scales", "load_kv_tile", "quantised_cache_reason", "scale_scores",
 ]
 
 KV_PLAIN = 0
@@ -51,6 +51,22 @@ _KERNEL_FORMATS = {
 def kernel_kv_format(fmt: KVCacheFormat) -> int:
     """The kernel's ``KV_FORMAT`` of a cache format."""
     return _KERNEL_FORMATS[fmt]
+
+
+def dots_in_fp16(spec) -> bool:
+    """Whether the unified kernel runs a layer's dots in float16 over converted cache values (the ``kv_fp8`` of its
+    plans and tile choices): fp8 per tensor, and every format with page scales."""
+    return spec.is_fp8_kv_cache or spec.kv_cache_format.scales_in_pages
+
+
+def quantised_cache_reason(spec) -> "str | None":
+    """Why the prefill kernels (Triton prefill, both Gluon Hopper prefills) do not read a layer's cache: a format
+    with page scales is read by the unified kernel only (None: they may)."""
+    fmt = spec.kv_cache_format
+    if fmt.scales_in_pages:
+        return (f"a {spec.kv_cache_dtype} KV cache (scales beside its pages) is read by the unified kernel only; "
+                "its prefills run there")
+    return None
 
 
 def launch_tensor_scales(fmt: KVCacheFormat, k_scale, v_scale):
