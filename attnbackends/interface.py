@@ -168,7 +168,14 @@ class AttentionBackend(ABC):
             reasons.append(f"dtype {spec.dtype} not supported (supported: {', '.join(sorted(cls.supported_dtypes))})")
         if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             allowed = ", ".join(sorted(cls.supported_kv_cache_dtypes))
-            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} not supported (supported: {allowed})")
+            why = (": its kernels do not read scales stored beside the pages" if spec.kv_cache_format.scales_in_pages
+                   else "")
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} not supported{why} (supported: {allowed})")
+        elif spec.kv_cache_format.scales_in_pages:
+            try:
+                kv_page_layout(spec)
+            except ValueError as exc:
+                reasons.append(str(exc))
         if not cls.supports_head_size(spec.head_size):
             reasons.append(f"head_size {spec.head_size} not supported (supported: {cls.capabilities()['head_sizes']})")
         if (
