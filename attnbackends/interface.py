@@ -188,6 +188,7 @@ class AttentionBackend(ABC):
         if (
             cls.kv_cache_16bit_must_match_dtype
             and not spec.is_fp8_kv_cache
+            and not spec.kv_cache_format.scales_in_pages
             and spec.kv_cache_dtype not in ("auto", spec.dtype)
         ):
             reasons.append(
