@@ -162,8 +162,8 @@ def _oracle(q, keys, values, query_lens, context_lens, scale):
     """float64 causal attention per request over the exact (unquantised) keys and values."""
     outs, start = [], 0
     for i, (ql, cl) in enumerate(zip(query_lens, context_lens)):
-        k, v = keys[i].double(), values[i].double()  # [L, Hkv, D]
-        qq = q[start:start + ql].double()
+        k, v = keys[i].double().cpu(), values[i].double().cpu()  # [L, Hkv, D]
+        qq = q[start:start + ql].double().cpu()
         start += ql
         group = qq.shape[1] // k.shape[1]
         kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -174,7 +174,7 @@ def _oracle(q, keys, values, query_lens, context_lens, scale):
     return torch.cat(outs)
 
 
-def _batch(spec, query_lens, context_lens, *, seed=0, outlier_heads=()):
+def _batch(spec, query_lens, context_lens, *, seed=0, outlier_heads=(), device="cpu"):
     """A random batch over random pages: (common, q, per-request keys and values, step keys and values)."""
     gen = torch.Generator().manual_seed(seed)
     bs, hkv, d = spec.block_size, spec.num_kv_heads, spec.head_size
@@ -193,20 +193,22 @@ def _batch(spec, query_lens, context_lens, *, seed=0, outlier_heads=()):
     keys = [k.to(dt) for k in keys]
     values = [v.to(dt) for v in values]
     q = torch.randn(sum(query_lens), spec.num_heads, d, generator=gen).to(dt)
-    common = build_common_metadata(query_lens, context_lens, tables, block_size=bs)
+    common = build_common_metadata(query_lens, context_lens, tables, block_size=bs, device=device)
     prefill = build_common_metadata([q + c for q, c in zip(query_lens, context_lens)], [0] * len(tables), tables,
-                                    block_size=bs)
-    return common, prefill, q, keys, values, len(perm)
+                                    block_size=bs, device=device)
+    to = lambda ts: [t.to(device) for t in ts]  # noqa: E731
+    return common, prefill, q.to(device), to(keys), to(values), len(perm)
 
 
 def _run(backend, spec, common, prefill, q, keys, values, num_blocks, cache=None, **builder_kw):
     """Write every token through ``backend``'s update_kv_cache (unless ``cache`` is given), then attend."""
     impl = backend.get_impl_cls()(spec, **_scales(spec))
+    device = q.device
     if cache is None:
-        cache = backend.allocate_kv_cache(num_blocks, spec)
+        cache = backend.allocate_kv_cache(num_blocks, spec, device)
         _pages(cache).fill_(0)
         impl.update_kv_cache(torch.cat(keys), torch.cat(values), cache, prefill.slot_mapping)
-    md = backend.get_builder_cls()(spec, "cpu", **builder_kw).build(common)
+    md = backend.get_builder_cls()(spec, device, **builder_kw).build(common)
     out = torch.full_like(q, float("nan"))
     impl.forward(q, None, None, cache, md, out)
     return out.float(), cache
@@ -320,3 +322,40 @@ def test_scales_only_where_a_format_takes_them():
     with pytest.raises(ValueError, match="per-tensor scales apply"):
         ReferenceBackend.get_impl_cls()(_spec("int8_per_token_head"), k_scale=0.5)
     ReferenceBackend.get_impl_cls()(_spec("nvfp4"), k_scale=0.5)  # NVFP4's global scale
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: realistic shapes (Llama-3-8B layer: 32 query / 8 KV heads of 128, page 16, bfloat16)
+# ----------------------------------------------------------------------------------------------------------------
+def _lognormal_lens(n, median, sigma, seed, cap):
+    gen = torch.Generator().manual_seed(seed)
+    lens = (torch.randn(n, generator=gen) * sigma + math.log(median)).exp().round().clamp(1, cap)
+    return [int(x) for x in lens]
+
+
+GPU_CASES = {
+    # name: (query lens, context lens, builder options, spec options)
+    "uniform_b64": ([1] * 64, [1024] * 64, {"decode_schedule": "uniform"}, {}),
+    "ragged_b64_balanced": ([1] * 64, _lognormal_lens(64, 700, 0.9, 1, 6000), {"decode_schedule": "balanced"}, {}),
+    "ragged_mixed": ([1] * 48 + [200, 64], _lognormal_lens(48, 500, 0.9, 2, 4000) + [300, 0], {}, {}),
+    "verify_b64": ([3] * 64, [900] * 64, {}, {"num_speculative_tokens": 2}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_gpu_triton_reads_like_the_reference(kv_cache_dtype, case):
+    ql, cl, builder_kw, spec_kw = GPU_CASES[case]
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                         block_size=16, **spec_kw)
+    common, prefill, q, keys, values, nb = _batch(spec, ql, cl, seed=len(case), device="cuda")
+    out_t, cache = _run(TritonAttentionBackend, spec, common, prefill, q, keys, values, nb, **builder_kw)
+    out_r, _ = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb, cache=cache)
+    assert torch.isfinite(out_t).all()
+    assert _rel(out_t, out_r) < 6e-3  # bfloat16 output rounding and float16 dots
+    assert torch.allclose(out_t, out_r, atol=1.5e-2, rtol=0)
+    want = _oracle(q, keys, values, ql, cl, spec.softmax_scale)
+    assert _rel(out_t.cpu(), want) < ORACLE_BOUND[kv_cache_dtype] + 6e-3
+    out_w, cache_w = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb)
+    assert torch.equal(_pages(cache_w), _pages(cache))  # the fused write and the torch write agree bit for bit
