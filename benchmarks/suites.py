@@ -74,6 +74,13 @@ SUITES: dict[str, Suite] = {
                        "prepare, one copy) vs build_common_metadata from lists; add/finish per request"),
     "hf_generate_batch": Suite("benchmarks.hf_generate_batch", "transformers' generate_batch tokens/s with "
                                "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
+    "kv_quant_decode": Suite("benchmarks.kv_quant", "decode over quantised KV caches (per-token-head fp8/int8/int4, "
+                             "NVFP4, fp8 per tensor) vs our bf16 cache, uniform and ragged, bytes moved",
+                             args=("--mode", "decode")),
+    "kv_quant_prefill": Suite("benchmarks.kv_quant", "a chunk on cached context over quantised KV caches vs our bf16 "
+                              "cache", args=("--mode", "prefill")),
+    "kv_quant_accuracy": Suite("benchmarks.kv_quant", "output error of each quantised KV cache vs the bf16 cache, "
+                               "random and outlier-head data", args=("--mode", "accuracy")),
     "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",
                        gpus=2),
 }
