@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .speculative.draft_steps import DraftSteps
 from . import platform as _platform
 from .platform import DeviceInfo
+from .ops.kv_layout import allocate_kv_cache_pages, kv_page_layout
 from .spec import AttentionSpec, AttentionType, MaskKind
 from .ops.page_guard import guard_block_table
 from .validation import (check_batch_for_spec, check_batch_limits, check_device_available, check_forward_inputs,
@@ -156,9 +157,11 @@ class AttentionBackend(ABC):
         reasons += cls._device_reasons(device)
         reasons += cls.spec_reasons(spec)
         fp8_cc = cls.min_compute_capability_fp8_e4m3
-        if fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3") and device.is_cuda:
+        if (fp8_cc is not None and spec.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_per_token_head", "nvfp4")
+                and device.is_cuda):
             if device.compute_capability < fp8_cc:
-                reasons.append(f"fp8 e4m3 KV cache needs compute capability >= {fp8_cc[0]}.{fp8_cc[1]}")
+                reasons.append(f"fp8 e4m3 values or scales in the KV cache ({spec.kv_cache_dtype}) need compute "
+                               f"capability >= {fp8_cc[0]}.{fp8_cc[1]}")
         return reasons
 
     @classmethod
@@ -173,7 +176,14 @@ class AttentionBackend(ABC):
             reasons.append(f"dtype {spec.dtype} not supported (supported: {', '.join(sorted(cls.supported_dtypes))})")
         if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             allowed = ", ".join(sorted(cls.supported_kv_cache_dtypes))
-            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} not supported (supported: {allowed})")
+            why = (": its kernels do not read scales stored beside the pages" if spec.kv_cache_format.scales_in_pages
+                   else "")
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} not supported{why} (supported: {allowed})")
+        elif spec.kv_cache_format.scales_in_pages:
+            try:
+                kv_page_layout(spec)
+            except ValueError as exc:
+                reasons.append(str(exc))
         if not cls.supports_head_size(spec.head_size):
             reasons.append(f"head_size {spec.head_size} not supported (supported: {cls.capabilities()['head_sizes']})")
         if (
@@ -186,6 +196,7 @@ class AttentionBackend(ABC):
         if (
             cls.kv_cache_16bit_must_match_dtype
             and not spec.is_fp8_kv_cache
+            and not spec.kv_cache_format.scales_in_pages
             and spec.kv_cache_dtype not in ("auto", spec.dtype)
         ):
             reasons.append(
@@ -265,8 +276,9 @@ class AttentionBackend(ABC):
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
-        """Shape of one layer's KV cache: [num_blocks, 2, block_size, num_kv_heads, head_size] by default."""
-        return (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+        """Shape of one layer's KV cache: [num_blocks, 2, block_size, num_kv_heads, head_size] by default
+        (head_size // 2 for the formats that pack two values a byte)."""
+        return (num_blocks, 2, spec.block_size, spec.num_kv_heads, kv_page_layout(spec).storage_head_size)
 
     @classmethod
     def allocate_kv_cache(
@@ -276,10 +288,18 @@ class AttentionBackend(ABC):
 
         Its memory holds whatever was there before (possibly NaN): only slots the impls have written (through
         ``forward`` or ``update_kv_cache``) may be attended over; context a batch claims but never wrote is garbage.
+
+        A format whose scales are written with the tokens (``kv_cache_dtype`` per token and head, or NVFP4) keeps
+        them beside its pages: one page is its K values, its V values, then their scales
+        (:mod:`attnbackends.ops.kv_layout` has the byte layout), and the tensor returned is the values' view
+        ``[num_blocks, 2, block_size, num_kv_heads, head_size (or head_size // 2 packed)]`` whose block stride is
+        the whole page (:func:`attnbackends.ops.kv_layout.kv_scale_views` gives the scales).
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         device = check_device_available(device)
+        if spec.kv_cache_format.scales_in_pages:
+            return allocate_kv_cache_pages(num_blocks, spec, device)
         return torch.empty(cls.kv_cache_shape(num_blocks, spec), dtype=spec.kv_cache_torch_dtype, device=device)
 
     @classmethod
@@ -331,9 +351,10 @@ def _scale_value(name: str, value: Any, spec: AttentionSpec) -> float:
     value = float(value)
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a positive finite number, got {value}")
-    if value != 1.0 and not spec.is_fp8_kv_cache:
-        raise ValueError(f"{name}={value} given but kv_cache_dtype is {spec.kv_cache_dtype!r}: scales apply to fp8 "
-                         "caches only (use kv_cache_dtype 'fp8', 'fp8_e4m3' or 'fp8_e5m2', or leave the scale at 1.0)")
+    if value != 1.0 and not spec.kv_cache_format.uses_tensor_scale:
+        raise ValueError(f"{name}={value} given but kv_cache_dtype is {spec.kv_cache_dtype!r}: per-tensor scales apply "
+                         "to fp8 caches (kv_cache_dtype 'fp8', 'fp8_e4m3' or 'fp8_e5m2') and to NVFP4's global scale "
+                         "only (per-token-head formats compute theirs on write); leave the scale at 1.0")
     return value
 
 

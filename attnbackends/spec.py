@@ -30,6 +30,9 @@ __all__ = [
     "dtype_name",
     "torch_dtype_of",
     "kv_cache_torch_dtype",
+    "KVCacheFormat",
+    "QUANTIZED_KV_CACHE_DTYPES",
+    "kv_cache_format",
 ]
 
 BACKEND_ENV_VAR = "ATTNBACKENDS_BACKEND"
@@ -39,7 +42,7 @@ BACKEND_ENV_VAR = "ATTNBACKENDS_BACKEND"
 MAX_BLOCK_SIZE = 1024
 
 DTYPES = ("float16", "bfloat16", "float32")
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # extended below (formats)
 
 _TORCH_DTYPES = {
     "float16": torch.float16,
@@ -81,6 +84,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
         return _TORCH_DTYPES[model_dtype]
     if kv_cache_dtype in _FP8_TORCH_DTYPES:
         return _FP8_TORCH_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype in _QUANTIZED_TORCH_DTYPES:
+        return _QUANTIZED_TORCH_DTYPES[kv_cache_dtype]
     return _TORCH_DTYPES[kv_cache_dtype]
 
 
@@ -119,7 +124,8 @@ class AttentionSpec(BaseModel):
     head_size: int = Field(gt=0, description="query/key head size (MLA: kv_lora_rank + qk_rope_head_dim)")
     head_size_v: Optional[int] = Field(default=None, gt=0, description="value head size where it differs")
     dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
+                            "int8_per_token_head", "int4_per_token_head", "nvfp4"] = "auto"
     block_size: int = Field(default=16, description=f"tokens per KV-cache page, 1 to {MAX_BLOCK_SIZE}")
     attn_type: AttentionType = AttentionType.DECODER
     sliding_window: Optional[int] = Field(default=None, gt=0, description="keys visible per query, self included")
@@ -273,6 +279,11 @@ class AttentionSpec(BaseModel):
         return self.kv_cache_dtype in _FP8_TORCH_DTYPES
 
     @property
+    def kv_cache_format(self) -> "KVCacheFormat":
+        """How the cache stores keys and values (:class:`KVCacheFormat`, from ``kv_cache_dtype``)."""
+        return kv_cache_format(self.kv_cache_dtype)
+
+    @property
     def causal(self) -> bool:
         """Whether the layer's mask has a causal part (causal, block-causal, causal plus spans): what
         ``CommonAttentionMetadata.causal`` must say. False for encoders, non-causal decoders and custom masks."""
@@ -370,6 +381,76 @@ class AttentionMask(BaseModel):
 
 
 AttentionSpec.model_rebuild()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV-cache formats: 16-bit, fp8 with one scale per tensor, and the formats whose scales are written with the tokens
+# ----------------------------------------------------------------------------------------------------------------
+#: The ``kv_cache_dtype`` values whose scales are computed on write and stored beside their pages
+#: (:mod:`attnbackends.ops.kv_layout` lays them out, :mod:`attnbackends.ops.kv_quant` defines their arithmetic).
+QUANTIZED_KV_CACHE_DTYPES = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4")
+KV_CACHE_DTYPES = KV_CACHE_DTYPES + QUANTIZED_KV_CACHE_DTYPES
+
+_QUANTIZED_TORCH_DTYPES = {
+    "fp8_per_token_head": torch.float8_e4m3fn,
+    "int8_per_token_head": torch.int8,
+    "int4_per_token_head": torch.uint8,  # two values a byte
+    "nvfp4": torch.uint8,  # two e2m1 values a byte
+}
+
+
+class KVCacheFormat(str, Enum):
+    """The storage format of a KV cache (``AttentionSpec.kv_cache_format``).
+
+    ``SIXTEEN_BIT``: the model dtype or float16/bfloat16. ``FP8_PER_TENSOR``: fp8 with one scale per tensor (the
+    impl's ``k_scale``/``v_scale``). ``FP8_PER_TOKEN_HEAD`` / ``INT8_PER_TOKEN_HEAD``: e4m3 / int8 values with one
+    float32 scale per token and KV head (absmax / qmax, computed on write). ``INT4_PER_TOKEN_HEAD``: int4 values,
+    two a byte, one float32 scale per token and KV head. ``NVFP4``: e2m1 values, two a byte, one e4m3 scale per
+    16-element block, times one float32 global scale per tensor (the impl's ``k_scale``/``v_scale``).
+    """
+
+    SIXTEEN_BIT = "16bit"
+    FP8_PER_TENSOR = "fp8_per_tensor"
+    FP8_PER_TOKEN_HEAD = "fp8_per_token_head"
+    INT8_PER_TOKEN_HEAD = "int8_per_token_head"
+    INT4_PER_TOKEN_HEAD = "int4_per_token_head"
+    NVFP4 = "nvfp4"
+
+    @property
+    def scales_in_pages(self) -> bool:
+        """Scales are written with the tokens and stored beside their pages."""
+        return self in _PAGE_SCALED
+
+    @property
+    def per_token_head(self) -> bool:
+        """One float32 scale per token and KV head."""
+        return self in (KVCacheFormat.FP8_PER_TOKEN_HEAD, KVCacheFormat.INT8_PER_TOKEN_HEAD,
+                        KVCacheFormat.INT4_PER_TOKEN_HEAD)
+
+    @property
+    def packed(self) -> bool:
+        """Two values a byte (the cache's last dimension is head_size // 2)."""
+        return self in (KVCacheFormat.INT4_PER_TOKEN_HEAD, KVCacheFormat.NVFP4)
+
+    @property
+    def uses_tensor_scale(self) -> bool:
+        """The impl's per-tensor ``k_scale``/``v_scale`` apply (fp8 per tensor; NVFP4's global scale)."""
+        return self in (KVCacheFormat.FP8_PER_TENSOR, KVCacheFormat.NVFP4)
+
+
+_PAGE_SCALED = (KVCacheFormat.FP8_PER_TOKEN_HEAD, KVCacheFormat.INT8_PER_TOKEN_HEAD,
+                KVCacheFormat.INT4_PER_TOKEN_HEAD, KVCacheFormat.NVFP4)
+
+
+def kv_cache_format(kv_cache_dtype: str) -> KVCacheFormat:
+    """The :class:`KVCacheFormat` of a ``kv_cache_dtype`` value (ValueError naming the allowed values otherwise)."""
+    if kv_cache_dtype in ("auto", "float16", "bfloat16"):
+        return KVCacheFormat.SIXTEEN_BIT
+    if kv_cache_dtype in _FP8_TORCH_DTYPES:
+        return KVCacheFormat.FP8_PER_TENSOR
+    if kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+        return KVCacheFormat(kv_cache_dtype)
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of: {', '.join(KV_CACHE_DTYPES)}")
 
 
 def read_config_file(path: "str | os.PathLike") -> dict:

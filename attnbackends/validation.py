@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .metadata import CommonAttentionMetadata, MetadataOrigin, check_slots_match_block_table, validate_common_metadata
+from .ops.kv_layout import check_kv_cache_pages
 from .ops.page_guard import guard_block_table
 from .masks import check_masks_for_spec
 from .platform import check_device_available
@@ -186,7 +187,9 @@ def validate_forward_inputs(
         kv_cache.shape[0], 2, spec.block_size, hkv, d
     )
     check_tensor("kv_cache", kv_cache, shape=want, dtype=spec.kv_cache_torch_dtype, device=device)
-    if kv_cache_layout is not None:
+    if spec.kv_cache_format.scales_in_pages:
+        check_kv_cache_pages(kv_cache, spec)
+    elif kv_cache_layout is not None:
         _check_cache_contiguous(kv_cache, kv_cache_layout)
 
 
@@ -711,13 +714,49 @@ def _check_attention_query_args(query: torch.Tensor, output: torch.Tensor, query
             raise ValueError(f"{name} must be contiguous")
 
 
+_PAGE_SCALED_DTYPES = {"fp8_per_token_head": torch.float8_e4m3fn, "int8_per_token_head": torch.int8,
+                       "int4_per_token_head": torch.uint8, "nvfp4": torch.uint8}
+
+
+def _check_page_scaled_views(query: torch.Tensor, key_cache: Any, value_cache: Any, kv_format: Any) -> None:
+    """The key and value views of a cache whose scales sit beside its pages: ``kv_cache[:, 0]`` and
+    ``kv_cache[:, 1]`` of one cache of that format (values' last dimension head_size, or head_size // 2 packed)."""
+    want = _PAGE_SCALED_DTYPES[kv_format.value]
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got "
+                             f"{getattr(t, 'shape', None)}")
+        if t.dtype != want:
+            raise ValueError(f"{name} of a {kv_format.value} cache must be {want}, got {t.dtype}")
+    head = key_cache.shape[-1] * (2 if kv_format.packed else 1)
+    if query.dim() == 3 and query.shape[-1] != head:
+        raise ValueError(f"key_cache's last dimension {key_cache.shape[-1]} holds head_size {head} in the "
+                         f"{kv_format.value} format; query has head_size {query.shape[-1]}")
+    b, s_, h, d = key_cache.shape
+    if (key_cache.stride()[1:] != (h * d, d, 1) or value_cache.stride() != key_cache.stride()
+            or value_cache.data_ptr() - key_cache.data_ptr() != s_ * h * d):
+        raise ValueError(f"key_cache and value_cache of a {kv_format.value} cache must be kv_cache[:, 0] and "
+                         "kv_cache[:, 1] of one cache from allocate_kv_cache (its scales sit beside its pages)")
+
+
+def _logical_cache_view(cache: torch.Tensor, query: torch.Tensor, kv_format: Any) -> torch.Tensor:
+    """A stand-in of the cache's logical shape in query's dtype (no memory) for the shape checks below."""
+    b, s_, h, d = cache.shape
+    d = d * (2 if kv_format.packed else 1)
+    return torch.empty(d, dtype=query.dtype, device=cache.device).expand(b, s_, h, d)
+
+
 def check_unified_attention_args(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
                                  max_query_len, max_seq_len, softmax_scale, *, causal=True, sliding_window=None,
                                  logits_soft_cap=None, alibi_slopes=None, sinks=None, k_scale=1.0, v_scale=1.0,
-                                 workspace=None, num_decodes=None, num_kv_splits=None) -> None:
+                                 workspace=None, num_decodes=None, num_kv_splits=None, kv_format=None) -> None:
     """Validate the arguments of :func:`attnbackends.triton.launch.unified_attention` (shapes there); raises
     ValueError / NotImplementedError naming the offending argument. Reads only shapes, dtypes, strides and devices
-    (no host-device sync)."""
+    (no host-device sync). ``kv_format``: the cache's :class:`~attnbackends.spec.KVCacheFormat` (None: 16-bit or
+    fp8 per tensor, from the dtype)."""
+    if kv_format is not None and kv_format.scales_in_pages:
+        _check_page_scaled_views(query, key_cache, value_cache, kv_format)
+        key_cache = value_cache = _logical_cache_view(key_cache, query, kv_format)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got "

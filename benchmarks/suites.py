@@ -82,6 +82,13 @@ SUITES: dict[str, Suite] = {
                                "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
     "mask_prefill": Suite("benchmarks.mask_prefill", "masked prefill (image spans, block-causal, two-sided window, "
                           "non-causal, custom) vs our causal prefill on equal work and FlashInfer's custom mask"),
+    "kv_quant_decode": Suite("benchmarks.kv_quant", "decode over quantised KV caches (per-token-head fp8/int8/int4, "
+                             "NVFP4, fp8 per tensor) vs our bf16 cache, uniform and ragged, bytes moved",
+                             args=("--mode", "decode")),
+    "kv_quant_prefill": Suite("benchmarks.kv_quant", "a chunk on cached context over quantised KV caches vs our bf16 "
+                              "cache", args=("--mode", "prefill")),
+    "kv_quant_accuracy": Suite("benchmarks.kv_quant", "output error of each quantised KV cache vs the bf16 cache, "
+                               "random and outlier-head data", args=("--mode", "accuracy")),
     "cp_decode": Suite("benchmarks.cp_decode", "decode context parallelism: 1 rank vs 2 ranks (NCCL exchange)",
                        gpus=2),
 }

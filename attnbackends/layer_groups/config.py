@@ -67,13 +67,16 @@ class LayerGroupsConfig(BaseModel):
     ``default`` applies to every group; ``groups`` pins a group by name (``{"sliding_1024": "triton"}`` or a full
     :class:`~attnbackends.AttentionConfig` mapping); ``layers`` pins layer index ranges. Layers of one spec that
     different range pins send to different backends form separate groups. Pinning a layer both by range and by its
-    group's name to different backends is an error. YAML (see :meth:`from_file`)::
+    group's name to different backends is an error. ``kv_cache_16bit_layers`` ("0,31" or a list) keeps those layers'
+    KV caches in 16 bits (``kv_cache_dtype`` auto) whatever their specs ask for: they form their own groups (named
+    like ``full``, the quantised ones ``full_int8_per_token_head``). YAML (see :meth:`from_file`)::
 
         attention: {backend: auto}          # the default
         layer_groups:
           groups: {sliding_1024: triton, full: reference}
           layers:
             - {layers: "0-3", backend: triton}
+          kv_cache_16bit_layers: "0,31"
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,6 +84,24 @@ class LayerGroupsConfig(BaseModel):
     default: AttentionConfig = Field(default_factory=AttentionConfig)
     groups: dict[str, AttentionConfig] = Field(default_factory=dict)
     layers: tuple[LayerRangePin, ...] = ()
+    kv_cache_16bit_layers: tuple[int, ...] = ()
+
+    @field_validator("kv_cache_16bit_layers", mode="before")
+    @classmethod
+    def _parse_16bit_layers(cls, value: Any) -> tuple[int, ...]:
+        return parse_layer_ranges(value) if value not in ((), [], None, "") else ()
+
+    def apply_kv_cache_overrides(self, specs: Sequence[AttentionSpec]) -> list[AttentionSpec]:
+        """``specs`` with the layers of ``kv_cache_16bit_layers`` set to a 16-bit cache (ValueError for a layer the
+        model does not have)."""
+        out = list(specs)
+        for layer in self.kv_cache_16bit_layers:
+            if layer >= len(out):
+                raise ValueError(f"layer_groups.kv_cache_16bit_layers names layer {layer}; the model has layers "
+                                 f"0-{len(out) - 1}")
+            if out[layer].kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+                out[layer] = out[layer].model_copy(update={"kv_cache_dtype": "auto"})
+        return out
 
     @field_validator("default", mode="before")
     @classmethod

@@ -67,6 +67,9 @@ def _distinct_names(specs: list[AttentionSpec]) -> list[str]:
             names.append(base)
         elif len({s.head_size for s in same}) == len(same):
             names.append(f"{base}_h{spec.head_size}")
+        elif len({s.kv_cache_dtype for s in same}) == len(same):
+            names.append(base if spec.kv_cache_dtype in ("auto", "float16", "bfloat16") else
+                         f"{base}_{spec.kv_cache_dtype}")
         else:
             names.append(f"{base}_{same.index(spec)}" if same.index(spec) else base)
     return names
@@ -211,6 +214,7 @@ def explain_groups(
     elif isinstance(config, AttentionConfig):
         config = LayerGroupsConfig(default=config)
     device = device or DeviceInfo.current()
+    specs = config.apply_kv_cache_overrides(specs)
     rows, layer_group = [], [0] * len(specs)
     for index, (name, spec, layers, cfg) in enumerate(_partition(specs, config)):
         rows.append((name, spec, layers, cfg, explain(spec, device, cfg)))

@@ -1,4 +1,5 @@
-"""Write new tokens' keys and values into the standard paged KV cache (optionally quantising to fp8).
+"""Write new tokens' keys and values into the standard paged KV cache (optionally quantising to fp8; the formats
+whose scales sit beside their pages go through :mod:`.kv_cache_write_quant`).
 
 Cache layout: ``kv_cache`` ``[num_blocks, 2, block_size, num_kv_heads, head_size]``; slot ``s`` is block
 ``s // block_size``, offset ``s % block_size``; slot ``-1`` marks a padding token and is skipped.
@@ -18,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_cache_write_quant import gather_kv_quant_torch, reshape_and_cache_quant, reshape_and_cache_quant_torch
 from .launch import DirectLauncher
 from ..platform import is_triton_interpreted
+from ..spec import KVCacheFormat
 from ..validation import check_tensor
 from .launch_math import cdiv, next_power_of_2
 from .page_guard import FAULT_SLOT, check_slots_host, fault_record, raise_pending_faults, record_fault
@@ -118,7 +121,8 @@ def _use_triton(device: torch.device) -> bool:
 
 
 def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                                 slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
+                                 slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0,
+                                 kv_format: Optional[KVCacheFormat] = None) -> None:
     """Raise ValueError naming the argument when the inputs of :func:`reshape_and_cache` do not fit together."""
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError("kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_size], got "
@@ -126,6 +130,9 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
     _, _, _, num_kv_heads, head_size = kv_cache.shape
+    quantised = kv_format is not None and kv_format.scales_in_pages
+    if quantised:
+        head_size = head_size * 2 if kv_format.packed else head_size
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, shape=(None, num_kv_heads, head_size), names=("num_tokens", "num_kv_heads", "head_size"))
         if t.device != kv_cache.device:
@@ -134,7 +141,7 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if value.dtype != key.dtype:
         raise ValueError(f"value dtype {value.dtype} must equal key dtype {key.dtype}")
-    if kv_cache.dtype not in FP8_DTYPES and key.dtype != kv_cache.dtype:
+    if not quantised and kv_cache.dtype not in FP8_DTYPES and key.dtype != kv_cache.dtype:
         raise ValueError(f"key dtype {key.dtype} must equal kv_cache dtype {kv_cache.dtype} (or the cache is fp8)")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"key ({key.shape[0]}) and value ({value.shape[0]}) token counts differ")
@@ -157,9 +164,13 @@ def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor, kv_cach
 
 
 def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
+                            slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0,
+                            kv_format: Optional[KVCacheFormat] = None) -> None:
     """Pure-torch :func:`reshape_and_cache` (syncs the host: for CPUs and tests). Shapes as there; slots past
     ``key.shape[0]`` are ignored."""
+    if kv_format is not None and kv_format.scales_in_pages:
+        reshape_and_cache_quant_torch(key, value, kv_cache, slot_mapping, kv_format, k_scale, v_scale)
+        return
     block_size = kv_cache.shape[2]
     slot_mapping = slot_mapping[: key.shape[0]]
     n = slot_mapping.shape[0]
@@ -174,8 +185,10 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: to
 
 
 def gather_kv_torch(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, k_scale: Scale = 1.0,
-                    v_scale: Scale = 1.0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` cached keys and values of one request, dequantised to ``dtype``.
+                    v_scale: Scale = 1.0, dtype: torch.dtype = torch.float32,
+                    kv_format: Optional[KVCacheFormat] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one request, dequantised to ``dtype`` (``kv_format``: the
+    cache's format where its scales sit beside its pages; None: 16-bit or fp8 per tensor).
 
     Parameters
     ----------
@@ -186,6 +199,8 @@ def gather_kv_torch(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: in
     -------
     key, value : [seq_len, num_kv_heads, head_size] each, in ``dtype``.
     """
+    if kv_format is not None and kv_format.scales_in_pages:
+        return gather_kv_quant_torch(kv_cache, block_row, seq_len, kv_format, k_scale, v_scale, dtype)
     block_size = kv_cache.shape[2]
     pages = kv_cache[block_row[: -(-seq_len // block_size)].long()]  # [P, 2, bs, Hkv, D]
     key = pages[:, 0].reshape(-1, *pages.shape[3:])[:seq_len]
@@ -206,7 +221,7 @@ def write_tokens_per_program(num_tokens: int) -> int:
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: Scale = 1.0, v_scale: Scale = 1.0, *, validate: bool = True,
-                      tokens_per_program: Optional[int] = None) -> None:
+                      tokens_per_program: Optional[int] = None, kv_format: Optional[KVCacheFormat] = None) -> None:
     """Write the new tokens' keys and values into the paged cache.
 
     Parameters
@@ -225,11 +240,19 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         Check the arguments first (:func:`check_reshape_and_cache_args`).
     tokens_per_program : int, optional
         Tokens each program of the write kernel moves (a power of two); None: :func:`write_tokens_per_program`.
+    kv_format : KVCacheFormat, optional
+        The cache's format where its scales sit beside its pages (per token and head, NVFP4): each token-head is
+        quantised with its own scale and written with it (:mod:`.kv_cache_write_quant`); ``k_scale``/``v_scale``
+        are then NVFP4's global scales. None: 16-bit or fp8 per tensor, from the cache's dtype.
     """
     if validate:
-        check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, kv_format)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
+        return
+    if kv_format is not None and kv_format.scales_in_pages:
+        reshape_and_cache_quant(key, value, kv_cache, slot_mapping, kv_format, k_scale, v_scale,
+                                use_triton=_use_triton(kv_cache.device))
         return
     if not _use_triton(kv_cache.device):
         reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)

@@ -72,7 +72,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        reshape_and_cache_torch(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale)
+        reshape_and_cache_torch(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale,
+                                self.spec.kv_cache_format)
 
     def forward_with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata,
                          output: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +85,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
                 output[start:end] = 0.0
                 lse[:, start:end] = float("-inf")
                 continue
-            key, value = gather_kv_torch(kv_cache, common.block_table[i], seq_len, self.k_scale, self.v_scale)
+            key, value = gather_kv_torch(kv_cache, common.block_table[i], seq_len, self.k_scale, self.v_scale,
+                                         kv_format=self.spec.kv_cache_format)
             out, part_lse = sequence_attention(
                 query[start:end], key, value, torch.full((end - start,), seq_len, device=query.device),
                 scale=self.scale, causal=False, logits_soft_cap=self.spec.logits_soft_cap,
@@ -123,7 +125,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
             start, end = qsl[i], qsl[i + 1]
             seq_len = metadata.seq_lens[i]
             if kv_cache is not None:
-                k, v = gather_kv_torch(kv_cache, common.block_table[i], seq_len, self.k_scale, self.v_scale)
+                k, v = gather_kv_torch(kv_cache, common.block_table[i], seq_len, self.k_scale, self.v_scale,
+                                       dtype=compute, kv_format=spec.kv_cache_format)
             else:
                 k, v = key[start:end], value[start:end]
             context = seq_len - (end - start)

@@ -40,6 +40,9 @@ __all__ = [
     "get_backend_class",
     "phased_backend",
     "priority_list",
+    "NATIVE_FP4_MIN_COMPUTE_CAPABILITY",
+    "has_native_fp4",
+    "kv_format_notes",
     "register_backend",
     "resolve_backend",
     "select",
@@ -89,6 +92,29 @@ _PRIORITY_REASONS: dict[tuple[str, bool], str] = {
 }
 
 _entry_points_loaded = False
+
+#: Compute capabilities whose tensor cores take FP4 (e2m1) operands natively: Blackwell (sm_100) and later. A
+#: kernel that reads NVFP4 pages without dequantising registers for these (``min_compute_capability``); before it
+#: the ``triton`` backend dequantises them (correct on every GPU it runs on, not fast).
+NATIVE_FP4_MIN_COMPUTE_CAPABILITY = (10, 0)
+
+
+def has_native_fp4(device: DeviceInfo) -> bool:
+    """Whether ``device`` is a GPU with native FP4 tensor-core operands (:data:`NATIVE_FP4_MIN_COMPUTE_CAPABILITY`)."""
+    return bool(device.is_cuda and device.compute_capability is not None
+                and tuple(device.compute_capability) >= NATIVE_FP4_MIN_COMPUTE_CAPABILITY)
+
+
+def kv_format_notes(spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+    """What :func:`explain` says about a cache format beyond the backends' reasons (NVFP4: native FP4 or not)."""
+    if spec.kv_cache_dtype != "nvfp4" or not device.is_cuda:
+        return []
+    cc = ".".join(map(str, device.compute_capability or ()))
+    if has_native_fp4(device):
+        return [f"nvfp4 pages: this GPU (sm {cc}) has native FP4 tensor cores; no native-FP4 kernel is registered "
+                "yet, so the pages are dequantised in the kernel"]
+    return [f"nvfp4 pages: no native FP4 on this GPU (sm {cc} < "
+            f"{'.'.join(map(str, NATIVE_FP4_MIN_COMPUTE_CAPABILITY))}): the pages are dequantised in the kernel"]
 
 
 class BackendNotSupportedError(ValueError):
@@ -359,6 +385,7 @@ def explain(
             break
     for row in result.rows:
         row.cudagraph = _cudagraph_support(row.name)
+    result.notes += kv_format_notes(spec, device)
     return result
 
 

@@ -27,7 +27,7 @@ from ..metadata import CommonAttentionMetadata, split_decodes_and_prefills, vali
 from ..ops.kv_cache_write import check_reshape_and_cache_args, reshape_and_cache
 from ..ops.page_guard import raise_pending_faults
 from ..platform import DeviceInfo, is_triton_interpreted
-from ..spec import AttentionSpec, AttentionType, MaskKind
+from ..spec import QUANTIZED_KV_CACHE_DTYPES, AttentionSpec, AttentionType, MaskKind
 from ..validation import (
     UNIFIED_MAX_HEAD_SIZE,
     UNIFIED_MIN_HEAD_SIZE,
@@ -66,6 +66,7 @@ from .choices import (
 from .prefill_hopper import fresh_prefills, hopper_prefill_items, plan_hopper_prefill
 from .prefill_hopper_paged import PAGED_KERNEL_NOTE, plan_paged_split
 from .prefill_launch import plan_prefill_new_kv
+from .kv_load import dots_in_fp16, kernel_kv_format, launch_tensor_scales
 from .runner import CacheViews, LayerArgs, TritonStepRunner
 from .step_plan import Launch, LaunchKind, TritonStepPlan, WritePolicy, make_step_plan
 from .write_beside import cache_write_bytes, cache_write_sms
@@ -243,8 +244,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                                                              workspace_segments=self.workspace.max_segments)
         self._plan_args = dict(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-            kv_fp8=spec.is_fp8_kv_cache, sliding_window=causal_sliding_window(spec),
-            logits_soft_cap=spec.logits_soft_cap,
+            kv_fp8=dots_in_fp16(spec), kv_format=kernel_kv_format(spec.kv_cache_format),
+            sliding_window=causal_sliding_window(spec), logits_soft_cap=spec.logits_soft_cap,
             use_alibi=spec.alibi_slopes is not None, use_sinks=spec.has_sinks, config=self.kernel_config,
             device=self.device,
         )
@@ -470,8 +471,10 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         if args is None:
             alibi = self._alibi_host.to(device) if self._alibi_host is not None else None
             sinks = self.sinks.to(device).contiguous() if self.sinks is not None else None
-            args = self._layer_args[device] = LayerArgs(self.scale, self._soft_cap, alibi, sinks, self.k_scale,
-                                                        self.v_scale)
+            fmt = self.spec.kv_cache_format
+            k_scale, v_scale = launch_tensor_scales(fmt, self.k_scale, self.v_scale)
+            args = self._layer_args[device] = LayerArgs(self.scale, self._soft_cap, alibi, sinks, k_scale, v_scale,
+                                                        fmt)
         return args
 
     def _views_of(self, kv_cache: Optional[torch.Tensor]) -> Optional[CacheViews]:
@@ -486,7 +489,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
     def update_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        reshape_and_cache(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale, validate=not self._validated)
+        reshape_and_cache(key, value, kv_cache, slot_mapping, self.k_scale, self.v_scale, validate=not self._validated,
+                          kv_format=self.spec.kv_cache_format)
 
     def forward(
         self,
@@ -513,7 +517,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             query, kv_cache[:, 0], kv_cache[:, 1], output, common.query_start_loc, common.seq_lens,
             common.block_table, common.max_query_len, common.max_seq_len, self.scale, causal=False,
             logits_soft_cap=self.spec.logits_soft_cap, k_scale=self.k_scale, v_scale=self.v_scale,
-            num_decodes=common.num_reqs, return_lse=lse,
+            num_decodes=common.num_reqs, return_lse=lse, kv_format=self.spec.kv_cache_format,
         )
         return output, lse
 
@@ -530,9 +534,10 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 common.block_table, common.max_query_len, common.max_seq_len, self.scale,
                 causal=spec.causal and common.causal, sliding_window=spec.sliding_window,
                 logits_soft_cap=spec.logits_soft_cap, alibi_slopes=args.alibi, sinks=args.sinks, k_scale=self.k_scale,
-                v_scale=self.v_scale, workspace=metadata.workspace)
+                v_scale=self.v_scale, workspace=metadata.workspace, kv_format=spec.kv_cache_format)
             if key is not None:
-                check_reshape_and_cache_args(key, value, kv_cache, common.slot_mapping, self.k_scale, self.v_scale)
+                check_reshape_and_cache_args(key, value, kv_cache, common.slot_mapping, self.k_scale, self.v_scale,
+                                             spec.kv_cache_format)
         planned = metadata.plan.constexprs[:2]
         if planned != (spec.num_queries_per_kv, spec.head_size):
             raise ValueError(f"metadata was planned for {planned[0]} query heads per KV head and head_size "
@@ -547,7 +552,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     description = "Triton unified paged attention: mixed batches in one launch, split-KV decode, fp8 KV"
     supported_dtypes = frozenset({"float16", "bfloat16"})
-    supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+    supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
+                                           *QUANTIZED_KV_CACHE_DTYPES})
     min_head_size = UNIFIED_MIN_HEAD_SIZE
     max_head_size = UNIFIED_MAX_HEAD_SIZE
     block_size_multiple = 16

@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import Generic, Optional, TypeVar
 
+from .kv_load import quantised_cache_reason
 from ..spec import AttentionSpec
 from .prefill_hopper import HopperPrefillConfig, cache_write_reason, hopper_prefill_reason
 from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, paged_prefill_reason
@@ -214,6 +215,8 @@ def _prefill_split(spec: AttentionSpec, options: TritonBuilderOptions, compute_c
         return KernelChoice(PrefillSplit.OFF, "encoder attention")
     if mask_reason(spec):
         return KernelChoice(PrefillSplit.OFF, mask_reason(spec))
+    if quantised_cache_reason(spec):
+        return KernelChoice(PrefillSplit.OFF, quantised_cache_reason(spec))
     why = prefill_new_kv_unsupported_reason(
         head_size=spec.head_size, dtype=spec.torch_dtype, kv_fp8=spec.is_fp8_kv_cache, causal=spec.causal,
         use_alibi=spec.alibi_slopes is not None, compute_capability=compute_capability, interpreted=interpreted,
@@ -232,8 +235,8 @@ def _fresh_prefill(spec: AttentionSpec, options: TritonBuilderOptions, compute_c
         return KernelChoice(FreshPrefillKernel.AS_OTHER_PREFILLS, "turned off (hopper_prefill=False)")
     if mask_reason(spec):
         return KernelChoice(FreshPrefillKernel.AS_OTHER_PREFILLS, mask_reason(spec))
-    why = hopper_prefill_reason(spec, compute_capability, interpreted=interpreted,
-                                deterministic=options.deterministic)
+    why = quantised_cache_reason(spec) or hopper_prefill_reason(spec, compute_capability, interpreted=interpreted,
+                                                                deterministic=options.deterministic)
     if why:
         return KernelChoice(FreshPrefillKernel.AS_OTHER_PREFILLS, why)
     return KernelChoice(FreshPrefillKernel.GLUON_HOPPER, "the Gluon Hopper kernel serves the layer on this device")
@@ -251,7 +254,8 @@ def _paged_prefill(spec: AttentionSpec, options: TritonBuilderOptions, compute_c
         return KernelChoice(PagedPrefill.OFF, "off unless asked for (hopper_paged_prefill=True)")
     if mask_reason(spec):
         return KernelChoice(PagedPrefill.OFF, mask_reason(spec))
-    why = paged_prefill_reason(spec, compute_capability, interpreted=interpreted, deterministic=options.deterministic)
+    why = quantised_cache_reason(spec) or paged_prefill_reason(spec, compute_capability, interpreted=interpreted,
+                                                               deterministic=options.deterministic)
     if why:
         return KernelChoice(PagedPrefill.OFF, why)
     return KernelChoice(PagedPrefill.GLUON_HOPPER_PAGED, "asked for (hopper_paged_prefill=True)" if asked else

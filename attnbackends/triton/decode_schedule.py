@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import numpy as np
 import torch
 
+from .kv_load import dots_in_fp16
 from ..ops.launch_math import next_power_of_2
 from .heuristics import pick_kernel_config
 
@@ -605,7 +606,7 @@ class DecodeScheduler:
         row: units aligned to the decode tile a scheduled plan uses (:func:`.heuristics.pick_kernel_config` without
         a per-split key count: fixed by the spec), at most :func:`units_cap` a request."""
         align = pick_kernel_config(spec.head_size, spec.num_queries_per_kv, 1, has_decode_path=True,
-                                   has_generic_path=False, kv_fp8=spec.is_fp8_kv_cache).decode_tile_n
+                                   has_generic_path=False, kv_fp8=dots_in_fp16(spec)).decode_tile_n
         return cls(mode, device, num_sms=num_sms, num_kv_heads=spec.num_kv_heads, align=align,
                    max_units_per_request=units_cap(spec.head_size, workspace_segments),
                    sliding_window=spec.sliding_window)

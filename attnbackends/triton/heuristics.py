@@ -24,6 +24,7 @@ import torch
 
 from ..ops.launch_math import next_power_of_2
 from ..spec import AttentionSpec
+from .kv_load import dots_in_fp16
 
 __all__ = [
     "DETERMINISTIC_QUERY_LEN",
@@ -180,7 +181,7 @@ def deterministic_kernel_config(spec: AttentionSpec) -> KernelConfig:
     dtype), never of the batch."""
     return pick_kernel_config(
         spec.head_size, spec.num_queries_per_kv, DETERMINISTIC_QUERY_LEN, has_decode_path=True,
-        has_generic_path=True, kv_fp8=spec.is_fp8_kv_cache, keys_per_split=None, max_seq_len=None,
+        has_generic_path=True, kv_fp8=dots_in_fp16(spec), keys_per_split=None, max_seq_len=None,
     )
 
 

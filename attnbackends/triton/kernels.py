@@ -36,6 +36,7 @@ from ..ops.page_guard import safe_page
 from ..ops.quant import load_kv_scales
 from ..ops.tree_mask import tree_visible
 from .mask_math import interval_visible, row_key_bounds, tile_bounds
+from .kv_load import fold_v_scales, load_kv_tile, scale_scores
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -62,6 +63,7 @@ def _attn_tile(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
     MASK_KIND: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     offs_n = j * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
     n_ok = offs_n < kv_end
@@ -74,26 +76,12 @@ def _attn_tile(
         k_off = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
         v_off = blk.to(tl.int64) * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs
     else:
+        blk = offs_n
         k_off = (kv_row_start + offs_n).to(tl.int64) * stride_ks
         v_off = (kv_row_start + offs_n).to(tl.int64) * stride_vs
-    k_ptrs = key_ptr + kv_head * stride_kh + k_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
-    v_ptrs = value_ptr + kv_head * stride_vh + v_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
-    if MASKED:
-        if HEAD_PAD != HEAD_SIZE:
-            d_ok = offs_d < HEAD_SIZE
-            k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
-    else:
-        if HEAD_PAD != HEAD_SIZE:
-            d_ok = offs_d < HEAD_SIZE
-            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+    k, v, k_sc, v_sc = load_kv_tile(
+        key_ptr, value_ptr, k_off, v_off, blk, offs_n % BLOCK_SIZE, kv_head, n_ok, offs_d, stride_kb, stride_ks,
+        stride_kh, stride_vh, HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, MASKED, KV_FORMAT)
     if INTERPRET:
         # The interpreter's tl.dot on bfloat16 is wrong (numpy has no bfloat16): compute in float32 there.
         k = k.to(tl.float32)
@@ -103,7 +91,7 @@ def _attn_tile(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
-    s = tl.dot(q, k)  # [BLOCK_M, TILE_N] fp32
+    s = scale_scores(tl.dot(q, k), k_sc, KV_FORMAT)  # [BLOCK_M, TILE_N] fp32
     if USE_SOFTCAP:
         s = soft_cap * _tanh(s * qk_scale / soft_cap) * RCP_LN2
     else:
@@ -129,7 +117,7 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = tl.dot(fold_v_scales(p, v_sc, KV_FORMAT).to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
@@ -143,6 +131,7 @@ def _attn_range(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr,
     MASK_KIND: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     """Tiles lo..hi-1. Compiled: a pipelined for-loop. Interpreted: a while-loop, because the interpreter
     (with numpy >= 2.3) cannot turn its 1-element scalar arrays into range() bounds."""
@@ -154,7 +143,7 @@ def _attn_range(
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-                MASKED, USE_TREE, INTERPRET, MASK_KIND)
+                MASKED, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
             j += 1
     else:
         for j in range(lo, hi):
@@ -163,7 +152,7 @@ def _attn_range(
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                 pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-                MASKED, USE_TREE, INTERPRET, MASK_KIND)
+                MASKED, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
     return acc, l_i, m_i
 
 
@@ -183,6 +172,7 @@ def _attend(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, Q_FP16: tl.constexpr,
     RETURN_LSE: tl.constexpr, USE_TREE: tl.constexpr, INTERPRET: tl.constexpr, SCHEDULED: tl.constexpr,
     MASK_KIND: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     """One program's rows (query block ``q_block`` of ``seq_idx`` x the ``QPK`` query heads of ``kv_head``) over
     its keys: segment ``segm`` of ``NUM_SEGMENTS``, or with ``SCHEDULED`` the work unit ``segm`` of ``num_units``
@@ -284,21 +274,21 @@ def _attend(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET, MASK_KIND)
+            True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
         acc, l_i, m_i = _attn_range(
             acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            False, USE_TREE, INTERPRET, MASK_KIND)
+            False, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
         acc, l_i, m_i = _attn_range(
             acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
             seq_idx, kv_head, kv_row_start,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
             HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET, MASK_KIND)
+            True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]
@@ -443,7 +433,7 @@ def _unified_attention_kernel(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr, SCALES_ARE_PTRS: tl.constexpr, KV_FP8: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
     DECODE_Q: tl.constexpr, USE_TREE: tl.constexpr, FUSED_REDUCE: tl.constexpr, SEG_PAD: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, DECODE_SCHEDULED: tl.constexpr, MASK_KIND: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, DECODE_SCHEDULED: tl.constexpr, MASK_KIND: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     """Grid: (num_decode_programs + [num_tokens // BLOCK_Q + num_seqs - num_decodes if GENERIC_PATH], num_kv_heads,
     NUM_SEGMENTS). Programs below num_decode_programs (= num_decodes) take one decode sequence each (query_len <=
@@ -502,7 +492,7 @@ def _unified_attention_kernel(
                     q_scale, qk_scale, soft_cap, vs,
                     QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                     PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, 1, KV_FP8, RETURN_LSE,
-                    USE_TREE, INTERPRET, True, MASK_KIND)
+                    USE_TREE, INTERPRET, True, MASK_KIND, KV_FORMAT)
                 if num_units > 1:
                     # Every unit of a split request takes its ticket, also where it had no tokens or keys.
                     _merge_when_last(
@@ -524,7 +514,7 @@ def _unified_attention_kernel(
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, DECODE_Q, DECODE_BLOCK_M, DECODE_TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                USE_TREE, INTERPRET, False, MASK_KIND)
+                USE_TREE, INTERPRET, False, MASK_KIND, KV_FORMAT)
         if FUSED_REDUCE:
             # Outside every condition: each segment program takes its ticket, also where it had no tokens or keys.
             _merge_when_last(
@@ -566,7 +556,7 @@ def _unified_attention_kernel(
                 q_scale, qk_scale, soft_cap, vs,
                 QPK, BLOCK_Q, BLOCK_M, TILE_N, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                 PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI, USE_SINKS, NUM_SEGMENTS, KV_FP8, RETURN_LSE,
-                USE_TREE, INTERPRET, False, MASK_KIND)
+                USE_TREE, INTERPRET, False, MASK_KIND, KV_FORMAT)
 
 
 @triton.jit(

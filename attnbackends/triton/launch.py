@@ -44,6 +44,8 @@ from .heuristics import (
 from .decode_schedule import SCHEDULED_MERGE_VALUES, DecodeSchedule
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
 from .mask_math import MASK_BLOCK_CAUSAL, MASK_NON_CAUSAL, MASK_NONE, MASK_SPANS
+from .kv_load import KV_PLAIN, kernel_kv_format, launch_tensor_scales
+from ..spec import KVCacheFormat
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ UNIFIED_CONSTEXPRS = (
     "QPK", "HEAD_SIZE", "HEAD_PAD", "BLOCK_SIZE", "DECODE_PATH", "DECODE_BLOCK_M", "DECODE_TILE_N", "GENERIC_PATH",
     "BLOCK_Q", "BLOCK_M", "TILE_N", "PAGED", "CAUSAL", "SLIDING_WINDOW", "USE_SOFTCAP", "USE_ALIBI", "USE_SINKS",
     "SCALES_ARE_PTRS", "KV_FP8", "NUM_SEGMENTS", "RETURN_LSE", "INTERPRET", "DECODE_Q", "USE_TREE", "FUSED_REDUCE",
-    "SEG_PAD", "MERGE_ROWS", "DECODE_SCHEDULED", "MASK_KIND",
+    "SEG_PAD", "MERGE_ROWS", "DECODE_SCHEDULED", "MASK_KIND", "KV_FORMAT",
 )
 REDUCE_CONSTEXPRS = ("HEAD_SIZE", "HEAD_PAD", "NUM_SEGMENTS", "SEG_PAD", "RETURN_LSE")
 
@@ -208,6 +210,7 @@ def plan_attention(
     config: Optional[KernelConfig] = None, device: Union[torch.device, str, None] = None,
     decode_query_len: int = 1, use_tree: bool = False, decode_schedule: Optional[DecodeSchedule] = None,
     mask: Optional["MaskPlan"] = None,
+    kv_format: int = KV_PLAIN,
 ) -> LaunchPlan:
     """The launch plan of one batch: split-KV factor, tile config, grid and constexprs, from host ints only.
 
@@ -221,6 +224,9 @@ def plan_attention(
     A split plan whose programs are all decode programs (``num_decodes == num_seqs``) merges its segments in the
     attention launch where ``workspace`` has counters for its programs (``fused_reduce``); others plan the
     reduction launch after it.
+
+    ``kv_format``: the kernel's ``KV_FORMAT`` of the cache (:func:`.kv_load.kernel_kv_format`; a quantised format
+    also takes ``kv_fp8=True``: its dots run in float16).
 
     ``decode_schedule``: the decodes run its work units (:mod:`.decode_schedule`) instead of ``num_kv_splits``
     segments each, also beside prefill programs; ``workspace`` (with counters) must hold the decodes' partials
@@ -246,7 +252,8 @@ def plan_attention(
             max_query_len=max_query_len, max_seq_len=max_seq_len, kv_fp8=kv_fp8, causal=causal,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, use_alibi=use_alibi, use_sinks=use_sinks,
             scales_are_ptrs=scales_are_ptrs, paged=paged, return_lse=return_lse, num_kv_splits=num_kv_splits,
-            workspace=workspace, config=config, decode_query_len=decode_query_len, use_tree=use_tree)
+            workspace=workspace, config=config, decode_query_len=decode_query_len, use_tree=use_tree,
+            kv_format=kv_format)
         if plan is not None:
             return plan
         num_kv_splits = 1  # too many prefill programs beside the units for the grid: one program per decode
@@ -286,7 +293,7 @@ def plan_attention(
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
         num_kv_splits, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), fused_reduce, seg_pad,
-        merge_rows, False, mask.kind if mask is not None else MASK_NONE,
+        merge_rows, False, mask.kind if mask is not None else MASK_NONE, kv_format,
     )
     reduce_grid = (num_tokens, num_heads, 1) if num_kv_splits > 1 and programs and not fused_reduce else None
     return LaunchPlan(
@@ -318,6 +325,7 @@ def _plan_scheduled(
     causal: bool, sliding_window: Optional[int], logits_soft_cap: Optional[float], use_alibi: bool, use_sinks: bool,
     scales_are_ptrs: bool, paged: bool, return_lse: bool, num_kv_splits: Optional[int],
     workspace: Optional[SplitKVWorkspace], config: Optional[KernelConfig], decode_query_len: int, use_tree: bool,
+    kv_format: int = KV_PLAIN,
 ) -> Optional[LaunchPlan]:
     """:func:`plan_attention` for a batch whose decodes run ``schedule``'s work units (the arguments as there);
     None where the grid cannot hold them beside the batch's prefill programs."""
@@ -358,7 +366,7 @@ def _plan_scheduled(
         config.decode_tile_n, generic_path, block_q, block_m, config.tile_n, paged, bool(causal),
         int(sliding_window or 0), bool(logits_soft_cap), use_alibi, use_sinks, scales_are_ptrs, kv_fp8,
         1, return_lse, is_triton_interpreted(), decode_q, bool(use_tree), False, seg_pad,
-        merge_rows, True, MASK_NONE,
+        merge_rows, True, MASK_NONE, kv_format,
     )
     return LaunchPlan(
         grid=(num_kv_heads, programs, 1), num_seqs=num_seqs, num_decodes=num_decodes, constexprs=constexprs,
@@ -477,19 +485,24 @@ def launch_attention(
 
 def _launch(query, key, value, output, query_start_loc, seq_lens, block_table, *, paged, block_size,
             max_query_len, max_seq_len, softmax_scale, causal, sliding_window, logits_soft_cap, alibi_slopes,
-            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config, return_lse=None):
+            sinks, k_scale, v_scale, workspace, num_decodes, num_kv_splits, config, return_lse=None,
+            kv_format: KVCacheFormat = KVCacheFormat.SIXTEEN_BIT):
     """Plan and launch in one go: the functional entry points' path."""
     num_tokens, num_heads, head_size = query.shape
+    quantised = kv_format.scales_in_pages
+    if quantised:
+        k_scale, v_scale = launch_tensor_scales(kv_format, k_scale, v_scale)
     device = output.device
     plan = plan_attention(
         num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=key.shape[-2], head_size=head_size,
         block_size=block_size, num_seqs=query_start_loc.shape[0] - 1, max_query_len=max_query_len,
-        max_seq_len=max_seq_len, kv_fp8=key.dtype in FP8_DTYPES, causal=causal, sliding_window=sliding_window,
+        max_seq_len=max_seq_len, kv_fp8=key.dtype in FP8_DTYPES or quantised, causal=causal,
+        sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
         scales_are_ptrs=isinstance(k_scale, torch.Tensor), paged=paged, return_lse=return_lse is not None,
         num_decodes=num_decodes, num_kv_splits=num_kv_splits,
         num_sms=device_sm_count(device), workspace=workspace, config=config,
-        device=device,
+        device=device, kv_format=kernel_kv_format(kv_format),
     )
     return launch_attention(
         plan, query, key, value, output, query_start_loc, seq_lens if paged else None,
@@ -522,6 +535,7 @@ def unified_attention(
     validate: bool = True,
     config: Optional[KernelConfig] = None,
     return_lse: Optional[torch.Tensor] = None,
+    kv_format: KVCacheFormat = KVCacheFormat.SIXTEEN_BIT,
 ) -> torch.Tensor:
     """Paged attention over a mixed batch of decodes, prefills and chunked prefills, in one launch.
 
@@ -579,6 +593,10 @@ def unified_attention(
         log-sum-exp of each query row's logits over its visible keys (sinks included), ``-inf`` where the row sees
         no key (e.g. ``seq_len`` 0: a context-parallel rank holding none of the sequence's blocks; its output row
         is then 0). Padding rows are left untouched. For merging partial results with ``merge_attn_states``.
+    kv_format : KVCacheFormat
+        The cache's format (``AttentionSpec.kv_cache_format``): a format with page scales takes the ``kv_cache[:, 0]``
+        / ``kv_cache[:, 1]`` views of a cache from ``allocate_kv_cache`` (its scales are read beside the pages);
+        ``k_scale``/``v_scale`` are then NVFP4's global scales and ignored by the per-token-head formats.
 
     Returns
     -------
@@ -592,14 +610,15 @@ def unified_attention(
             query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, max_query_len,
             max_seq_len, softmax_scale, causal=causal, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
-            v_scale=v_scale, workspace=workspace, num_decodes=num_decodes, num_kv_splits=num_kv_splits)
+            v_scale=v_scale, workspace=workspace, num_decodes=num_decodes, num_kv_splits=num_kv_splits,
+            kv_format=kv_format)
     return _launch(
         query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, paged=True,
         block_size=key_cache.shape[1], max_query_len=max_query_len, max_seq_len=max_seq_len,
         softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, workspace=workspace, num_decodes=num_decodes,
-        num_kv_splits=num_kv_splits, config=config, return_lse=return_lse)
+        num_kv_splits=num_kv_splits, config=config, return_lse=return_lse, kv_format=kv_format)
 
 
 def varlen_attention(

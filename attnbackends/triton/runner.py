@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..metadata import CommonAttentionMetadata
+from ..spec import KVCacheFormat
 from ..ops.kv_cache_write import finish_cache_write, reshape_and_cache
 from .launch import launch_attention
 from .prefill_hopper import launch_hopper_prefill
@@ -32,7 +33,8 @@ class LayerArgs(NamedTuple):
     """One layer's launch constants on one device (its impl makes them once per device).
 
     scale : the softmax scale; soft_cap : the logit soft-cap (0.0: none); alibi : [num_heads] float32 ALiBi slopes
-    or None; sinks : [num_heads] float32 sink logits or None; k_scale, v_scale : the fp8 cache scales.
+    or None; sinks : [num_heads] float32 sink logits or None; k_scale, v_scale : the per-tensor scales the kernel
+    takes (fp8 per tensor, NVFP4's global scales; :func:`.kv_load.launch_tensor_scales`); kv_format : the cache's.
     """
 
     scale: float
@@ -41,6 +43,7 @@ class LayerArgs(NamedTuple):
     sinks: Optional[torch.Tensor]
     k_scale: float
     v_scale: float
+    kv_format: KVCacheFormat = KVCacheFormat.SIXTEEN_BIT
 
 
 class CacheViews(NamedTuple):
@@ -100,11 +103,12 @@ _MAIN, _FORK, _JOIN = StreamRole.MAIN, LaunchKind.FORK, LaunchKind.JOIN
 
 
 def _write_cache(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
-    reshape_and_cache(key, value, kv_cache, common.slot_mapping, layer.k_scale, layer.v_scale, validate=False)
+    reshape_and_cache(key, value, kv_cache, common.slot_mapping, layer.k_scale, layer.v_scale, validate=False,
+                      kv_format=layer.kv_format)
 
 
 def _attention(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
-    scale, soft_cap, alibi, sinks, k_scale, v_scale = layer
+    scale, soft_cap, alibi, sinks, k_scale, v_scale = layer[:6]
     key_cache, value_cache, launch_key = views
     launch_attention(plan, query, key_cache, value_cache, output, common.query_start_loc, common.seq_lens,
                      common.block_table, scale, soft_cap, alibi, sinks, k_scale, v_scale, cache_key=launch_key,
