@@ -59,6 +59,8 @@ _REGISTRY: dict[str, _Target] = {
     "flash_attn": "attnbackends.flash_attn.backend:FlashAttnBackend",
     "triton_mla": "attnbackends.mla.backends:TritonMLABackend",
     "flashinfer_mla": "attnbackends.mla.backends:FlashInferMLABackend",
+    "reference_mla_sparse": "attnbackends.reference.sparse_mla:ReferenceSparseMLABackend",
+    "triton_mla_sparse": "attnbackends.mla.sparse.backend:TritonSparseMLABackend",
 }
 
 # Auto-selection order per (platform, MLA?). The reference backend ends the CUDA lists: it is slow but correct,
@@ -68,6 +70,12 @@ _PRIORITIES: dict[tuple[str, bool], list[str]] = {
     ("cuda", True): ["flashinfer_mla", "triton_mla", "reference_mla"],
     ("cpu", False): ["reference"],
     ("cpu", True): ["reference_mla"],
+}
+
+# Sparse MLA specs (spec.sparse_indexer, DeepSeek V3.2) have their own lists: the dense MLA backends decline them.
+_SPARSE_MLA_PRIORITIES: dict[str, list[str]] = {
+    "cuda": ["triton_mla_sparse", "reference_mla_sparse"],
+    "cpu": ["reference_mla_sparse"],
 }
 
 _entry_points_loaded = False
@@ -279,6 +287,8 @@ def phased_backend(decode: str, prefill: str) -> type[PhasedBackend]:
 
 def priority_list(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
     """The platform's auto-selection order for this kind of spec."""
+    if spec.is_sparse_mla:
+        return list(_SPARSE_MLA_PRIORITIES[device.kind])
     return list(_PRIORITIES[(device.kind, spec.is_mla)])
 
 
@@ -375,6 +385,6 @@ def select(
             )
         raise BackendNotSupportedError("no registered backend can serve this spec", result)
     cls = get_backend_class(result.chosen)
-    if result.requested == "auto" and cls.name in ("reference", "reference_mla") and result.device.is_cuda:
+    if result.requested == "auto" and cls.name in ("reference", "reference_mla", "reference_mla_sparse") and result.device.is_cuda:
         logger.warning("no fast backend fits this spec on %s; using the slow reference backend:\n%s", result.device.describe(), result)
     return cls
