@@ -13,7 +13,7 @@ from attnbackends.reference.sparse_mla import (
     ReferenceSparseMLABackend, positions_to_slots, topk_positions,
 )
 from attnbackends.testing import SequenceShape as S
-from attnbackends.testing.sparse_mla import (
+from tests.mla.sparse_mla_support import (
     make_random_sparse_mla_batch, run_sparse_mla_backend, sparse_mla_oracle,
 )
 

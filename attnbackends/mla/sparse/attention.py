@@ -124,5 +124,5 @@ def sparse_mla_attention(ql: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
         scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1), slots.stride(0), out.stride(0),
         out.stride(1), n, latent.shape[0], spec.block_size, spec.softmax_scale * _LOG2E, TOPK=slots.shape[1],
         LKV=lkv, R=r, BLOCK_R=next_power_of_2(r), BLOCK_H=block_h, BLOCK_N=block_n, DS_FP8=ds,
-        INTERPRET=is_triton_interpreted(),        num_warps=warps, num_stages=stages)
+        INTERPRET=is_triton_interpreted(), num_warps=warps, num_stages=stages)
     return out

@@ -1,4 +1,5 @@
-"""Test support for sparse MLA backends: random batches with their caches, one forward through a backend, and the
+"""Test support for sparse MLA backends (here, not in attnbackends.testing: it uses the reference backend's
+functions, which only backend families and tests may import): random batches with their caches, one forward through a backend, and the
 float64 oracle (:mod:`attnbackends.reference.sparse_mla`'s functions over the batch's own values)."""
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..interface import AttentionBackend
-from ..metadata import CommonAttentionMetadata, build_common_metadata
-from ..ops.sparse_mla_cache import (
+from attnbackends.interface import AttentionBackend
+from attnbackends.metadata import CommonAttentionMetadata, build_common_metadata
+from attnbackends.ops.sparse_mla_cache import (
     SparseMLACache, allocate_sparse_mla_cache, dequantize_blockwise_fp8, quantize_blockwise_fp8, write_index_keys,
     write_sparse_latent,
 )
-from ..reference.sparse_mla import indexer_scores, sparse_mla_attention, topk_positions
-from ..spec import SPARSE_QUANT_BLOCK, AttentionSpec
-from .cases import SequenceShape
+from attnbackends.reference.sparse_mla import indexer_scores, sparse_mla_attention, topk_positions
+from attnbackends.spec import SPARSE_QUANT_BLOCK, AttentionSpec
+from attnbackends.testing.cases import SequenceShape
 
 __all__ = ["SparseMLABatch", "make_random_sparse_mla_batch", "run_sparse_mla_backend", "sparse_mla_oracle",
            "assert_valid_selection"]
