@@ -132,29 +132,30 @@ def _stored_latent(batch: SparseMLABatch, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([dequantize_blockwise_fp8(q8, s, torch.float64), x[:, lkv:].bfloat16().double()], dim=-1)
 
 
-def sparse_mla_oracle(batch: SparseMLABatch, topk: Optional[int] = None
+def sparse_mla_oracle(batch: SparseMLABatch, topk: Optional[int] = None, device: "torch.device | str" = "cpu"
                       ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """The float64 answer on the CPU: (output [num_actual_tokens, N, V], per request the scores [Q, L] (-inf where
-    invisible) and the selected positions [Q, topk])."""
+    """The float64 answer, computed on ``device``: (output [num_actual_tokens, N, V], per request the scores [Q, L]
+    (-inf where invisible) and the selected positions [Q, topk])."""
     spec = batch.spec
     sparse = spec.sparse_indexer
     topk = topk or sparse.topk
     n, p, v, lkv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
-    w = batch.kv_b_proj.double().cpu().view(n, p + v, lkv)
+    w = batch.kv_b_proj.double().to(device).view(n, p + v, lkv)
     w_uk_t, w_uv = w[:, :p], w[:, p:].transpose(1, 2)
     outs, all_scores, all_positions, start = [], [], [], 0
     for s, x, k in zip(batch.shapes, batch.latent, batch.keys):
         rows = slice(start, start + s.query_len)
         start += s.query_len
-        q8, ks = quantize_blockwise_fp8(k, sparse.quant_block)
+        q8, ks = quantize_blockwise_fp8(k.to(device), sparse.quant_block)
         keys = dequantize_blockwise_fp8(q8, ks, torch.float64)
-        scores = indexer_scores(batch.index_q[rows].cpu(), batch.index_weights[rows].cpu(), keys, sparse)
-        qpos = torch.arange(s.context_len, s.seq_len)
+        scores = indexer_scores(batch.index_q[rows].to(device), batch.index_weights[rows].to(device), keys, sparse)
+        qpos = torch.arange(s.context_len, s.seq_len, device=device)
         positions = topk_positions(scores, qpos, topk)
-        all_scores.append(scores.masked_fill(torch.arange(s.seq_len)[None, :] > qpos[:, None], float("-inf")))
+        visible = torch.arange(s.seq_len, device=device)[None, :] <= qpos[:, None]
+        all_scores.append(scores.masked_fill(~visible, float("-inf")))
         all_positions.append(positions)
-        outs.append(sparse_mla_attention(batch.q[rows].cpu(), _stored_latent(batch, x), positions, w_uk_t, w_uv,
-                                         spec.softmax_scale))
+        outs.append(sparse_mla_attention(batch.q[rows].to(device), _stored_latent(batch, x.to(device)), positions,
+                                         w_uk_t, w_uv, spec.softmax_scale))
     return torch.cat(outs), all_scores, all_positions
 
 
