@@ -40,7 +40,7 @@ from .selection.registry import (
     select,
     unregister_backend,
 )
-from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec, AttentionType
+from .spec import BACKEND_ENV_VAR, AttentionConfig, AttentionSpec, AttentionType, SparseIndexerSpec
 
 # pyproject.toml's version as installed: one source, which tune profile keys read too (through importlib.metadata:
 # a module of the package importing this one would close an import loop)
@@ -85,5 +85,6 @@ __all__ = [
     "BACKEND_ENV_VAR",
     "AttentionConfig",
     "AttentionSpec",
+    "SparseIndexerSpec",
     "AttentionType",
 ]

@@ -98,6 +98,7 @@ class AttentionBackend(ABC):
     kv_cache_16bit_must_match_dtype: ClassVar[bool] = False  # True: a float16/bfloat16 cache must be the model dtype
     min_compute_capability_fp8_e4m3: ClassVar[Optional[tuple[int, int]]] = None  # e4m3 cache conversions need this
     is_mla: ClassVar[bool] = False  # True: serves MLA specs only; False: standard specs only
+    supports_sparse_indexer: ClassVar[bool] = False  # True: serves sparse MLA specs (spec.sparse_indexer) only
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
     kv_cache_layout: ClassVar[str] = STANDARD_KV_CACHE_LAYOUT
 
@@ -123,6 +124,7 @@ class AttentionBackend(ABC):
                 ("soft_cap", cls.supports_logits_soft_cap),
                 ("sinks", cls.supports_sinks),
                 ("mla", cls.is_mla),
+                ("sparse_mla", cls.supports_sparse_indexer),
             )
             if on
         ]
@@ -172,6 +174,11 @@ class AttentionBackend(ABC):
             reasons.append("MLA specs need an MLA backend")
         if cls.is_mla and not spec.is_mla:
             reasons.append("serves MLA specs only (kv_lora_rank etc. unset)")
+        if spec.is_sparse_mla and not cls.supports_sparse_indexer:
+            reasons.append("sparse_indexer (DeepSeek sparse attention) set: this backend attends densely; a sparse "
+                           "MLA backend serves it")
+        if cls.supports_sparse_indexer and not spec.is_sparse_mla:
+            reasons.append("serves sparse MLA specs only (sparse_indexer unset)")
         if spec.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {spec.dtype} not supported (supported: {', '.join(sorted(cls.supported_dtypes))})")
         if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:

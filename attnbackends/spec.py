@@ -23,6 +23,7 @@ __all__ = [
     "MaskKind",
     "AttentionSpec",
     "AttentionConfig",
+    "SparseIndexerSpec",
     "KV_CACHE_DTYPES",
     "DTYPES",
     "BACKEND_ENV_VAR",
@@ -109,6 +110,75 @@ def _dtype_name(value: Any) -> Any:
     return value
 
 
+# ------------------------------------------------------------------------------------ sparse MLA (DeepSeek V3.2)
+
+#: Values per fp32 scale in the sparse indexer's fp8 key cache and in the fp8_ds_mla latent format's nope part.
+SPARSE_QUANT_BLOCK = 128
+
+
+class SparseIndexerSpec(BaseModel):
+    """DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2) on an MLA layer (:attr:`AttentionSpec.sparse_indexer`).
+
+    Per query token t at position p the indexer scores every cached token j <= p of its request:
+    ``score(t, j) = index_scale * sum_h w[t, h] * relu(q_idx[t, h] . k_idx[j])`` over ``num_index_heads`` heads of
+    ``index_head_dim``, with q_idx and k_idx read as fp8 e4m3 times one fp32 scale per ``quant_block`` values; the
+    ``topk`` best tokens (ties: the lower position first) are the only ones the query's MLA attention sees. The exact
+    arithmetic is :mod:`attnbackends.reference.sparse_mla`'s; the caches' layouts are
+    :mod:`attnbackends.ops.sparse_mla_cache`'s.
+
+    ``latent_format``: "auto" keeps the latent cache in the model dtype ([Lkv + R] per token); "fp8_ds_mla" is
+    DeepSeek's format: Lkv fp8 e4m3 nope values with one fp32 scale per 128, then R values in bf16 (656 bytes per
+    token at Lkv 512, R 64).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_index_heads: int = Field(default=64, gt=0, description="indexer query heads")
+    index_head_dim: int = Field(default=128, gt=0, description="indexer head size (q_idx and k_idx)")
+    topk: int = Field(default=2048, gt=0, description="tokens each query attends over")
+    quant_block: int = Field(default=SPARSE_QUANT_BLOCK, gt=0, description="values per fp32 scale of q_idx, k_idx")
+    index_cache_dtype: Literal["fp8_e4m3"] = "fp8_e4m3"
+    index_scale: Optional[float] = Field(default=None, gt=0, description="score scale; default 1/sqrt(index_head_dim)")
+    latent_format: Literal["auto", "fp8_ds_mla"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> "SparseIndexerSpec":
+        if self.index_head_dim % self.quant_block:
+            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be a multiple of quant_block "
+                             f"({self.quant_block})")
+        if self.index_scale is not None and not math.isfinite(self.index_scale):
+            raise ValueError(f"index_scale must be a positive finite number, got {self.index_scale}")
+        return self
+
+    @property
+    def softmax_scale(self) -> float:
+        """The score scale: index_scale, default 1/sqrt(index_head_dim)."""
+        return self.index_scale if self.index_scale is not None else 1.0 / math.sqrt(self.index_head_dim)
+
+    @property
+    def num_quant_blocks(self) -> int:
+        return self.index_head_dim // self.quant_block
+
+
+def _sparse_indexer_reasons(spec: "AttentionSpec") -> list[str]:
+    """What makes a sparse indexer invalid on ``spec`` (empty: valid or none)."""
+    sparse = spec.sparse_indexer
+    if sparse is None:
+        return []
+    if not spec.is_mla:
+        return ["sparse_indexer needs an MLA spec (AttentionSpec.mla(..., sparse_indexer=...))"]
+    reasons = []
+    if spec.kv_cache_dtype not in ("auto", spec.dtype):
+        reasons.append(f"kv_cache_dtype of a sparse MLA spec must be 'auto' (the latent cache's format is "
+                       f"sparse_indexer.latent_format), got {spec.kv_cache_dtype!r}")
+    if sparse.latent_format == "fp8_ds_mla" and spec.kv_lora_rank % SPARSE_QUANT_BLOCK:
+        reasons.append(f"latent_format 'fp8_ds_mla' needs kv_lora_rank a multiple of {SPARSE_QUANT_BLOCK}, "
+                       f"got {spec.kv_lora_rank}")
+    return reasons
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
 class AttentionSpec(BaseModel):
     """Everything a backend must know about one attention layer, fixed for the model's lifetime.
 
@@ -145,6 +215,9 @@ class AttentionSpec(BaseModel):
     )
     mask: "AttentionMask" = Field(
         default_factory=lambda: AttentionMask(), description="which keys a query sees (decoder layers; see AttentionMask)"
+    )
+    sparse_indexer: Optional[SparseIndexerSpec] = Field(
+        default=None, description="MLA only: DeepSeek sparse attention's indexer (V3.2); None: dense attention"
     )
 
     @field_validator("dtype", mode="before")
@@ -206,6 +279,9 @@ class AttentionSpec(BaseModel):
                 )
             if self.attn_type is not AttentionType.DECODER:
                 raise ValueError(f"attn_type of an MLA spec must be 'decoder', got {self.attn_type.value!r}")
+        sparse_reasons = _sparse_indexer_reasons(self)
+        if sparse_reasons:
+            raise ValueError("; ".join(sparse_reasons))
         if self.sliding_window is not None and not self.attn_type.is_causal:
             raise ValueError(
                 f"sliding_window is defined for causal decoder layers only (attn_type={self.attn_type.value!r})"
@@ -245,6 +321,11 @@ class AttentionSpec(BaseModel):
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def is_sparse_mla(self) -> bool:
+        """An MLA layer with DeepSeek's sparse indexer (:attr:`sparse_indexer`)."""
+        return self.sparse_indexer is not None
 
     @property
     def value_head_size(self) -> int:

@@ -56,6 +56,8 @@ SUITES: dict[str, Suite] = {
     "flashinfer_cascade": Suite("benchmarks.flashinfer_cascade", "FlashInfer's cascade attention as the adapter's "
                                 "policy picks it vs cascade off, on shared-prefix steps"),
     "mla": Suite("benchmarks.mla", "MLA decode and prefill (DeepSeek-V3 dims) vs FlashInfer MLA", default=True),
+    "sparse_mla": Suite("benchmarks.sparse_mla", "DeepSeek sparse attention (V3.2 dims, top-k 2048): sparse MLA "
+                        "decode and prefill, the indexer, dense triton_mla at 128k context"),
     "phase_selection": Suite("benchmarks.phase_selection", "prefill per backend and an engine-like mixed workload "
                              "on each backend and on the measured composition"),
     "hybrid_decode": Suite("benchmarks.hybrid_decode", "a Gemma-3-shaped decode step (sliding + global layer "

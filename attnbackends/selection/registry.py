@@ -64,6 +64,8 @@ _REGISTRY: dict[str, _Target] = {
     "flash_attn": "attnbackends.flash_attn.backend:FlashAttnBackend",
     "triton_mla": "attnbackends.mla.backends:TritonMLABackend",
     "flashinfer_mla": "attnbackends.mla.backends:FlashInferMLABackend",
+    "reference_mla_sparse": "attnbackends.reference.sparse_mla:ReferenceSparseMLABackend",
+    "triton_mla_sparse": "attnbackends.mla.sparse.backend:TritonSparseMLABackend",
 }
 
 # Auto-selection order per (platform, MLA?) without a measured profile: first the backend measured fastest on the
@@ -82,13 +84,19 @@ _PRIORITIES: dict[tuple[str, bool], list[str]] = {
 _PRIORITY_REASONS: dict[tuple[str, bool], str] = {
     ("cuda", False): (
         "no measured profile: the static CUDA list puts triton first, measured at or above FlashInfer on this "
-        "platform's decode, prefill and mixed rows (benchmarks/RESULTS.md) and compiled in seconds on first use (FlashInfer builds a "
-        "module per shape in tens of seconds); flashinfer and flash_attn are chosen by a profile (`attnbackends "
+        "platform's decode, prefill and mixed rows (benchmarks/RESULTS.md) and compiled in seconds on first "
+        "use (FlashInfer builds a module per shape in tens of seconds); flashinfer and flash_attn are chosen by a profile (`attnbackends "
         "tune`, selection=measured), by config (backend=...), or where only they serve the spec"),
     ("cuda", True): (
         "no measured profile: the static CUDA MLA list puts triton_mla first, measured faster than flashinfer_mla "
         "on the MLA rows (benchmarks/RESULTS.md) and compiled in seconds on first use; flashinfer_mla is chosen by "
         "a profile, by config, or where only it serves the spec"),
+}
+
+# Sparse MLA specs (spec.sparse_indexer, DeepSeek V3.2) have their own lists: the dense MLA backends decline them.
+_SPARSE_MLA_PRIORITIES: dict[str, list[str]] = {
+    "cuda": ["triton_mla_sparse", "reference_mla_sparse"],
+    "cpu": ["reference_mla_sparse"],
 }
 
 _entry_points_loaded = False
@@ -327,6 +335,8 @@ def phased_backend(decode: str, prefill: str) -> type[PhasedBackend]:
 
 def priority_list(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
     """The platform's auto-selection order for this kind of spec."""
+    if spec.is_sparse_mla:
+        return list(_SPARSE_MLA_PRIORITIES[device.kind])
     return list(_PRIORITIES[(device.kind, spec.is_mla)])
 
 
@@ -378,7 +388,7 @@ def explain(
         if not by_name[name].reasons:
             by_name[name].chosen = True
             result.chosen = name
-            if static and name == order[0] and (device.kind, spec.is_mla) in _PRIORITY_REASONS:
+            if static and name == order[0] and not spec.is_sparse_mla and (device.kind, spec.is_mla) in _PRIORITY_REASONS:
                 result.notes.insert(0, _PRIORITY_REASONS[(device.kind, spec.is_mla)])
             if name in _REGISTRY:
                 result.notes += [f"{name}: {note}" for note in _REGISTRY[name].kernel_notes(spec, device)]
@@ -451,6 +461,6 @@ def select(
             )
         raise BackendNotSupportedError("no registered backend can serve this spec", result)
     cls = get_backend_class(result.chosen)
-    if result.requested == "auto" and cls.name in ("reference", "reference_mla") and result.device.is_cuda:
+    if result.requested == "auto" and cls.name in ("reference", "reference_mla", "reference_mla_sparse") and result.device.is_cuda:
         logger.warning("no fast backend fits this spec on %s; using the slow reference backend:\n%s", result.device.describe(), result)
     return cls
