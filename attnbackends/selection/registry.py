@@ -388,8 +388,9 @@ def explain(
         if not by_name[name].reasons:
             by_name[name].chosen = True
             result.chosen = name
-            if static and name == order[0] and not spec.is_sparse_mla and (device.kind, spec.is_mla) in _PRIORITY_REASONS:
-                result.notes.insert(0, _PRIORITY_REASONS[(device.kind, spec.is_mla)])
+            reason_key = (device.kind, spec.is_mla)
+            if static and name == order[0] and not spec.is_sparse_mla and reason_key in _PRIORITY_REASONS:
+                result.notes.insert(0, _PRIORITY_REASONS[reason_key])
             if name in _REGISTRY:
                 result.notes += [f"{name}: {note}" for note in _REGISTRY[name].kernel_notes(spec, device)]
             break
