@@ -129,7 +129,7 @@ def test_builder_refuses_non_causal_and_bad_block_tables(monkeypatch):
         builder.build(batch.common)
     batch.common.causal = True
     batch.common.block_table = batch.common.block_table.long()
-    with pytest.raises(ValueError, match="block_table must be int32"):
+    with pytest.raises(ValueError, match="block_table must hold torch.int32"):
         builder.build(batch.common)
 
 

@@ -244,7 +244,8 @@ def test_cuda_table_without_host_copy(shapes, num_blocks_given):
     ids are contained in build() with num_blocks, else in every forward(). Each step is built and run behind a GPU
     stall, so the host is ahead and the fault its own check records cannot be seen before its forward runs; a last
     step with the GPU caught up shows the other order: the next check point raises, naming the entry (forward()
-    itself without num_blocks; with it, build() checked the table and the next build() raises)."""
+    itself, or the next forward() when its own scan is still in flight, without num_blocks; with it, build()
+    checked the table and the next build() raises)."""
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
     builder = FlashInferMetadataBuilder(spec, "cuda", num_blocks=64 if num_blocks_given else None)
     impl = FlashInferBackend.get_impl_cls()(spec)
@@ -292,7 +293,10 @@ def test_cuda_table_without_host_copy(shapes, num_blocks_given):
     with pytest.raises(PageTableError, match=r"block_table\[1, 1\] = -7 is outside"):
         impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), meta, batch.new_output())
         torch.cuda.synchronize()
-        builder.build(dataclasses.replace(bad_batch(0).common))  # num_blocks given: build() checked; raised here
+        good = bad_batch(0)
+        good_meta = builder.build(dataclasses.replace(good.common))  # num_blocks given: build() raises here
+        impl.forward(good.query, good.key, good.value, good.kv_cache.clone(), good_meta,
+                     good.new_output())  # without num_blocks: the next forward()'s check point raises
     x = torch.randn(256, 256, device="cuda")
     assert torch.isfinite(x @ x).all()
     torch.cuda.synchronize()
