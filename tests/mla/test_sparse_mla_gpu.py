@@ -39,7 +39,7 @@ def test_deepseek_dims_against_oracle(latent_format):
     bs, t = spec.block_size, 0
     for r, (s, sc) in enumerate(zip(shapes, scores)):
         pages = batch.common.block_table[r].cpu().long()
-        pos_of = torch.full((int(pages.max()) + 1) * bs, -1, dtype=torch.long)
+        pos_of = torch.full(((int(pages.max()) + 1) * bs,), -1, dtype=torch.long)
         pos = torch.arange(s.seq_len)
         pos_of[pages[pos // bs] * bs + pos % bs] = pos
         for row in sc.cpu():
