@@ -205,11 +205,12 @@ def raise_pending_faults(device: "torch.device | str") -> None:
 
 def raise_faults_before_gathering(common) -> None:
     """For code that indexes the cache with the batch's page ids in torch (the reference backends): where the table
-    lives only on a GPU, its page guard recorded faults without a sync, and torch's indexing would assert on the
-    device on a bad id; wait for the scan and raise its fault first. Free for host tables (checked before any
+    lives on a GPU and :func:`guard_block_table` scanned it (no host copy, or a host copy no producer vouched for),
+    the scan recorded faults without a sync, and torch's indexing would assert on the device on a bad id; wait for
+    the scan and raise its fault first. Free for host tables and producer-made copies (checked before any
     kernel)."""
-    if _host_table(common) is None:
-        device = common.block_table.device
+    device = common.block_table.device
+    if device.type != "cpu" and (_host_table(common) is None or not common.host_checked):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         raise_pending_faults(device)
