@@ -23,7 +23,7 @@ MASK_NON_CAUSAL = 1
 MASK_BLOCK_CAUSAL = 2
 MASK_SPANS = 3
 
-_BIG = 2147483647
+_BIG = tl.constexpr(2147483647)
 
 
 @triton.jit
