@@ -354,7 +354,7 @@ def test_gpu_triton_reads_like_the_reference(kv_cache_dtype, case):
     out_r, _ = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb, cache=cache)
     assert torch.isfinite(out_t).all()
     assert _rel(out_t, out_r) < 6e-3  # bfloat16 output rounding and float16 dots
-    assert torch.allclose(out_t, out_r, atol=1.5e-2, rtol=0)
+    assert torch.allclose(out_t, out_r, atol=1.5e-2, rtol=8e-3)  # two bfloat16 ulps where outputs pass 2
     want = _oracle(q, keys, values, ql, cl, spec.softmax_scale)
     assert _rel(out_t.cpu(), want) < ORACLE_BOUND[kv_cache_dtype] + 6e-3
     out_w, cache_w = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb)

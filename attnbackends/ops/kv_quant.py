@@ -92,7 +92,8 @@ def quantize_token_heads(x: torch.Tensor, fmt: KVCacheFormat, global_scale: floa
         y = torch.where(denom[..., None] > 0, blocks / safe[..., None], torch.zeros_like(blocks))
         return _pack(_e2m1_code(y).view(t, h, d)), block_scale
     qmax = FORMAT_QMAX[fmt]
-    scale = xf.abs().amax(-1) / qmax
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python-number divisor, not IEEE division.
+    scale = xf.abs().amax(-1) / torch.tensor(qmax, dtype=torch.float32, device=x.device)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = xf / scale[..., None]
     if fmt is KVCacheFormat.FP8_PER_TOKEN_HEAD:

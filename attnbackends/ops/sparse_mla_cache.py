@@ -141,7 +141,8 @@ def quantize_blockwise_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, t
     if x.shape[-1] % block:
         raise ValueError(f"the last dimension ({x.shape[-1]}) must be a multiple of the block ({block})")
     xb = x.float().unflatten(-1, (-1, block))
-    scale = xb.abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / FP8_E4M3_MAX
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python-number divisor, not IEEE division.
+    scale = xb.abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / torch.tensor(FP8_E4M3_MAX, device=xb.device)
     q = (xb / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2), scale
 
@@ -207,7 +208,7 @@ def _write_ds_latent_torch(kv_c: torch.Tensor, k_pe: torch.Tensor, latent: torch
 def quantize_block_fp8(x, INTERPRET: tl.constexpr):
     """x [ROWS, BLOCK] float32 -> (x / scale saturated, on the e4m3 grid under the interpreter [ROWS, BLOCK];
     scale [ROWS]) with scale = max(max |x|, 1e-4) / 448 per row (:func:`quantize_blockwise_fp8`)."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
     y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
     if INTERPRET:
         y = round_to_fp8_grid(y, 3, -6)

@@ -60,7 +60,9 @@ def _indexer_keys_kernel(
                         mask=visible[:, None], other=0.0)
             ks = tl.load(SCALES + page * stride_s_blk + row * stride_s_tok + b, mask=visible, other=0.0)
             if FP8_DOT:
-                dot = tl.dot(qy.to(k.dtype), tl.trans(k))
+                # Hopper's fp8 MMA keeps about 14 bits of its running sum; values scaled to +-448 cancel in the
+                # sum, so each K-step of 32 is added to the float32 logits (DeepSeek's promotion interval).
+                dot = tl.dot(qy.to(k.dtype), tl.trans(k), max_num_imprecise_acc=32)
             else:  # fp8 values and their products are exact in float32
                 dot = tl.dot(qy, tl.trans(k.to(tl.float32)))
             logits += dot * qs[:, None] * ks[None, :]
