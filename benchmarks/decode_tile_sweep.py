@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
+from datetime import date
 import sys
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import torch
 from attnbackends.triton.heuristics import KernelConfig, device_sm_count
 from attnbackends.triton.launch import SplitKVWorkspace, unified_attention
 
+from .report import library_versions, write_json
 from .triton_api import do_bench_us
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -114,7 +115,14 @@ def main(argv=None) -> int:
         for r in best:
             print(f"  {r['us']:.1f} us {r['TBps']:.2f} TB/s splits={r['splits']} {r['config']}")
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+        for row in rows:
+            row.update(case="decode_tile_sweep", backend="triton")
+            if isinstance(row["config"], dict):
+                row["config"] = ",".join(f"{k}={v}" for k, v in row["config"].items() if not k.startswith(("block", "tile")))
+        header = dict(gpu=torch.cuda.get_device_name(), date=date.today().isoformat(), suite="decode_tile_sweep",
+                      command="python -m benchmarks.decode_tile_sweep " + " ".join(argv or sys.argv[1:]),
+                      **library_versions(), complete=True)
+        write_json(args.out, header, rows)
     return 0
 
 
