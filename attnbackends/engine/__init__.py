@@ -4,9 +4,12 @@
 model (adapters and seeded fixtures in the checkout's ``examples/engine/hf_models``). ``GroupedPagedEngine`` serves
 models whose layers differ (one backend per layer group), ``EncoderEngine`` encoder-only models (BERT-style) and
 ``EncoderDecoderEngine`` encoder-decoder models (Whisper-style; adapters in the checkout's
-``examples/hf_encoder_models.py``).
+``examples/hf_encoder_models.py``). Masks beyond causal (docs/MASKS.md): ``PagedEngine.generate(..., spans=...)``
+serves image spans on a ``causal_spans`` model, :func:`block_diffusion_generate` block-diffusion decoding on a
+``block_causal`` one.
 """
 
+from .block_diffusion import block_diffusion_generate
 from .encoder import EncoderEngine, EncoderEngineModel
 from .encoder_decoder import EncoderDecoderEngine, EncoderDecoderEngineModel
 from .engine import BlockAllocator, EngineConfig, EngineModel, GenerationResult, PagedEngine, StepAttention
@@ -32,4 +35,5 @@ __all__ = [
     "TinyHybridConfig",
     "TinyLlama",
     "TinyLlamaConfig",
+    "block_diffusion_generate",
 ]

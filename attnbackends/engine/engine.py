@@ -18,11 +18,12 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from ..interface import AttentionBackend, CudaGraphSupport
+from ..masks import check_spans, with_spans
 from ..metadata import CommonAttentionMetadata, decode_first_order
 from ..persistent_batch import PersistentBatch
 from ..platform import DeviceInfo
 from ..selection.registry import select
-from ..spec import AttentionConfig, AttentionSpec
+from ..spec import AttentionConfig, AttentionSpec, MaskKind
 from ..speculative.tree_mask import with_tree_mask
 from .cuda_graphs import DecodeGraphs, capture_sizes
 from .speculative import DraftTree, SpeculativeConfig, accept_greedy
@@ -128,6 +129,7 @@ class _Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
     step_logits: list[torch.Tensor] = field(default_factory=list)
+    spans: tuple[tuple[int, int], ...] = ()  # bidirectional spans of the prompt (absolute positions)
 
     @property
     def tokens(self) -> list[int]:
@@ -320,7 +322,9 @@ class PagedEngine:
         for req in sorted(running, key=lambda r: not r.is_decode):
             if budget == 0:
                 break
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = self._chunk_at_span_boundary(req, min(len(req.tokens) - req.num_computed, budget))
+            if n == 0:
+                continue
             draft = None
             if self.speculative is not None and req.is_decode and budget > 1:
                 limit = min(self.speculative.num_speculative_tokens, budget - 1)
@@ -331,6 +335,21 @@ class PagedEngine:
             budget -= n
         order = decode_first_order([n for _, n, _ in batch], self.builder.reorder_batch_threshold)
         return [batch[i] for i in order]
+
+    def _chunk_at_span_boundary(self, req: _Request, n: int) -> int:
+        """``n`` scheduled tokens of ``req``, shortened so that a prefill chunk does not end inside a span: the
+        span's tokens then see the whole span, as a dense recompute does (vLLM ends chunks at multimodal items the
+        same way). A chunk that starts at a span which does not fit this step's budget waits for a step with room
+        (0); a span longer than ``max_num_batched_tokens`` is split, its earlier chunks seeing the span up to
+        their end (docs/MASKS.md)."""
+        first, last = req.num_computed, req.num_computed + n
+        for start, stop in req.spans:
+            if start < last < stop:
+                if start > first:
+                    return start - first
+                if stop - first <= self.config.max_num_batched_tokens:
+                    return 0
+        return n
 
     def _reserve_pages(self, req: _Request, num_tokens: int) -> None:
         """Give ``req`` the pages its first ``num_tokens`` tokens need (``req.blocks`` is its block table)."""
@@ -352,7 +371,7 @@ class PagedEngine:
     def _graph_size(self, batch: list[tuple], common: CommonAttentionMetadata) -> Optional[int]:
         """The capture size this step runs on: one new token per request, no draft, a size that holds it; else
         None (eager)."""
-        if self.graphs is None or common.num_actual_tokens != common.num_reqs:
+        if self.graphs is None or common.num_actual_tokens != common.num_reqs or common.masks is not None:
             return None
         if any(draft is not None for _, _, draft in batch):
             return None
@@ -384,6 +403,8 @@ class PagedEngine:
                 trees.append(None)
         if any(t is not None for t in trees):
             common = with_tree_mask(common, trees)
+        if self._step_meets_a_span(batch):
+            common = with_spans(common, [req.spans for req, _, _ in batch])
         qsl = common.query_start_loc_cpu.tolist()
         rows = []  # logits rows: every verify token, else the last token of a request whose sequence is cached
         for i, (req, n, draft) in enumerate(batch):
@@ -414,6 +435,16 @@ class PagedEngine:
                 at += 1
         self.num_steps += 1
         self.scheduled_tokens.append(len(tokens))
+
+    @staticmethod
+    def _step_meets_a_span(batch: list[tuple]) -> bool:
+        """Whether a scheduled token of the step lies inside its request's spans (only then does the step carry
+        them: the other tokens of a spans layer see exactly their causal keys)."""
+        for req, n, _ in batch:
+            first, last = req.num_computed, req.num_computed + n
+            if any(start < last and first < end for start, end in req.spans):
+                return True
+        return False
 
     def _accept(self, req: _Request, draft: DraftTree, logits: torch.Tensor) -> None:
         """Keep the longest draft path the model agrees with plus its next token; roll the cache back to it.
@@ -461,11 +492,16 @@ class PagedEngine:
                 cache[db, do] = cache[sb, so]
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None, *,
+        spans: Optional[list[Optional[list[tuple[int, int]]]]] = None,
     ) -> GenerationResult:
         """Greedy generation of up to ``max_new_tokens`` per prompt with continuous batching.
 
         Requests beyond ``max_num_reqs`` (or beyond the free pages) wait and join as running ones finish.
+        ``spans``: per prompt, its bidirectional spans ``[(start, end), ...]`` inside the prompt (an image's tokens;
+        None or [] for none), for a model whose layers are ``causal_spans`` (docs/MASKS.md). Each step carries the
+        spans of its requests where a scheduled token lies in one (``attnbackends.masks.with_spans``); a prefill
+        chunk may end inside a span, and its span tokens then see the span's keys up to the chunk's end.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -473,6 +509,15 @@ class PagedEngine:
         for req in requests:
             if not req.prompt:
                 raise ValueError(f"prompt {req.index} is empty; every prompt needs at least one token")
+        if spans is not None:
+            if self.spec.mask.kind is not MaskKind.CAUSAL_SPANS:
+                raise ValueError(f"spans were given, but the model's layers have mask kind "
+                                 f"{self.spec.mask.kind.value!r}: spans need AttentionMask(kind='causal_spans')")
+            for req, checked in zip(requests, check_spans(spans, len(requests))):
+                if checked and checked[-1][1] > len(req.prompt):
+                    raise ValueError(f"spans[{req.index}] ends at {checked[-1][1]}, past its prompt of "
+                                     f"{len(req.prompt)} tokens: spans lie inside the prompt")
+                req.spans = checked
         return self._run(requests)
 
     def _run(self, requests: list[_Request]) -> GenerationResult:

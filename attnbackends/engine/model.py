@@ -1,16 +1,18 @@
 """A tiny Llama-architecture model with seeded random weights: RMSNorm, rotary embeddings, GQA attention through
-any attention backend, SwiGLU MLP. ``forward_dense`` recomputes a whole sequence with torch SDPA: the reference."""
+any attention backend, SwiGLU MLP. ``forward_dense`` recomputes a whole sequence with torch SDPA: the reference
+(under the layer's mask, ``TinyLlamaConfig.mask``, as :func:`attnbackends.masks.dense_visibility` defines it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..spec import AttentionSpec
+from ..masks import dense_visibility
+from ..spec import AttentionMask, AttentionSpec
 
 __all__ = ["TinyLlamaConfig", "TinyLlama"]
 
@@ -26,6 +28,8 @@ class TinyLlamaConfig:
     intermediate_size: int = 512
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    #: the attention mask of every layer (None: causal), e.g. ``AttentionMask(kind="block_causal", block_len=4)``
+    mask: Optional[AttentionMask] = None
 
 
 class _Layer(nn.Module):
@@ -78,7 +82,7 @@ class TinyLlama(nn.Module):
         cfg = self.cfg
         return AttentionSpec(
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, dtype=dtype,
-            block_size=block_size,
+            block_size=block_size, **({} if cfg.mask is None else {"mask": cfg.mask}),
         )
 
     def impl_kwargs(self, layer: int) -> dict[str, Any]:
@@ -113,15 +117,21 @@ class TinyLlama(nn.Module):
             x = x[logits_rows]
         return self.lm_head(self.norm(x)).float()
 
-    def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The whole sequence recomputed with causal SDPA (no cache): tokens [L] -> logits [L, vocab]."""
+    def forward_dense(self, tokens: torch.Tensor, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """The whole sequence recomputed with SDPA (no cache) under the layer's mask: tokens [L] -> logits
+        [L, vocab]. ``spans``: the sequence's bidirectional spans (a ``causal_spans`` mask)."""
         group = self.cfg.num_heads // self.cfg.num_kv_heads
+        positions = torch.arange(tokens.shape[0], device=tokens.device)
+        visible = None
+        if self.cfg.mask is not None:
+            spec = self.attention_spec(torch.float32, 16)
+            visible = dense_visibility(spec, positions, tokens.shape[0], spans=spans).to(tokens.device)
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               attn_mask=visible, is_causal=visible is None)
             return o.transpose(0, 1)
 
-        positions = torch.arange(tokens.shape[0], device=tokens.device)
         return self.forward(tokens, positions, attend)

@@ -32,6 +32,14 @@ group (or the one an :class:`~attnbackends.AttentionConfig` or ``ATTNBACKENDS_BA
   from ``cu_seq_lens_q`` / ``cu_seq_lens_k``: one host copy of the two small length tensors per step. Batches
   that are not decode-first (transformers' ``prefill_first`` scheduler) are permuted into that order and back.
 
+**Image tokens** (Gemma 3 and other vision-language models whose image tokens attend to each other in both
+directions): :func:`mark_image_tokens` makes every layer ``causal_spans`` (sliding layers keep their window on the
+left only, as transformers' ``AND(sliding_window, OR(causal, blockwise))`` does) and each contiguous run of
+``image_token_id`` in a step's tokens a bidirectional span: transformers' ``token_type_ids`` mask
+(``token_type_ids == 1`` where the processor placed image tokens) served by the backend. A prefill chunk that ends
+inside an image gives that image's tokens the image's keys up to the chunk's end only (docs/MASKS.md): size
+``max_batch_tokens`` so that prompts are not split inside an image.
+
 Outside continuous batching (plain ``generate`` or ``forward`` on a model loaded with this implementation) the
 layers run transformers' SDPA, or a dense torch attention where the model needs sinks or a soft-cap.
 
@@ -54,11 +62,13 @@ import torch
 
 from .. import compat
 from ..layer_groups import GroupedMetadata, GroupedMetadataBuilder, group_layers
+from ..masks import with_spans
 from ..metadata import CommonAttentionMetadata, decode_first_order
 from ..platform import DeviceInfo
-from ..spec import AttentionConfig, AttentionSpec
+from ..spec import AttentionConfig, AttentionMask, AttentionSpec, MaskKind
 
-__all__ = ["ATTN_IMPLEMENTATION", "layer_groups_for", "register", "transformers_layer_specs"]
+__all__ = ["ATTN_IMPLEMENTATION", "IMAGE_TOKENS_KWARG", "layer_groups_for", "mark_image_tokens", "register",
+           "transformers_layer_specs"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +89,12 @@ class _Settings:
 
 
 _SETTINGS: dict[str, _Settings] = {}
+
+#: The model-forward keyword that carries a continuous-batching step's image-token flags ([T] bool, one per query
+#: token in transformers' order) down to the attention function (:func:`mark_image_tokens` adds it).
+IMAGE_TOKENS_KWARG = "attnbackends_image_tokens"
+#: Attribute :func:`mark_image_tokens` sets on the model: the image token id it marks.
+_IMAGE_TOKEN_ATTR = "_attnbackends_image_token_id"
 
 
 def register(config: Optional[AttentionConfig] = None, *, name: str = ATTN_IMPLEMENTATION,
@@ -136,8 +152,50 @@ def layer_groups_for(model: Any, *, page_size: int = 256, dtype: "torch.dtype | 
     if name not in _SETTINGS:
         raise ValueError(f"call register(name={name!r}) first")
     param = next(model.parameters())
-    specs = transformers_layer_specs(model.config, dtype or param.dtype, page_size)
+    specs = transformers_layer_specs(model.config, dtype or param.dtype, page_size,
+                                     image_spans=hasattr(model, _IMAGE_TOKEN_ATTR))
     return group_layers(specs, DeviceInfo.current(device or param.device), _SETTINGS[name].config)
+
+
+def mark_image_tokens(model: Any, image_token_id: Optional[int] = None) -> Any:
+    """Serve the image-token mask of Gemma 3-style models in ``generate_batch``: the tokens of one image (a
+    contiguous run of ``image_token_id``) attend to each other in both directions, text stays causal, as
+    transformers' ``token_type_ids`` mask (``get_block_sequence_ids_for_mask``) has it.
+
+    Registers a forward pre-hook on ``model`` that hands each continuous-batching step's image-token flags to the
+    attention layers (keyword :data:`IMAGE_TOKENS_KWARG`); every layer's spec becomes ``causal_spans``. Call it
+    before ``generate_batch``; the returned handle's ``remove()`` undoes it.
+
+    image_token_id : default ``model.config.image_token_id`` (Gemma 3's multimodal configs carry it).
+
+    Raises
+    ------
+    ValueError : no image token id given and the config has none, or it is not a non-negative int.
+    """
+    if image_token_id is None:
+        image_token_id = getattr(model.config, "image_token_id", None)
+    if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or image_token_id < 0:
+        raise ValueError(f"image_token_id must be a non-negative int (pass it where the config has none), got "
+                         f"{image_token_id!r}")
+
+    def add_image_flags(module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        implementation = str(getattr(module.config, "_attn_implementation", "")).removeprefix("paged|")
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if implementation in _SETTINGS and "cu_seq_lens_q" in kwargs and input_ids is not None:
+            kwargs[IMAGE_TOKENS_KWARG] = input_ids.reshape(-1) == image_token_id
+        return args, kwargs
+
+    handle = model.register_forward_pre_hook(add_image_flags, with_kwargs=True)
+    setattr(model, _IMAGE_TOKEN_ATTR, image_token_id)
+    remove = handle.remove
+
+    def remove_all() -> None:
+        remove()
+        if hasattr(model, _IMAGE_TOKEN_ATTR):
+            delattr(model, _IMAGE_TOKEN_ATTR)
+
+    handle.remove = remove_all
+    return handle
 
 
 # ------------------------------------------------------------------------------------------------------ specs
@@ -146,11 +204,14 @@ def _text_config(config: Any) -> Any:
     return getter(decoder=True) if callable(getter) else config
 
 
-def transformers_layer_specs(config: Any, dtype: "torch.dtype | str", block_size: int) -> list[AttentionSpec]:
+def transformers_layer_specs(config: Any, dtype: "torch.dtype | str", block_size: int, *,
+                             image_spans: bool = False) -> list[AttentionSpec]:
     """One :class:`~attnbackends.AttentionSpec` per decoder layer of a transformers model config.
 
     Layer types come from ``config.layer_types`` ("full_attention", "sliding_attention"; without it every layer
     is a sliding one when ``config.sliding_window`` is set, as transformers' continuous batching reads it).
+    ``image_spans``: every layer ``causal_spans`` (:func:`mark_image_tokens`); a sliding layer's window W then
+    bounds the left only, ``window=(W - 1, max_position_embeddings)``, as transformers' image-token mask does.
     """
     text = _text_config(config)
     if getattr(text, "use_bidirectional_attention", False):
@@ -172,10 +233,19 @@ def transformers_layer_specs(config: Any, dtype: "torch.dtype | str", block_size
     scale = float(scalar) ** -0.5 if scalar else float(head_dim) ** -0.5
     model_type = getattr(text, "model_type", "")
     soft_cap = getattr(text, "attn_logit_softcapping", None) if model_type in _SOFT_CAP_MODEL_TYPES else None
+    reach = int(getattr(text, "max_position_embeddings", None) or 2 ** 24)
+
+    def mask_and_window(kind: str) -> dict[str, Any]:
+        sliding = window if kind == "sliding_attention" else None
+        if not image_spans:
+            return dict(sliding_window=sliding)
+        return dict(mask=AttentionMask(kind=MaskKind.CAUSAL_SPANS,
+                                       window=None if sliding is None else (sliding - 1, reach)))
+
     return [
         AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype, block_size=block_size,
-                      scale=scale, sliding_window=window if kind == "sliding_attention" else None,
-                      logits_soft_cap=soft_cap, has_sinks=model_type in _SINK_MODEL_TYPES)
+                      scale=scale, logits_soft_cap=soft_cap, has_sinks=model_type in _SINK_MODEL_TYPES,
+                      **mask_and_window(kind))
         for kind in layer_types[:num_layers]
     ]
 
@@ -188,7 +258,7 @@ def _check_call(layer: int, spec: AttentionSpec, query: torch.Tensor, key: torch
     if scaling is not None and not math.isclose(float(scaling), spec.softmax_scale, rel_tol=1e-6):
         facts.append(("scaling", float(scaling), spec.softmax_scale))
     if "sliding_window" in kwargs:
-        facts.append(("sliding_window", kwargs["sliding_window"], spec.sliding_window))
+        facts.append(("sliding_window", kwargs["sliding_window"], None if spec.window is None else spec.window[0] + 1))
     facts.append(("softcap", kwargs.get("softcap"), spec.logits_soft_cap))
     facts.append(("sinks (s_aux)", kwargs.get("s_aux") is not None, spec.has_sinks))
     wrong = [f"{name}: the call has {got!r}, the spec from the config {want!r}" for name, got, want in facts
@@ -210,10 +280,26 @@ class _Step:
     inverse: Optional[torch.Tensor]
 
 
+def _image_spans(flags: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list[list[tuple[int, int]]]:
+    """Per request, its image spans in this step: each run of flagged query tokens as absolute positions
+    [start, end). flags: [sum query_lens] bool on the host, decode-first order. A run that continues an image begun
+    in the cached context starts at the step's first token: the cached keys are causally visible anyway."""
+    spans, start = [], 0
+    for q, seq_len in zip(query_lens, seq_lens):
+        padded = torch.cat([torch.zeros(1, dtype=torch.int8), flags[start:start + q].to(torch.int8),
+                            torch.zeros(1, dtype=torch.int8)])
+        edges = torch.nonzero(padded[1:] - padded[:-1]).flatten().tolist()  # alternating run starts and ends
+        context = seq_len - q
+        spans.append([(context + a, context + b) for a, b in zip(edges[0::2], edges[1::2])])
+        start += q
+    return spans
+
+
 def _step_common(kwargs: dict[str, Any], layer_cache: compat.TransformersLayerCache, num_tokens: int,
                  decode_threshold: int) -> tuple[CommonAttentionMetadata, Optional[torch.Tensor]]:
     """The step's common metadata from transformers' kwargs, decode-first, and the token order it implies (None
-    when the batch already is decode-first)."""
+    when the batch already is decode-first); with image-token flags (:func:`mark_image_tokens`) the step's image
+    spans."""
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
     device = cu_q.device
     cu_q_cpu, cu_k_cpu = cu_q.to("cpu", torch.int64), cu_k.to("cpu", torch.int64)
@@ -250,6 +336,12 @@ def _step_common(kwargs: dict[str, Any], layer_cache: compat.TransformersLayerCa
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(device), seq_lens_cpu=seq_lens,
         block_table=block_table, slot_mapping=slot_mapping, num_reqs=num_reqs, num_actual_tokens=num_actual,
         max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()), causal=True)
+    flags = kwargs.get(IMAGE_TOKENS_KWARG)
+    if flags is not None:
+        flags = flags[:num_actual] if token_order is None else flags[token_order]
+        flags = flags.cpu()
+        if bool(flags.any()):
+            common = with_spans(common, _image_spans(flags, query_lens.tolist(), seq_lens.tolist()))
     return common, token_order
 
 
@@ -257,8 +349,8 @@ class _PagedRuntime:
     """The layer groups, builders and impls serving one ``PagedAttentionCache``, and the current step."""
 
     def __init__(self, model_config: Any, settings: _Settings, dtype: torch.dtype, device: torch.device,
-                 layer_cache: compat.TransformersLayerCache) -> None:
-        self.specs = transformers_layer_specs(model_config, dtype, layer_cache.page_size)
+                 layer_cache: compat.TransformersLayerCache, image_spans: bool = False) -> None:
+        self.specs = transformers_layer_specs(model_config, dtype, layer_cache.page_size, image_spans=image_spans)
         self.groups = group_layers(self.specs, DeviceInfo.current(device), settings.config)
         self.debug = settings.config.debug
         # every layer's view of transformers' cache has the same page count: build() checks the page ids once
@@ -368,6 +460,7 @@ def _attention_function(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             raise NotImplementedError(f"attention dropout ({dropout}) is not served: use the model in eval mode")
         layer_cache = kwargs.pop(compat.TRANSFORMERS_LAYER_CACHE_KWARG, None)
         if layer_cache is None:
+            kwargs.pop(IMAGE_TOKENS_KWARG, None)
             sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
             if sinks is None and softcap is None:
                 from transformers import AttentionInterface
@@ -378,7 +471,8 @@ def _attention_function(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
                                     softcap, sinks), None
         runtime = _RUNTIMES.get(layer_cache.owner)
         if runtime is None:
-            runtime = _PagedRuntime(module.config, _SETTINGS[name], query.dtype, query.device, layer_cache)
+            runtime = _PagedRuntime(module.config, _SETTINGS[name], query.dtype, query.device, layer_cache,
+                                    image_spans=IMAGE_TOKENS_KWARG in kwargs)
             _RUNTIMES[layer_cache.owner] = runtime
         return runtime.forward(module, query, key, value, scaling, kwargs, layer_cache), None
 
