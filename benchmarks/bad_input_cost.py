@@ -176,13 +176,13 @@ def measure_step(num_reqs: int = 256, context: int = 1024, layers: int = 32, dev
         base = _per_call_us(lambda m=meta: _PlainImpl.forward.__wrapped__(plain, query, key, value, kv_cache, m,
                                                                            output), 5 * calls, repeats)
         forward_us, build_us = max(fwd - base, 0.0), max(build_us, 0.0)
-        rows.append({"case": "bad_input_cost", "backend": "checks", "B": num_reqs, "L": context + 1,
+        rows.append({"case": "bad_input_cost", "backend": "checks", "peer": None, "B": num_reqs, "L": context + 1,
                      "mode": mode, "device": str(dev), "us": round(build_us, 3),
                      **({"target_us": TARGET_US, "meets_target": build_us <= TARGET_US}
                         if mode == "persistent_batch" else {}), "forward_us": round(forward_us, 3), "layers": layers,
                      "step_total_us": round(build_us + layers * forward_us, 3)})
     host_build = _per_call_us(lambda: check_batch_for_spec(spec, hand_made_host), calls, repeats)
-    rows.append({"case": "bad_input_cost", "backend": "checks", "B": num_reqs, "L": context + 1,
+    rows.append({"case": "bad_input_cost", "backend": "checks", "peer": None, "B": num_reqs, "L": context + 1,
                  "mode": "host_tensors_spec_check", "device": "cpu", "us": round(host_build, 3)})
     return rows
 
@@ -201,7 +201,8 @@ def measure(num_reqs: int = 256, context: int = 1024, block_size: int = 16, call
         for mode, common in (("host_tensors", host_tensors), ("from_lists", from_lists),
                              ("device_only", device_only)):
             us = _per_call_us(lambda c=common: check_batch_for_spec(spec, c), calls, repeats)
-            rows.append({"case": "check_cost", "B": num_reqs, "us": round(us, 3), "mode": mode, "batch": name,
+            rows.append({"case": "check_cost", "backend": "validation", "peer": None, "B": num_reqs,
+                         "us": round(us, 3), "mode": mode, "batch": name,
                          "tokens": from_lists.num_actual_tokens, "L": context + 1, "block_size": block_size})
     impl = _NoOpImpl(spec)
     meta = _Metadata()
@@ -210,7 +211,8 @@ def measure(num_reqs: int = 256, context: int = 1024, block_size: int = 16, call
     unchecked = _NoOpImpl.forward.__wrapped__
     checked_us = _per_call_us(lambda: impl.forward(None, None, None, None, meta, None), 20 * calls, repeats)
     plain_us = _per_call_us(lambda: unchecked(impl, None, None, None, None, meta, None), 20 * calls, repeats)
-    rows.append({"case": "forward_check_cost", "B": num_reqs, "us": round(max(checked_us - plain_us, 0.0), 3),
+    rows.append({"case": "forward_check_cost", "backend": "validation", "peer": None, "B": num_reqs,
+                 "us": round(max(checked_us - plain_us, 0.0), 3),
                  "with_check_us": round(checked_us, 3), "without_check_us": round(plain_us, 3)})
     return rows
 

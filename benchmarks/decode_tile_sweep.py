@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             print(f"  {r['us']:.1f} us {r['TBps']:.2f} TB/s splits={r['splits']} {r['config']}")
     if args.out:
         for row in rows:
-            row.update(case="decode_tile_sweep", backend="triton")
+            row.update(case="decode_tile_sweep", backend="triton", peer=None)
             if isinstance(row["config"], dict):
                 row["config"] = ",".join(f"{k}={v}" for k, v in row["config"].items() if not k.startswith(("block", "tile")))
         header = dict(gpu=torch.cuda.get_device_name(), date=date.today().isoformat(), suite="decode_tile_sweep",

@@ -114,7 +114,7 @@ def timed_rows(case: Case, case_name: str, latent_format: str) -> list[dict]:
     flops = 2 * t * H * TOPK * (LKV + R + LKV)
     seq = case.ctx + case.q
     visible = case.b * sum(case.ctx + i + 1 for i in range(case.q))
-    base = dict(backend="triton_mla_sparse", B=case.b, L=seq, Q=case.q, ctx=case.ctx, dtype="bfloat16",
+    base = dict(backend="triton_mla_sparse", peer=None, B=case.b, L=seq, Q=case.q, ctx=case.ctx, dtype="bfloat16",
                 latent=latent_format, topk=TOPK)
     return [
         dict(case=case_name, **base, us=us, attn_us=attn_us, indexer_us=indexer_us,
