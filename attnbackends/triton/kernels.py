@@ -25,7 +25,9 @@ partials at their index and the last to finish merges them (the same fused merge
 
 Layer mask kinds (``MASK_KIND`` != 0: non-causal over the cache, block-causal, causal plus spans, two-sided
 windows): each row sees one interval of keys, computed by :mod:`.mask_math`, which also bounds the tiles visited and
-the unmasked ones.
+the unmasked ones. Custom masks (``MASK_KIND`` 4) run every tile in the rows' (window-clipped) interval masked, each
+masked tile reading the request's packed bits: the kernel's tree-mask pointers carry them (``tree_mask_ptr``: the
+batch's packed bits, ``tree_indptr_ptr``: each request's first byte), as a custom-mask batch has no tree.
 """
 
 import triton
@@ -35,7 +37,7 @@ from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import load_kv_scales
 from ..ops.tree_mask import tree_visible
-from .mask_math import interval_visible, row_key_bounds, tile_bounds
+from .mask_math import custom_visible, interval_visible, row_key_bounds, tile_bounds
 from .kv_load import fold_v_scales, load_kv_tile, scale_scores
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
@@ -101,6 +103,8 @@ def _attn_tile(
     if MASKED:
         if MASK_KIND != 0:  # the layer's mask kind: each row's keys [row_lo, row_hi) (.mask_math)
             vis = interval_visible(offs_n, row_lo, row_hi)
+            if MASK_KIND == 4:  # custom: the request's bits (tree_ptr, row length draft_len; draft_start = context)
+                vis = custom_visible(vis, offs_n, pos, draft_start, draft_len, tree_ptr)
         elif CAUSAL:
             vis = offs_n[None, :] <= pos[:, None]
         else:  # every key of the sequence, also for queries past its length (cross-attention: more queries than keys)
@@ -236,6 +240,13 @@ def _attend(
                                             window_left, window_right, MASK_KIND)
             kv_lo, kv_end, full_lo, mask_full_hi = tile_bounds(row_lo, row_hi, row_ok, TILE_N)
             full_hi = tl.minimum(full_hi, mask_full_hi)
+            if MASK_KIND == 4:
+                # Custom: no tile runs unmasked. The tile arguments of the tree carry the request's packed bits,
+                # its context (first row's position) and its row length in bits.
+                full_hi = 0
+                tree_ptr = tree_mask_ptr + tl.load(tree_indptr_ptr + seq_idx)
+                draft_start = ctx
+                draft_len = seq_len
         else:
             row_lo = pos
             row_hi = pos
@@ -439,7 +450,8 @@ def _unified_attention_kernel(
     NUM_SEGMENTS). Programs below num_decode_programs (= num_decodes) take one decode sequence each (query_len <=
     DECODE_Q: all its tokens in one tile, so the sequence's keys are read once); the others map to (sequence, query
     block) by a binary search over query_start_loc. USE_TREE: requests' draft segments follow the packed tree mask
-    (``CommonAttentionMetadata.spec_tree_mask``). FUSED_REDUCE (decode programs only, NUM_SEGMENTS > 1): the
+    (``CommonAttentionMetadata.spec_tree_mask``); with ``MASK_KIND`` 4 the same two pointers hold the batch's custom mask
+(packed bits, uint8, and each request's first byte, int32). FUSED_REDUCE (decode programs only, NUM_SEGMENTS > 1): the
     segments are merged in this launch (:func:`_merge_when_last`, ``counter_ptr``: [>= num_decodes *
     num_kv_heads] int32 zeros); else with NUM_SEGMENTS > 1 ``_reduce_segments_kernel`` merges them.
 
