@@ -25,9 +25,10 @@ partials at their index and the last to finish merges them (the same fused merge
 
 Layer mask kinds (``MASK_KIND`` != 0: non-causal over the cache, block-causal, causal plus spans, two-sided
 windows): each row sees one interval of keys, computed by :mod:`.mask_math`, which also bounds the tiles visited and
-the unmasked ones. Custom masks (``MASK_KIND`` 4) run every tile in the rows' (window-clipped) interval masked, each
-masked tile reading the request's packed bits: the kernel's tree-mask pointers carry them (``tree_mask_ptr``: the
-batch's packed bits, ``tree_indptr_ptr``: each request's first byte), as a custom-mask batch has no tree.
+the unmasked ones. Custom masks (``MASK_KIND`` 4) run every tile in the rows' (window-clipped) interval masked by
+the request's packed bits (:func:`_attn_custom_range`), skipping the tiles where none of the rows' bits is set
+before their keys are loaded: the kernel's tree-mask pointers carry the bits (``tree_mask_ptr``: the batch's packed
+bits, ``tree_indptr_ptr``: each request's first byte), as a custom-mask batch has no tree.
 """
 
 import triton
@@ -161,6 +162,46 @@ def _attn_range(
 
 
 @triton.jit
+def _attn_custom_range(
+    acc, l_i, m_i, q, lo, hi,
+    key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d, bits_ptr, ctx, seq_len, row_lo, row_hi,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, INTERPRET: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+):
+    """Tiles lo..hi-1 of a custom-mask request (``bits_ptr``: its packed bits; ``ctx``: its context length;
+    ``seq_len``: its row length in bits), each masked; a tile none of whose rows' bits is set is skipped before its
+    keys and values are loaded."""
+    if INTERPRET:
+        j = lo
+        while j < hi:
+            offs_n = j * TILE_N + tl.arange(0, TILE_N)
+            vis = custom_visible(interval_visible(offs_n, row_lo, row_hi), offs_n, pos, ctx, seq_len, bits_ptr)
+            if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+                acc, l_i, m_i = _attn_tile(
+                    acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head,
+                    kv_row_start, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    pos, kv_end, qk_scale, soft_cap, slope, offs_d, bits_ptr, ctx, seq_len, row_lo, row_hi,
+                    HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, False, 0, USE_SOFTCAP, USE_ALIBI,
+                    True, False, INTERPRET, 4, KV_FORMAT)
+            j += 1
+    else:
+        for j in range(lo, hi):
+            offs_n = j * TILE_N + tl.arange(0, TILE_N)
+            vis = custom_visible(interval_visible(offs_n, row_lo, row_hi), offs_n, pos, ctx, seq_len, bits_ptr)
+            if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+                acc, l_i, m_i = _attn_tile(
+                    acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head,
+                    kv_row_start, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    pos, kv_end, qk_scale, soft_cap, slope, offs_d, bits_ptr, ctx, seq_len, row_lo, row_hi,
+                    HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, False, 0, USE_SOFTCAP, USE_ALIBI,
+                    True, False, INTERPRET, 4, KV_FORMAT)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attend(
     query_ptr, key_ptr, value_ptr, output_ptr, block_table_ptr, num_blocks, seq_lens_ptr, query_start_loc_ptr,
     alibi_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr, lse_out_ptr, tree_mask_ptr, tree_indptr_ptr,
@@ -241,9 +282,8 @@ def _attend(
             kv_lo, kv_end, full_lo, mask_full_hi = tile_bounds(row_lo, row_hi, row_ok, TILE_N)
             full_hi = tl.minimum(full_hi, mask_full_hi)
             if MASK_KIND == 4:
-                # Custom: no tile runs unmasked. The tile arguments of the tree carry the request's packed bits,
-                # its context (first row's position) and its row length in bits.
-                full_hi = 0
+                # Custom: every tile runs masked (_attn_custom_range). The tile arguments of the tree carry the
+                # request's packed bits, its context (first row's position) and its row length in bits.
                 tree_ptr = tree_mask_ptr + tl.load(tree_indptr_ptr + seq_idx)
                 draft_start = ctx
                 draft_len = seq_len
@@ -279,27 +319,35 @@ def _attend(
             slope = tl.zeros([BLOCK_M], dtype=tl.float32)
         kv_row_start = q_start
 
-        acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
-            seq_idx, kv_head, kv_row_start,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
-            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
-        acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
-            seq_idx, kv_head, kv_row_start,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
-            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            False, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
-        acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
-            seq_idx, kv_head, kv_row_start,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
-            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+        if MASK_KIND == 4:
+            acc, l_i, m_i = _attn_custom_range(
+                acc, l_i, m_i, q, seg_lo, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, USE_SOFTCAP, USE_ALIBI, INTERPRET, KV_FORMAT)
+        else:
+            acc, l_i, m_i = _attn_range(
+                acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+            acc, l_i, m_i = _attn_range(
+                acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                False, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+            acc, l_i, m_i = _attn_range(
+                acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]

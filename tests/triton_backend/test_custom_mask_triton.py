@@ -88,6 +88,26 @@ def test_a_cleared_bit_changes_its_row(request_idx, row, key):
     assert float((output[token].double().cpu() - before).abs().max()) > 5 * tol.atol
 
 
+def test_tiles_without_set_bits_and_rows_without_keys():
+    """Document masks leave whole key tiles without a set bit (skipped before their keys are loaded) beside tiles
+    that need them; a row whose bits are all clear has output 0, as in the oracle."""
+    spec = spec_for()
+    shapes = [SequenceShape(1, 200), SequenceShape(12, 180), SequenceShape(10, 0)]
+    masked = make_masked_batch(spec, shapes, seed=8, device=DEVICE)
+    decode = torch.zeros(1, 201, dtype=torch.bool)
+    decode[0, :10] = True
+    decode[0, 190:] = True
+    chunk = torch.zeros(12, 192, dtype=torch.bool)
+    for t in range(12):
+        chunk[t, 100 : 181 + t] = True
+    chunk[5] = False
+    fresh = masked.allowed[2]
+    customs = [decode, chunk, fresh]
+    batch = dataclasses.replace(masked.batch, common=with_custom_masks(masked.batch.common, customs))
+    output = check_backend_on_masked_batch(TritonAttentionBackend, MaskedBatch(batch, customs))
+    assert float(output[1 + 5].abs().max()) == 0.0
+
+
 def test_custom_mask_batch_with_a_tree_mask_is_refused():
     spec = spec_for(num_speculative_tokens=2)
     shapes = [SequenceShape(3, 20)]
