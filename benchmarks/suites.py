@@ -84,6 +84,8 @@ SUITES: dict[str, Suite] = {
                                "paged|attnbackends vs paged|sdpa (and flash_attention_2 where installed)"),
     "mask_prefill": Suite("benchmarks.mask_prefill", "masked prefill (image spans, block-causal, two-sided window, "
                           "non-causal, custom) vs our causal prefill on equal work and FlashInfer's custom mask"),
+    "mask_decode": Suite("benchmarks.mask_decode", "masked decodes over a cached context (non-causal, image spans, "
+                         "custom) vs our causal decode of the same batch and FlashInfer where it serves the mask"),
     "kv_quant_decode": Suite("benchmarks.kv_quant", "decode over quantised KV caches (per-token-head fp8/int8/int4, "
                              "NVFP4, fp8 per tensor) vs our bf16 cache, uniform and ragged, bytes moved",
                              args=("--mode", "decode")),

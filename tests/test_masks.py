@@ -160,6 +160,9 @@ def test_backends_declare_the_kinds_they_serve_and_explain_the_rest():
     mla = AttentionSpec.mla(num_heads=4, mask=AttentionMask(kind="non_causal"))
     assert any("causal only" in r for r in TritonMLABackend.spec_reasons(mla))
     assert not ReferenceBackend.mask_reasons(spec_for(MASKS["custom"]))
+    from attnbackends.triton.backend import TritonAttentionBackend
+
+    assert not reasons(TritonAttentionBackend, MASKS["custom"])  # the unified kernel reads the packed bits
 
 
 def test_explain_names_the_reason_a_backend_declines_a_mask():

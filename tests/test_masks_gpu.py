@@ -1,6 +1,6 @@
 """Layer mask kinds on the GPU (`pytest -m gpu`): every backend that claims a kind against the float64 oracle at
-realistic shapes (head 128, GQA 32/8, pages of 16, bf16 and fp8 pages), and Triton decodes with spans and a
-non-causal mask replayed from a CUDA graph with new lengths and spans."""
+realistic shapes (head 128, GQA 32/8, pages of 16, bf16 and fp8 pages), and Triton decodes with spans, a
+non-causal mask and custom bit masks replayed from a CUDA graph with new lengths, spans and bits."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnbackends import AttentionSpec, DeviceInfo
-from attnbackends.masks import with_spans
+from attnbackends.masks import with_custom_masks, with_spans
 from attnbackends.selection.registry import get_backend_class as get_backend
 from attnbackends.spec import AttentionMask
 from attnbackends.testing import SequenceShape, make_random_batch
@@ -91,5 +91,56 @@ def test_triton_masked_decodes_replay_from_a_cuda_graph(name):
         graph.replay()
         torch.cuda.synchronize()
         allowed = [expected_visibility(spec, s, new_spans[i] if new_spans else ()) for i, s in enumerate(shapes)]
+        assert_close_to_oracle(output[: batch.num_actual_tokens], oracle_attention(batch, allowed),
+                               tolerance_for(spec.torch_dtype, spec.kv_cache_dtype), what=f"graph replay {seed}")
+
+
+def test_triton_custom_mask_decodes_replay_from_a_cuda_graph():
+    """The graph captures the custom mask's packed bits and byte offsets in persistent buffers; each replay's new
+    masks (other lengths, so other offsets) are copied into them, as an engine would."""
+    spec = _spec(MASKS["custom"])
+    cls = get_backend("triton")
+    shapes = [SequenceShape(1, c) for c in (700, 64, 2000, 15)]
+    first = make_masked_batch(spec, shapes, seed=1, device="cuda", num_blocks=400, custom_density=0.3).batch
+    builder = cls.get_builder_cls()(spec, "cuda", max_num_reqs=len(shapes))
+    impl = cls.get_impl_cls()(spec)
+    static = first.common
+    bits = torch.zeros(4096, dtype=torch.uint8, device="cuda")  # room for any replay's masks below
+    bits[: static.masks.custom_mask.numel()].copy_(static.masks.custom_mask)
+    static = dataclasses.replace(
+        static, query_start_loc=static.query_start_loc.clone(), seq_lens=static.seq_lens.clone(),
+        block_table=static.block_table.clone(), slot_mapping=static.slot_mapping.clone(),
+        masks=dataclasses.replace(static.masks, custom_mask=bits,
+                                  custom_mask_indptr=static.masks.custom_mask_indptr.clone()))
+    query, key, value, kv_cache = (t.clone() for t in (first.query, first.key, first.value, first.kv_cache))
+    output = first.new_output()
+    meta = builder.build_for_cudagraph_capture(static)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        impl.forward(query, key, value, kv_cache, meta, output)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(query, key, value, kv_cache, meta, output)
+    for seed, contexts in enumerate([(900, 30, 1500, 200), (120, 700, 40, 1800)], start=2):
+        shapes = [SequenceShape(1, c) for c in contexts]
+        gen = torch.Generator().manual_seed(seed)
+        customs = [torch.rand(1, s.seq_len, generator=gen) < 0.3 for s in shapes]
+        for m in customs:
+            m[0, -1] = True
+        batch = make_random_batch(spec, shapes, seed=seed, device="cuda", num_blocks=400)
+        new = with_custom_masks(batch.common, customs)
+        for dst, src in ((query, batch.query), (key, batch.key), (value, batch.value), (kv_cache, batch.kv_cache),
+                         (static.query_start_loc, new.query_start_loc), (static.seq_lens, new.seq_lens),
+                         (static.block_table[:, : new.block_table.shape[1]], new.block_table),
+                         (static.slot_mapping, new.slot_mapping),
+                         (bits[: new.masks.custom_mask.numel()], new.masks.custom_mask),
+                         (static.masks.custom_mask_indptr, new.masks.custom_mask_indptr)):
+            dst.copy_(src)
+        output.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        allowed = [expected_visibility(spec, s, custom=customs[i]) for i, s in enumerate(shapes)]
         assert_close_to_oracle(output[: batch.num_actual_tokens], oracle_attention(batch, allowed),
                                tolerance_for(spec.torch_dtype, spec.kv_cache_dtype), what=f"graph replay {seed}")

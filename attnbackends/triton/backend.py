@@ -34,7 +34,7 @@ from ..validation import (
     check_forward_inputs,
     check_unified_attention_args,
 )
-from .mask_math import MASK_SPANS
+from .mask_math import MASK_CUSTOM, MASK_SPANS
 from .heuristics import (
     MAX_DECODE_TILE_ROWS,
     MAX_KV_SPLITS,
@@ -140,6 +140,10 @@ class TritonMetadata:
     def write_todo(self) -> Optional[torch.Tensor]:
         """The to-do flags of the Gluon prefill's own cache write (None: it does not write)."""
         return self.step.write_todo
+
+
+#: A batch's mask on the unified kernel: (its plan, the spans' per-token key ends, a custom mask's (bits, offsets)).
+BatchMaskData = tuple[Optional[MaskPlan], Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
@@ -255,7 +259,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             paged = self.spec.attn_type.uses_kv_cache  # encoder batches have no block table to check
             validate_common_metadata(common, block_size=self.spec.block_size if paged else None)
         raise_pending_faults(self.device)
-        mask, key_end = self._batch_mask(common)
+        mask, key_end, custom = self._batch_mask(common)
         causal = self.spec.causal and common.causal and mask is None
         if not self.spec.attn_type.uses_kv_cache:
             plan = plan_attention(  # encoder attention: no cache, no decodes, one varlen launch
@@ -292,19 +296,28 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged, schedule)
         else:
             step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged,
-                                  span_key_end=key_end)
+                                  span_key_end=key_end, custom_mask=custom)
         return TritonMetadata(common, plan, step, self.runner, self.debug, schedule)
 
-    def _batch_mask(self, common: CommonAttentionMetadata) -> "tuple[Optional[MaskPlan], Optional[torch.Tensor]]":
-        """The batch's mask on the unified kernel and the spans' per-token key ends it reads: (None, None) for a
-        causal layer, and for a spans layer whose batch has no spans (then plainly causal)."""
+    def _batch_mask(self, common: CommonAttentionMetadata) -> "BatchMaskData":
+        """The batch's mask on the unified kernel and the data it reads: the spans' per-token key ends, or a custom
+        mask's (packed bits, byte offsets). (None, None, None) for a causal layer, and for a spans layer whose batch
+        has no spans (then plainly causal). The batch was checked against the layer (a custom-mask layer's batch
+        carries its masks)."""
         mask = self.mask
-        if mask is None or mask.kind != MASK_SPANS:
-            return mask, None
+        if mask is None:
+            return None, None, None
         masks = common.masks
+        if mask.kind == MASK_CUSTOM:
+            if common.spec_tree_mask is not None:
+                raise ValueError("a custom-mask layer's batch carries a tree mask: the triton backend takes the "
+                                 "draft tree in the custom mask itself (attnbackends.masks.with_custom_masks)")
+            return mask, None, (masks.custom_mask, masks.custom_mask_indptr)
+        if mask.kind != MASK_SPANS:
+            return mask, None, None
         if masks is None or masks.span_key_end is None:
-            return None, None
-        return mask, masks.span_key_end
+            return None, None, None
+        return mask, masks.span_key_end, None
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> TritonMetadata:
         """The metadata a CUDA graph captures for ``common``'s shape (``num_reqs`` requests, ``num_actual_tokens``
@@ -566,11 +579,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_alibi = True
     supports_logits_soft_cap = True
     supports_sinks = True
-    supported_mask_kinds = frozenset({MaskKind.CAUSAL, MaskKind.NON_CAUSAL, MaskKind.BLOCK_CAUSAL,
-                                      MaskKind.CAUSAL_SPANS})
+    supported_mask_kinds = frozenset(MaskKind)
     supports_window_right = True
-    mask_decline_notes = {"custom": "the unified kernel reads no packed custom mask (reference and flashinfer "
-                                    "serve custom masks)"}
     # Any step: decode-only shapes from build()'s plan (balanced tables rewritten in place), others from one unified
     # launch whose grid depends only on the shape (TritonMetadataBuilder.build_for_cudagraph_capture).
     cudagraph_support = CudaGraphSupport.ALWAYS

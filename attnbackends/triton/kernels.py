@@ -25,7 +25,10 @@ partials at their index and the last to finish merges them (the same fused merge
 
 Layer mask kinds (``MASK_KIND`` != 0: non-causal over the cache, block-causal, causal plus spans, two-sided
 windows): each row sees one interval of keys, computed by :mod:`.mask_math`, which also bounds the tiles visited and
-the unmasked ones.
+the unmasked ones. Custom masks (``MASK_KIND`` 4) run every tile in the rows' (window-clipped) interval masked by
+the request's packed bits (:func:`_attn_custom_range`), skipping the tiles where none of the rows' bits is set
+before their keys are loaded: the kernel's tree-mask pointers carry the bits (``tree_mask_ptr``: the batch's packed
+bits, ``tree_indptr_ptr``: each request's first byte), as a custom-mask batch has no tree.
 """
 
 import triton
@@ -35,7 +38,7 @@ from ..ops.lse_merge import merge_by_lse
 from ..ops.page_guard import safe_page
 from ..ops.quant import load_kv_scales
 from ..ops.tree_mask import tree_visible
-from .mask_math import interval_visible, row_key_bounds, tile_bounds
+from .mask_math import custom_visible, interval_visible, row_key_bounds, tile_bounds
 from .kv_load import fold_v_scales, load_kv_tile, scale_scores
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)
@@ -101,6 +104,8 @@ def _attn_tile(
     if MASKED:
         if MASK_KIND != 0:  # the layer's mask kind: each row's keys [row_lo, row_hi) (.mask_math)
             vis = interval_visible(offs_n, row_lo, row_hi)
+            if MASK_KIND == 4:  # custom: the request's bits (tree_ptr, row length draft_len; draft_start = context)
+                vis = custom_visible(vis, offs_n, pos, draft_start, draft_len, tree_ptr)
         elif CAUSAL:
             vis = offs_n[None, :] <= pos[:, None]
         else:  # every key of the sequence, also for queries past its length (cross-attention: more queries than keys)
@@ -153,6 +158,46 @@ def _attn_range(
                 pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
                 HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
                 MASKED, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_custom_range(
+    acc, l_i, m_i, q, lo, hi,
+    key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head, kv_row_start,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    pos, kv_end, qk_scale, soft_cap, slope, offs_d, bits_ptr, ctx, seq_len, row_lo, row_hi,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, INTERPRET: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+):
+    """Tiles lo..hi-1 of a custom-mask request (``bits_ptr``: its packed bits; ``ctx``: its context length;
+    ``seq_len``: its row length in bits), each masked; a tile none of whose rows' bits is set is skipped before its
+    keys and values are loaded."""
+    if INTERPRET:
+        j = lo
+        while j < hi:
+            offs_n = j * TILE_N + tl.arange(0, TILE_N)
+            vis = custom_visible(interval_visible(offs_n, row_lo, row_hi), offs_n, pos, ctx, seq_len, bits_ptr)
+            if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+                acc, l_i, m_i = _attn_tile(
+                    acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head,
+                    kv_row_start, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    pos, kv_end, qk_scale, soft_cap, slope, offs_d, bits_ptr, ctx, seq_len, row_lo, row_hi,
+                    HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, False, 0, USE_SOFTCAP, USE_ALIBI,
+                    True, False, INTERPRET, 4, KV_FORMAT)
+            j += 1
+    else:
+        for j in range(lo, hi):
+            offs_n = j * TILE_N + tl.arange(0, TILE_N)
+            vis = custom_visible(interval_visible(offs_n, row_lo, row_hi), offs_n, pos, ctx, seq_len, bits_ptr)
+            if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+                acc, l_i, m_i = _attn_tile(
+                    acc, l_i, m_i, q, j, key_ptr, value_ptr, block_table_ptr, num_blocks, seq_idx, kv_head,
+                    kv_row_start, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    pos, kv_end, qk_scale, soft_cap, slope, offs_d, bits_ptr, ctx, seq_len, row_lo, row_hi,
+                    HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, False, 0, USE_SOFTCAP, USE_ALIBI,
+                    True, False, INTERPRET, 4, KV_FORMAT)
     return acc, l_i, m_i
 
 
@@ -236,6 +281,12 @@ def _attend(
                                             window_left, window_right, MASK_KIND)
             kv_lo, kv_end, full_lo, mask_full_hi = tile_bounds(row_lo, row_hi, row_ok, TILE_N)
             full_hi = tl.minimum(full_hi, mask_full_hi)
+            if MASK_KIND == 4:
+                # Custom: every tile runs masked (_attn_custom_range). The tile arguments of the tree carry the
+                # request's packed bits, its context (first row's position) and its row length in bits.
+                tree_ptr = tree_mask_ptr + tl.load(tree_indptr_ptr + seq_idx)
+                draft_start = ctx
+                draft_len = seq_len
         else:
             row_lo = pos
             row_hi = pos
@@ -268,27 +319,35 @@ def _attend(
             slope = tl.zeros([BLOCK_M], dtype=tl.float32)
         kv_row_start = q_start
 
-        acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
-            seq_idx, kv_head, kv_row_start,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
-            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
-        acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
-            seq_idx, kv_head, kv_row_start,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
-            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            False, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
-        acc, l_i, m_i = _attn_range(
-            acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
-            seq_idx, kv_head, kv_row_start,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
-            HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
-            True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+        if MASK_KIND == 4:
+            acc, l_i, m_i = _attn_custom_range(
+                acc, l_i, m_i, q, seg_lo, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, USE_SOFTCAP, USE_ALIBI, INTERPRET, KV_FORMAT)
+        else:
+            acc, l_i, m_i = _attn_range(
+                acc, l_i, m_i, q, seg_lo, mid_lo, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+            acc, l_i, m_i = _attn_range(
+                acc, l_i, m_i, q, mid_lo, mid_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                False, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
+            acc, l_i, m_i = _attn_range(
+                acc, l_i, m_i, q, mid_hi, seg_hi, key_ptr, value_ptr, block_table_ptr, num_blocks,
+                seq_idx, kv_head, kv_row_start,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                pos, kv_end, qk_scale, soft_cap, slope, offs_d, tree_ptr, draft_start, draft_len, row_lo, row_hi,
+                HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, PAGED, CAUSAL, SLIDING_WINDOW, USE_SOFTCAP, USE_ALIBI,
+                True, USE_TREE, INTERPRET, MASK_KIND, KV_FORMAT)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]
@@ -439,7 +498,8 @@ def _unified_attention_kernel(
     NUM_SEGMENTS). Programs below num_decode_programs (= num_decodes) take one decode sequence each (query_len <=
     DECODE_Q: all its tokens in one tile, so the sequence's keys are read once); the others map to (sequence, query
     block) by a binary search over query_start_loc. USE_TREE: requests' draft segments follow the packed tree mask
-    (``CommonAttentionMetadata.spec_tree_mask``). FUSED_REDUCE (decode programs only, NUM_SEGMENTS > 1): the
+    (``CommonAttentionMetadata.spec_tree_mask``); with ``MASK_KIND`` 4 the same two pointers hold the batch's custom mask
+(packed bits, uint8, and each request's first byte, int32). FUSED_REDUCE (decode programs only, NUM_SEGMENTS > 1): the
     segments are merged in this launch (:func:`_merge_when_last`, ``counter_ptr``: [>= num_decodes *
     num_kv_heads] int32 zeros); else with NUM_SEGMENTS > 1 ``_reduce_segments_kernel`` merges them.
 

@@ -43,7 +43,7 @@ from .heuristics import (
 )
 from .decode_schedule import SCHEDULED_MERGE_VALUES, DecodeSchedule
 from .kernels import _reduce_segments_kernel, _unified_attention_kernel
-from .mask_math import MASK_BLOCK_CAUSAL, MASK_NON_CAUSAL, MASK_NONE, MASK_SPANS
+from .mask_math import MASK_BLOCK_CAUSAL, MASK_CUSTOM, MASK_NON_CAUSAL, MASK_NONE, MASK_SPANS
 from .kv_load import KV_PLAIN, kernel_kv_format, launch_tensor_scales
 from ..spec import KVCacheFormat
 
@@ -235,11 +235,14 @@ def plan_attention(
     plan runs one program per decode instead (no schedule).
 
     ``mask``: the layer's mask kind on the unified kernel (:class:`.mask_math` kinds, :func:`mask_plan`); None: the
-    ``causal`` / ``sliding_window`` path. A masked plan takes no decode schedule.
+    ``causal`` / ``sliding_window`` path. A masked plan takes no decode schedule, a custom-mask plan no tree.
     """
     if mask is not None and decode_schedule is not None:
         raise ValueError("a masked plan runs its decodes unscheduled: the balanced decode schedule serves causal "
                          "layers only")
+    if mask is not None and mask.kind == MASK_CUSTOM and use_tree:
+        raise ValueError("a custom-mask batch takes no tree mask: the custom mask says which draft tokens each query "
+                         "sees")
     qpk = num_heads // num_kv_heads
     if num_decodes is None:
         num_decodes = num_seqs if max_query_len <= 1 else 0
@@ -388,15 +391,12 @@ class MaskPlan:
 
 def mask_plan(spec: AttentionSpec) -> Optional[MaskPlan]:
     """The unified kernel's plan for ``spec``'s mask; None for a causal layer (its window, one-sided, runs as the
-    kernel's ``SLIDING_WINDOW``: :func:`causal_sliding_window`). ValueError for a kind the kernel does not serve
-    (custom masks: the backend declines them)."""
+    kernel's ``SLIDING_WINDOW``: :func:`causal_sliding_window`)."""
     kind = spec.mask.kind
     if kind is MaskKind.CAUSAL or not spec.attn_type.is_causal:
         return None
     codes = {MaskKind.NON_CAUSAL: MASK_NON_CAUSAL, MaskKind.BLOCK_CAUSAL: MASK_BLOCK_CAUSAL,
-             MaskKind.CAUSAL_SPANS: MASK_SPANS}
-    if kind not in codes:
-        raise ValueError(f"mask kind {kind.value!r} is not served by the unified kernel")
+             MaskKind.CAUSAL_SPANS: MASK_SPANS, MaskKind.CUSTOM: MASK_CUSTOM}
     left, right = spec.window if spec.window is not None else (-1, -1)
     return MaskPlan(codes[kind], (spec.mask.block_len or 0, left, right))
 
@@ -420,7 +420,8 @@ def launch_attention(
     alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, k_scale: Scale = 1.0,
     v_scale: Scale = 1.0, return_lse: Optional[torch.Tensor] = None, *, cache_key: Optional[tuple] = None,
     tree_mask: Optional[torch.Tensor] = None, tree_indptr: Optional[torch.Tensor] = None,
-    span_key_end: Optional[torch.Tensor] = None,
+    span_key_end: Optional[torch.Tensor] = None, custom_mask: Optional[torch.Tensor] = None,
+    custom_mask_indptr: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Run ``plan`` on these tensors (no checks: see :func:`unified_attention` for the shapes).
 
@@ -430,7 +431,9 @@ def launch_attention(
     strides and alignment); computed here when None. ``tree_mask`` ([sum n_i^2] uint8) and ``tree_indptr``
     ([num_seqs + 1] int32): the packed tree mask of a plan made with ``use_tree``. ``span_key_end`` ([num_tokens]
     int32): per token, the end of its visible keys, for a plan of mask kind spans
-    (:attr:`attnbackends.masks.BatchMasks.span_key_end`).
+    (:attr:`attnbackends.masks.BatchMasks.span_key_end`). ``custom_mask`` ([sum_i ceil(Q_i L_i / 8)] uint8) and
+    ``custom_mask_indptr`` ([num_seqs + 1] int32 byte offsets): the packed custom masks of a plan of mask kind custom
+    (:attr:`attnbackends.masks.BatchMasks.custom_mask`), read through the kernel's tree-mask pointers.
     """
     if plan.grid[0] == 0:
         return output
@@ -459,6 +462,8 @@ def launch_attention(
     scales_are_ptrs = plan.constexprs[17]
     lse_stride_h = return_lse.stride(0) if return_lse is not None else 0
     lse = return_lse if return_lse is not None else dummy
+    if custom_mask is not None:  # a custom-mask plan has no tree: its bits take the tree's pointers
+        tree_mask, tree_indptr = custom_mask, custom_mask_indptr
     args = (
         query, key_cache, value_cache, output, block_table, num_blocks, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,

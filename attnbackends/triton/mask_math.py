@@ -7,6 +7,7 @@ Per row at position p of a sequence of ``seq_len`` keys (the kinds: :class:`attn
 - block-causal with blocks of ``mask_block``: [0, (p // b + 1) * b);
 - causal plus spans: [0, span_key_end) with ``span_key_end`` read per token (max(p + 1, the end of p's span),
   :attr:`attnbackends.masks.BatchMasks.span_key_end`);
+- custom: [0, seq_len), every tile masked by the request's packed bits (:func:`custom_visible`);
 - a window (left, right) intersects that with [p - left, p + right + 1) (a side < 0: unbounded);
 - hi is at most seq_len.
 """
@@ -14,14 +15,16 @@ Per row at position p of a sequence of ``seq_len`` keys (the kinds: :class:`attn
 import triton
 import triton.language as tl
 
-__all__ = ["MASK_NONE", "MASK_NON_CAUSAL", "MASK_BLOCK_CAUSAL", "MASK_SPANS", "interval_visible", "row_key_bounds",
-           "tile_bounds"]
+__all__ = ["MASK_NONE", "MASK_NON_CAUSAL", "MASK_BLOCK_CAUSAL", "MASK_SPANS", "MASK_CUSTOM", "custom_visible",
+           "interval_visible", "row_key_bounds", "tile_bounds"]
 
-#: ``MASK_KIND`` constexpr values: none (the kernel's causal / sliding-window path), and the interval kinds.
+#: ``MASK_KIND`` constexpr values: none (the kernel's causal / sliding-window path), the interval kinds, and custom
+#: bit masks (an interval of the whole sequence, window-clipped, whose tiles all read the bits).
 MASK_NONE = 0
 MASK_NON_CAUSAL = 1
 MASK_BLOCK_CAUSAL = 2
 MASK_SPANS = 3
+MASK_CUSTOM = 4
 
 _BIG = tl.constexpr(2147483647)
 
@@ -60,3 +63,14 @@ def tile_bounds(lo, hi, row_ok, TILE_N: tl.constexpr):
 def interval_visible(offs_n, lo, hi):
     """[M, N] bool: key ``offs_n`` [N] in row r's [lo[r], hi[r])."""
     return (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+
+
+@triton.jit
+def custom_visible(vis, offs_n, pos, ctx, seq_len, bits_ptr):
+    """``vis`` [M, N] bool (rows at positions ``pos`` [M] of a request with ``ctx`` cached keys and ``seq_len`` keys,
+    keys ``offs_n`` [N]) and the request's custom mask: ``bits_ptr`` (uint8) points at its packed [query_len,
+    seq_len] bits, row-major, little-endian in each byte (:func:`attnbackends.masks.pack_custom_masks`). Only the
+    entries ``vis`` leaves are read."""
+    bit = (pos - ctx).to(tl.int64)[:, None] * seq_len + offs_n[None, :]  # [M, N] bit index in the request's mask
+    byte = tl.load(bits_ptr + (bit >> 3), mask=vis, other=0)
+    return vis & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)

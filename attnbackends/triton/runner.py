@@ -113,7 +113,8 @@ def _attention(plan, step, query, key, value, kv_cache, output, common, layer, v
     launch_attention(plan, query, key_cache, value_cache, output, common.query_start_loc, common.seq_lens,
                      common.block_table, scale, soft_cap, alibi, sinks, k_scale, v_scale, cache_key=launch_key,
                      tree_mask=step.tree_mask, tree_indptr=common.spec_tree_mask_indptr,
-                     span_key_end=step.span_key_end)
+                     span_key_end=step.span_key_end, custom_mask=step.custom_mask,
+                     custom_mask_indptr=step.custom_mask_indptr)
 
 
 def _attention_no_cache(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:

@@ -155,6 +155,9 @@ class TritonStepPlan:
         planned for this batch.
     span_key_end : [num_tokens] int32, the batch's spans as per-token key ends for unified launches planned with
         the spans mask (:attr:`attnbackends.masks.BatchMasks.span_key_end`), else None.
+    custom_mask, custom_mask_indptr : [sum_i ceil(Q_i L_i / 8)] uint8 packed bits and [num_reqs + 1] int32 byte
+        offsets of the batch's custom masks for unified launches planned with the custom mask
+        (:attr:`attnbackends.masks.BatchMasks.custom_mask`), else None.
     """
 
     no_cache: StepProgram
@@ -169,6 +172,8 @@ class TritonStepPlan:
     paged_no_new_kv: Optional[StepProgram] = None
     paged_new_kv: Optional[StepProgram] = None
     span_key_end: Optional[torch.Tensor] = None
+    custom_mask: Optional[torch.Tensor] = None
+    custom_mask_indptr: Optional[torch.Tensor] = None
 
     def program_for(self, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
                     output: torch.Tensor, kv_cache: Optional[torch.Tensor],
@@ -253,7 +258,8 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
                    write_todo: Optional[torch.Tensor] = None,
                    tree_mask: Optional[torch.Tensor] = None,
                    paged: "Optional[tuple[Optional[LaunchPlan], Any]]" = None,
-                   span_key_end: Optional[torch.Tensor] = None) -> TritonStepPlan:
+                   span_key_end: Optional[torch.Tensor] = None,
+                   custom_mask: "Optional[tuple[torch.Tensor, torch.Tensor]]" = None) -> TritonStepPlan:
     """The step plan of a batch whose unified launch is ``attention`` and, where the builder split it, whose
     decodes run ``decode`` (None: no decodes) and whose prefills run ``prefill`` (a launch of a prefill kind).
 
@@ -273,9 +279,15 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
         batch's prefills on the paged kernel: the ``paged_*`` programs.
     span_key_end : the spans' per-token key ends for an ``attention`` planned with the spans mask (a masked batch
         never splits).
+    custom_mask : (packed bits, byte offsets) of the batch's custom masks for an ``attention`` planned with the
+        custom mask (never split either).
     """
     if span_key_end is not None and (prefill is not None or paged is not None):
         raise ValueError("a batch with bidirectional spans runs unsplit (the prefill kernels serve causal masks)")
+    if custom_mask is not None and (prefill is not None or paged is not None or tree_mask is not None):
+        raise ValueError("a batch with a custom mask runs unsplit and without a tree mask (the prefill kernels "
+                         "serve causal masks; the custom mask holds any tree)")
+    bits, bits_indptr = custom_mask if custom_mask is not None else (None, None)
     no_cache = StepProgram((Launch(LaunchKind.ATTENTION_NO_CACHE, attention),), WritePolicy.NONE)
     no_new_kv = StepProgram((Launch(LaunchKind.ATTENTION, attention),), WritePolicy.NONE)
     new_kv = StepProgram((_WRITE, Launch(LaunchKind.ATTENTION, attention)), WritePolicy.FIRST)
@@ -293,7 +305,7 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
             raise ValueError("decode, write, overlap, cache_write_sms and unwritten_prefill describe a split: "
                              "pass the split's prefill launch too")
         return TritonStepPlan(no_cache, no_new_kv, new_kv, tree_mask=tree_mask, span_key_end=span_key_end,
-                              **paged_programs)
+                              custom_mask=bits, custom_mask_indptr=bits_indptr, **paged_programs)
     if tree_mask is not None:
         raise ValueError("a batch with a tree mask runs unsplit (the prefill kernels take no tree mask)")
     if prefill.kind not in PREFILL_KINDS or prefill.stream is not StreamRole.MAIN:

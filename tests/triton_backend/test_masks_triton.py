@@ -1,7 +1,8 @@
 """Layer mask kinds on the Triton unified kernel against the float64 oracle (interpreted on the CPU at tiny
 shapes): non-causal over the cache, block-causal, causal plus spans, two-sided windows, on decode and prefill rows,
 with GQA, pages of 16 that windows and spans cross, chunks that split a span and spans in the cached context; and
-the kernels that decline masks (prefill kernels, the balanced decode schedule) with their reasons."""
+the kernels that decline masks (prefill kernels, the balanced decode schedule) with their reasons. Custom masks:
+test_custom_mask_triton.py."""
 
 import pytest
 import torch
@@ -74,8 +75,3 @@ def test_masked_layers_decline_the_prefill_kernels_and_the_schedule_with_reasons
     assert "block_causal" in notes
     plain = TritonMetadataBuilder(spec_for(AttentionMask(), dtype="bfloat16"), "cpu").choices
     assert plain.mask.kernel is MaskPath.EVERY_KERNEL
-
-
-def test_triton_declines_custom_masks_with_the_reason():
-    reasons = TritonAttentionBackend.spec_reasons(spec_for(AttentionMask(kind="custom")))
-    assert any("custom" in r and "packed" in r for r in reasons)
