@@ -42,6 +42,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "SCALE_FLOOR",
     "SparseMLACache",
+    "SparseMLACacheHooks",
     "allocate_sparse_mla_cache",
     "dequantize_blockwise_fp8",
     "ds_latent_bytes",
@@ -325,3 +326,24 @@ def write_sparse_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, latent: torch.Te
         BLOCK_R=next_power_of_2(r), INTERPRET=interpret, num_warps=4)
     if interpret:
         raise_pending_faults(latent.device)
+
+
+class SparseMLACacheHooks:
+    """The cache hooks every sparse MLA backend shares, mixed into its backend class before ``AttentionBackend``:
+    the layout in words, the latent cache's shape, and the allocation of both caches."""
+
+    kv_cache_layout = ("SparseMLACache(latent: " + " or ".join(SPARSE_LATENT_LAYOUTS.values())
+                       + ", index: [num_blocks, page bytes] uint8)")
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
+        """The latent cache's shape (the index cache's: :func:`sparse_mla_cache_shapes`)."""
+        return sparse_mla_cache_shapes(num_blocks, spec)[0]
+
+    @classmethod
+    def allocate_kv_cache(cls, num_blocks: int, spec: AttentionSpec,
+                          device: "torch.device | str" = "cpu") -> SparseMLACache:
+        """An UNINITIALISED :class:`SparseMLACache` (latent and index caches)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        return allocate_sparse_mla_cache(num_blocks, spec, device)

@@ -28,9 +28,8 @@ import torch
 from ..interface import AttentionBackend, CudaGraphSupport, MLAAttentionImpl
 from ..ops.page_guard import raise_faults_before_gathering
 from ..ops.sparse_mla_cache import (
-    SPARSE_LATENT_LAYOUTS, SparseMLACache, allocate_sparse_mla_cache, dequantize_blockwise_fp8,
-    quantize_blockwise_fp8, read_index_keys, read_latent, sparse_mla_cache_shapes, write_index_keys,
-    write_sparse_latent,
+    SparseMLACache, SparseMLACacheHooks, dequantize_blockwise_fp8, quantize_blockwise_fp8, read_index_keys,
+    read_latent, write_index_keys, write_sparse_latent,
 )
 from ..ops.sparse_mla_inputs import check_sparse_mla_inputs
 from ..spec import AttentionSpec, SparseIndexerSpec
@@ -172,7 +171,7 @@ class ReferenceSparseMLAImpl(MLAAttentionImpl[ReferenceMetadata]):
         return output
 
 
-class ReferenceSparseMLABackend(AttentionBackend):
+class ReferenceSparseMLABackend(SparseMLACacheHooks, AttentionBackend):
     """Pure torch DeepSeek sparse attention (indexer, top-k, MLA over the selection); any device; the oracle."""
 
     name = "reference_mla_sparse"
@@ -183,21 +182,6 @@ class ReferenceSparseMLABackend(AttentionBackend):
     supported_kv_cache_dtypes = frozenset({"auto", "float16", "bfloat16", "float32"})
     runs_on_cpu = True
     cudagraph_support = CudaGraphSupport.NEVER
-    kv_cache_layout = ("SparseMLACache(latent: " + " or ".join(SPARSE_LATENT_LAYOUTS.values())
-                       + ", index: [num_blocks, page bytes] uint8)")
-
-    @classmethod
-    def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
-        """The latent cache's shape (the index cache's: :func:`sparse_mla_cache_shapes`)."""
-        return sparse_mla_cache_shapes(num_blocks, spec)[0]
-
-    @classmethod
-    def allocate_kv_cache(cls, num_blocks: int, spec: AttentionSpec,
-                          device: "torch.device | str" = "cpu") -> SparseMLACache:
-        """An UNINITIALISED :class:`~attnbackends.ops.sparse_mla_cache.SparseMLACache` (latent and index caches)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        return allocate_sparse_mla_cache(num_blocks, spec, device)
 
     @classmethod
     def get_builder_cls(cls) -> type[ReferenceMetadataBuilder]:

@@ -19,8 +19,7 @@ import torch
 from ...interface import AttentionBackend, AttentionMetadataBuilder, CudaGraphSupport, MLAAttentionImpl, QueryLenSupport
 from ...metadata import CommonAttentionMetadata, validate_common_metadata
 from ...ops.sparse_mla_cache import (
-    SPARSE_LATENT_LAYOUTS, SparseMLACache, allocate_sparse_mla_cache, sparse_mla_cache_shapes, write_index_keys,
-    write_sparse_latent,
+    SparseMLACache, SparseMLACacheHooks, write_index_keys, write_sparse_latent,
 )
 from ...ops.sparse_mla_inputs import check_sparse_mla_inputs
 from ...platform import DeviceInfo, is_triton_interpreted
@@ -153,7 +152,7 @@ class TritonSparseMLAImpl(MLAAttentionImpl[SparseMLAMetadata]):
         return output
 
 
-class TritonSparseMLABackend(AttentionBackend):
+class TritonSparseMLABackend(SparseMLACacheHooks, AttentionBackend):
     """DeepSeek sparse attention on Triton: fp8 indexer, top-k, absorbed MLA over the chosen tokens."""
 
     name = "triton_mla_sparse"
@@ -166,8 +165,6 @@ class TritonSparseMLABackend(AttentionBackend):
     needs_triton = True
     min_compute_capability = (8, 9)  # fp8 e4m3 index keys (and the fp8_ds_mla latent) convert natively from sm_89
     cudagraph_support = CudaGraphSupport.NEVER
-    kv_cache_layout = ("SparseMLACache(latent: " + " or ".join(SPARSE_LATENT_LAYOUTS.values())
-                       + ", index: [num_blocks, page bytes] uint8)")
 
     @classmethod
     def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
@@ -186,19 +183,6 @@ class TritonSparseMLABackend(AttentionBackend):
                 "first); top-k: torch.topk over the keys, then one Triton launch translating positions to slots",
                 "attention: the Triton sparse MLA kernel (absorbed weights, 16 heads x 32 chosen tokens per tile) "
                 "between two torch.bmm projections"]
-
-    @classmethod
-    def kv_cache_shape(cls, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
-        """The latent cache's shape (the index cache's: ``sparse_mla_cache_shapes``)."""
-        return sparse_mla_cache_shapes(num_blocks, spec)[0]
-
-    @classmethod
-    def allocate_kv_cache(cls, num_blocks: int, spec: AttentionSpec,
-                          device: "torch.device | str" = "cpu") -> SparseMLACache:
-        """An UNINITIALISED :class:`~attnbackends.ops.sparse_mla_cache.SparseMLACache` (latent and index caches)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        return allocate_sparse_mla_cache(num_blocks, spec, device)
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonSparseMLAMetadataBuilder]:
