@@ -22,7 +22,7 @@ from ...ops.sparse_mla_cache import (
     SparseMLACache, SparseMLACacheHooks, write_index_keys, write_sparse_latent,
 )
 from ...ops.sparse_mla_inputs import check_sparse_mla_inputs
-from ...platform import DeviceInfo, is_triton_interpreted
+from ...platform import DeviceInfo
 from ...spec import AttentionSpec
 from ..common import split_kv_b_proj
 from .attention import SparseAttentionConfig, sparse_mla_attention
