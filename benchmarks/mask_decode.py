@@ -22,17 +22,11 @@ bytes of the whole context over the time; ``max_abs_diff``: ours against FlashIn
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from .mask_prefill import time_us
+from .mask_prefill import MaskSuiteRun, time_us
 
 
 def masks_for(context: int) -> dict:
@@ -133,33 +127,11 @@ class MaskedLayer:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write (PERF.md rows)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: Triton interpreted")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from attnbackends.platform import package_available
+    run = MaskSuiteRun(argv, __doc__, gpu_shapes=[dict(batch=64, context=4096), dict(batch=8, context=16384)], cpu_shapes=[dict(batch=2, context=40)])
     from attnbackends.spec import AttentionMask
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = "cuda" if cuda else "cpu"
-    if cuda:
-        shapes = [dict(batch=64, context=4096), dict(batch=8, context=16384)]
-        layer = dict(heads=(32, 8), head_size=128, block=16, dtype="bfloat16")
-    else:
-        shapes = [dict(batch=2, context=40)]
-        layer = dict(heads=(4, 2), head_size=32, block=16, dtype="float16")
-    has_flashinfer = cuda and package_available("flashinfer")
-    gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    rows: list[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        Path(args.out).write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"),
-                                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
-                                              "rows": rows}, indent=1))
+    cuda, device, shapes, layer, emit, rows = run.cuda, run.device, run.shapes, run.layer, run.emit, run.rows
+    has_flashinfer = run.has_flashinfer
 
     for shape in shapes:
         data = DecodeBatch(device=device, **shape, **layer)

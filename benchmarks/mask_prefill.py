@@ -125,34 +125,43 @@ class Setup:
         return fn, out
 
 
+class MaskSuiteRun:
+    """What both mask suites start from: the command line (``--out``, ``--smoke``), the device, the layer and shapes
+    (GPU or CPU smoke), whether FlashInfer runs here, and ``emit`` (each row printed and the JSON rewritten)."""
+
+    def __init__(self, argv: Optional[list[str]], doc: str, gpu_shapes: list[dict], cpu_shapes: list[dict]) -> None:
+        ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--out", required=True, help="JSON file to write (PERF.md rows)")
+        ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: Triton interpreted")
+        args = ap.parse_args(argv)
+        if args.smoke:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from attnbackends.platform import package_available
+
+        self.cuda = torch.cuda.is_available() and not args.smoke
+        self.device = "cuda" if self.cuda else "cpu"
+        self.shapes = gpu_shapes if self.cuda else cpu_shapes
+        self.layer = (dict(heads=(32, 8), head_size=128, block=16, dtype="bfloat16") if self.cuda
+                      else dict(heads=(4, 2), head_size=32, block=16, dtype="float16"))
+        self.has_flashinfer = self.cuda and package_available("flashinfer")
+        self.gpu = torch.cuda.get_device_name() if self.cuda else "cpu"
+        self.rows: list[dict] = []
+        self._out = Path(args.out)
+        self._command = " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:]))
+
+    def emit(self, row: dict) -> None:
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        self._out.write_text(json.dumps({"gpu": self.gpu, "date": time.strftime("%Y-%m-%d"), "command": self._command,
+                                         "rows": self.rows}, indent=1))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write (PERF.md rows)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: Triton interpreted")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from attnbackends.platform import package_available
+    run = MaskSuiteRun(argv, __doc__, gpu_shapes=[dict(batch=1, seq=8192), dict(batch=4, seq=4096)], cpu_shapes=[dict(batch=2, seq=40)])
     from attnbackends.spec import AttentionMask
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = "cuda" if cuda else "cpu"
-    if cuda:
-        shapes = [dict(batch=1, seq=8192), dict(batch=4, seq=4096)]
-        layer = dict(heads=(32, 8), head_size=128, block=16, dtype="bfloat16")
-    else:
-        shapes = [dict(batch=2, seq=40)]
-        layer = dict(heads=(4, 2), head_size=32, block=16, dtype="float16")
-    has_flashinfer = cuda and package_available("flashinfer")
-    gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    rows: list[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        Path(args.out).write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"),
-                                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
-                                              "rows": rows}, indent=1))
+    cuda, device, shapes, layer, emit, rows = run.cuda, run.device, run.shapes, run.layer, run.emit, run.rows
+    has_flashinfer = run.has_flashinfer
 
     def tflops(pairs: int, us: float) -> float:
         return 4.0 * pairs * layer["heads"][0] * layer["head_size"] / (us * 1e-6) / 1e12
