@@ -732,7 +732,7 @@ def _r(x: Optional[float]) -> Optional[float]:
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return round(a / b, 4) if a is not None and b else None
+    return float(f"{a / b:.4g}") if a is not None and b else None  # four significant digits
 
 
 def _err(exc: BaseException) -> str:
