@@ -66,3 +66,16 @@ def test_the_script_exits_non_zero_on_a_mismatch(monkeypatch, capsys):
     monkeypatch.setattr(script, "topk_positions", lambda s, p, k: real(s, p, 1))
     assert main(["--device", "cpu", "--new-tokens", "3"]) == 1
     assert "MISMATCH" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("latent_format", ["auto", "fp8_ds_mla"])
+def test_the_example_on_a_gpu_serves_triton_mla_sparse(latent_format):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("triton_mla_sparse needs sm_89+")
+    report = run_sparse_generation("cuda", latent_format=latent_format)
+    assert report.backend == "triton_mla_sparse"
+    assert report.selected_fraction < 0.7
+    assert report.identical, (report.tokens, report.recompute_tokens, report.max_logit_diff)
