@@ -35,6 +35,8 @@ SLOW = {
     "attnbackends demo": "about 15 s on a CPU; tests/test_cli.py runs the demo in-process",
     "attnbackends -v tune": "about 20 s on a CPU; tests/test_tuning.py runs the tiny grid in-process",
     "python -m examples.hf_encoder_models": "about 25 s on a CPU; tests/test_hf_encoders.py checks the same models",
+    "python -m examples.deepseek_sparse_generate": "about 5 s on a CPU; tests/mla/test_sparse_mla_example.py runs its "
+                                                   "function and main() in-process",
     "python examples/custom_backend.py": "runs as written in tests/test_engine_examples.py",
     "python examples/config_selection.py": "runs as written in tests/test_engine_examples.py",
 }

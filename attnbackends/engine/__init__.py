@@ -1,6 +1,7 @@
 """A compact paged inference engine over the registry: the integration example behind `attnbackends demo`.
 
-``PagedEngine`` serves any :class:`EngineModel`: the built-in :class:`TinyLlama`, or a Hugging Face ``transformers``
+``PagedEngine`` serves any :class:`EngineModel`: the built-in :class:`TinyLlama` or :class:`TinyDeepseekSparse`
+(DeepSeek-V3.2-shaped, sparse MLA), or a Hugging Face ``transformers``
 model (adapters and seeded fixtures in the checkout's ``examples/engine/hf_models``). ``GroupedPagedEngine`` serves
 models whose layers differ (one backend per layer group), ``EncoderEngine`` encoder-only models (BERT-style) and
 ``EncoderDecoderEngine`` encoder-decoder models (Whisper-style; adapters in the checkout's
@@ -16,6 +17,7 @@ from .engine import BlockAllocator, EngineConfig, EngineModel, GenerationResult,
 from .groups import GroupedEngineModel, GroupedPagedEngine, GroupedStepAttention
 from .hybrid_model import TinyHybrid, TinyHybridConfig
 from .model import TinyLlama, TinyLlamaConfig
+from .sparse_mla_model import TinyDeepseekSparse, TinyDeepseekSparseConfig
 
 __all__ = [
     "BlockAllocator",
@@ -33,6 +35,8 @@ __all__ = [
     "GroupedStepAttention",
     "TinyHybrid",
     "TinyHybridConfig",
+    "TinyDeepseekSparse",
+    "TinyDeepseekSparseConfig",
     "TinyLlama",
     "TinyLlamaConfig",
     "block_diffusion_generate",

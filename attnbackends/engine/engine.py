@@ -4,7 +4,8 @@ shared by every layer, and each layer's impl called through the selected backend
 The engine knows nothing about a model's architecture. A model (see :class:`EngineModel`) tells it the attention
 spec of its layers and any per-layer impl arguments (MLA impls need ``kv_b_proj``), and its ``forward`` calls the
 :class:`StepAttention` it is handed once per layer: ``attn(layer, q, k, v)`` for standard attention,
-``attn.mla(layer, q, kv_c, k_pe)`` for MLA.
+``attn.mla(layer, q, kv_c, k_pe)`` for MLA (plus the indexer's ``index_q``, ``index_k`` and ``index_weights`` for
+sparse MLA, whose layers each get a :class:`~attnbackends.ops.sparse_mla_cache.SparseMLACache` from the backend).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "PagedEngine",
     "SpeculativeStats",
     "StepAttention",
+    "zero_cache",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 64
     max_num_reqs: int = 64
     cudagraph_capture_sizes: Optional[tuple[int, ...]] = None
+
+
+def zero_cache(cache: Any) -> Any:
+    """Zero a layer's cache as the backend allocated it (one tensor, or a tuple of tensors such as a sparse MLA
+    layer's latent and index caches) and return it."""
+    if isinstance(cache, torch.Tensor):
+        return cache.zero_()
+    for part in cache:
+        part.zero_()
+    return cache
 
 
 class BlockAllocator:
@@ -113,10 +125,14 @@ class StepAttention:
         out = torch.empty((q.shape[0], self.spec.num_heads, self.spec.value_head_size), dtype=q.dtype, device=q.device)
         return self._impls[layer].forward(q, k, v, self._caches[layer], self.metadata, out)
 
-    def mla(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """MLA: q [T, N, P + R], kv_c [T, Lkv] (normalised latent), k_pe [T, R] (rotated) -> [T, N, V]."""
+    def mla(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+            **indexer: torch.Tensor) -> torch.Tensor:
+        """MLA: q [T, N, P + R], kv_c [T, Lkv] (normalised latent), k_pe [T, R] (rotated) -> [T, N, V].
+
+        Sparse MLA layers also take the indexer's inputs as keywords: index_q [T, H, D], index_k [T, D] and
+        index_weights [T, H] (:mod:`attnbackends.ops.sparse_mla_inputs`)."""
         out = torch.empty((q.shape[0], self.spec.num_heads, self.spec.v_head_dim), dtype=q.dtype, device=q.device)
-        return self._impls[layer].forward(q, kv_c, k_pe, self._caches[layer], self.metadata, out)
+        return self._impls[layer].forward(q, kv_c, k_pe, self._caches[layer], self.metadata, out, **indexer)
 
 
 @dataclass
@@ -244,6 +260,9 @@ class PagedEngine:
                 "speculative_tree": True,
             })
             self.extra_tokens = speculative.num_speculative_tokens
+            if spec.is_sparse_mla:
+                raise NotImplementedError("speculative decoding with sparse MLA layers: the engine does not move "
+                                          "accepted draft tokens' index-cache entries")
         self.spec = spec
         self.spec_stats = SpeculativeStats()
         self.backend: type[AttentionBackend] = select(self.spec, DeviceInfo.current(self.device), attention_config)
@@ -254,7 +273,7 @@ class PagedEngine:
         )
         self.impls = [self.backend.get_impl_cls()(self.spec, **model.impl_kwargs(i)) for i in range(model.num_layers)]
         self.kv_caches = [
-            self.backend.allocate_kv_cache(config.num_blocks, self.spec, self.device).zero_()
+            zero_cache(self.backend.allocate_kv_cache(config.num_blocks, self.spec, self.device))
             for _ in range(model.num_layers)
         ]
         self.allocator = BlockAllocator(config.num_blocks)

@@ -22,7 +22,7 @@ from ..layer_groups import window_pages_per_request
 from ..metadata import build_common_metadata
 from ..platform import DeviceInfo
 from ..spec import AttentionConfig, AttentionSpec, AttentionType
-from .engine import BlockAllocator, EngineConfig, PagedEngine, SpeculativeStats, StepAttention, _Request
+from .engine import BlockAllocator, EngineConfig, PagedEngine, SpeculativeStats, StepAttention, _Request, zero_cache
 
 __all__ = ["GroupedEngineModel", "GroupedPagedEngine", "GroupedStepAttention"]
 
@@ -60,10 +60,11 @@ class GroupedStepAttention(StepAttention):
         out = torch.empty((q.shape[0], spec.num_heads, spec.value_head_size), dtype=q.dtype, device=q.device)
         return self._impls[layer].forward(q, k, v, self._caches[layer], self._per_layer[layer], out)
 
-    def mla(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def mla(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+            **indexer: torch.Tensor) -> torch.Tensor:
         spec = self._specs[layer]
         out = torch.empty((q.shape[0], spec.num_heads, spec.v_head_dim), dtype=q.dtype, device=q.device)
-        return self._impls[layer].forward(q, kv_c, k_pe, self._caches[layer], self._per_layer[layer], out)
+        return self._impls[layer].forward(q, kv_c, k_pe, self._caches[layer], self._per_layer[layer], out, **indexer)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class GroupedPagedEngine(PagedEngine):
         self.pools = [BlockAllocator(n) for n in pool_sizes]
         self.allocator = self.pools[self.sequence_groups[0]]
         caches = self.groups.allocate_kv_caches(pages, self.device)
-        self.kv_caches = [None if c is None else c.zero_() for c in caches]
+        self.kv_caches = [None if c is None else zero_cache(c) for c in caches]
         self.num_steps = 0
         self.scheduled_tokens: list[int] = []
         self._pages_of: dict[int, list[list[Optional[int]]]] = {}  # request -> per group, page per logical index
