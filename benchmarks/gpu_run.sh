@@ -7,9 +7,10 @@
 #   bash benchmarks/gpu_run.sh bench [SUITE ...]      # benchmark suites (none named: the default suites)
 #   bash benchmarks/gpu_run.sh all                    # every test group, then the default suites
 #
-# Groups and suites: python -m benchmarks.run --list. TEST_TIMEOUT (seconds per group), PARALLEL=1 (the groups
-# side by side) and WORKERS=N (pytest-xdist processes per group) shape the test runs; copy the files under $OUT
-# into benchmarks/results/ and run python -m benchmarks.run --index to update benchmarks/RESULTS.md.
+# Groups and suites: python -m benchmarks.run --list. TEST_TIMEOUT (seconds per group), PER_TEST_TIMEOUT (seconds
+# per test: a hung test fails with its traceback), PARALLEL=1 (the groups side by side, sharing the cores) and
+# WORKERS=N (pytest-xdist processes per group) shape the test runs; copy the files under $OUT into
+# benchmarks/results/ and run python -m benchmarks.run --index to update benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/attnbackends-out}
@@ -25,7 +26,8 @@ if ls .gpu/tf/transformers-*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 run() { python3 -m benchmarks.run --outdir "$OUT" "$@"; }
-test_opts=(${TEST_TIMEOUT:+--timeout "$TEST_TIMEOUT"} ${PARALLEL:+--parallel} ${WORKERS:+--workers "$WORKERS"})
+test_opts=(${TEST_TIMEOUT:+--timeout "$TEST_TIMEOUT"} ${PER_TEST_TIMEOUT:+--test-timeout "$PER_TEST_TIMEOUT"}
+           ${PARALLEL:+--parallel} ${WORKERS:+--workers "$WORKERS"})
 what=${1:-all}
 shift || true
 case "$what" in

@@ -12,6 +12,7 @@ opening banner line.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -51,10 +52,13 @@ def group_paths(name: str) -> list[str]:
 
 
 def pytest_command(name: str, keyword: Optional[str] = None, sanitize: bool = False,
-                   workers: Optional[int] = None) -> list[str]:
+                   workers: Optional[int] = None, test_timeout_s: Optional[float] = None) -> list[str]:
     """The command line of one group; under ``sanitize``, compute-sanitizer's memcheck around pytest; ``workers``:
-    pytest-xdist processes."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfE",
+    pytest-xdist processes; ``test_timeout_s``: pytest-timeout's limit per test where the plugin is installed (a
+    hung test then fails with its traceback instead of the whole group running past its limit unsummarised)."""
+    timeout = (["--timeout", f"{test_timeout_s:g}"] if test_timeout_s and importlib.util.find_spec("pytest_timeout")
+               else [])
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfE", *timeout,
            *(["-n", str(workers)] if workers else []), *group_paths(name), *(["-k", keyword] if keyword else [])]
     if sanitize:
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "50", *cmd]
@@ -91,13 +95,17 @@ def summarise(name: str, log: Path, returncode: Optional[int]) -> GroupResult:
 
 def run_groups(names: Sequence[str], outdir: Path, log_name: str, keyword: Optional[str] = None,
                sanitize: bool = False, parallel: bool = False, timeout_s: Optional[float] = None,
-               workers: Optional[int] = None) -> list[GroupResult]:
+               workers: Optional[int] = None, test_timeout_s: Optional[float] = None) -> list[GroupResult]:
     """Run the groups, each writing its log to ``outdir / log_name.format(group=name)``; returns their summaries
-    (``returncode`` None for a group stopped at ``timeout_s``)."""
+    (``returncode`` None for a group stopped at ``timeout_s``). Processes running side by side share the host's
+    cores (``OMP_NUM_THREADS`` unless set): each with torch's default of every core, compilation and CPU-side
+    tensor work starve one another."""
     if sanitize and shutil.which("compute-sanitizer") is None:
         raise FileNotFoundError("compute-sanitizer not found (the CUDA toolkit's bin/ is not on PATH)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
+    processes = (len(names) if parallel else 1) * (workers or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
     if sanitize:
         # Every tensor its own cudaMalloc: an access past a tensor's end lands outside any allocation, where
         # memcheck sees it (with the caching allocator it would hit a neighbour's memory).
@@ -107,7 +115,7 @@ def run_groups(names: Sequence[str], outdir: Path, log_name: str, keyword: Optio
     running, codes = [], {}
     for name in names:
         log = logs[name].open("w")
-        proc = subprocess.Popen(pytest_command(name, keyword, sanitize, workers), cwd=REPO, env=env, stdout=log,
+        proc = subprocess.Popen(pytest_command(name, keyword, sanitize, workers, test_timeout_s), cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
         running.append((name, proc, log))
         if not parallel:

@@ -181,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--parallel", action="store_true", help="with --gpu-tests: the groups side by side")
     ap.add_argument("--workers", type=int, default=None, help="with --gpu-tests: pytest-xdist processes per group")
     ap.add_argument("--timeout", type=float, default=None, help="with --gpu-tests: seconds per group")
+    ap.add_argument("--test-timeout", type=float, default=None,
+                    help="with --gpu-tests: seconds per test (pytest-timeout, where installed)")
     ap.add_argument("--index", action="store_true",
                     help="only rewrite RESULTS.md and the tables from the JSON files in --outdir (no GPU)")
     ap.add_argument("--outdir", type=Path, default=DEFAULT_OUTDIR)
@@ -227,7 +229,8 @@ def _run_gpu_tests(args: argparse.Namespace, outdir: Path) -> int:
     kind = "sanitize" if args.sanitize else "gpu_tests"
     log_name = f"{gpu}-{kind}_{{group}}-{dt.date.today().isoformat()}.log"
     results = gpu_tests.run_groups(groups, outdir, log_name, keyword=args.keyword, sanitize=args.sanitize,
-                                   parallel=args.parallel, timeout_s=args.timeout, workers=args.workers)
+                                   parallel=args.parallel, timeout_s=args.timeout, workers=args.workers,
+                                   test_timeout_s=args.test_timeout)
     failed = False
     for r in results:
         timed_out = " TIMED OUT (tests after the last PASSED line did not run)" if r.returncode is None else ""

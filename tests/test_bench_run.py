@@ -91,6 +91,13 @@ def test_gpu_test_groups(tmp_path):
     assert (r.passed, r.failed, r.skipped, r.memcheck_errors) == (2, 1, 1, 2)
     spread = gpu_tests.pytest_command("mla", workers=8)
     assert spread[spread.index("-n") + 1] == "8" and "-n" not in gpu_tests.pytest_command("mla")
+    import importlib.util
+
+    limited = gpu_tests.pytest_command("mla", test_timeout_s=90)
+    if importlib.util.find_spec("pytest_timeout"):
+        assert limited[limited.index("--timeout") + 1] == "90"
+    else:
+        assert "--timeout" not in limited  # the flag would be an unknown option without the plugin
     assert r.failures == ["FAILED tests/a.py::t2 - AssertionError"]
 
 
