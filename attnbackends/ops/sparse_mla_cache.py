@@ -216,6 +216,15 @@ def quantize_block_fp8(x, INTERPRET: tl.constexpr):
     return y, scale
 
 
+@triton.jit
+def _store_fp8_blocks(x, values_ptr, scales_ptr, N: tl.constexpr, QB: tl.constexpr, INTERPRET: tl.constexpr):
+    """One token's row x [N] float32 quantised per QB values (:func:`quantize_block_fp8`): its N fp8 values at
+    values_ptr, its N // QB float32 scales at scales_ptr."""
+    y, scale = quantize_block_fp8(tl.reshape(x, (N // QB, QB)), INTERPRET)
+    tl.store(values_ptr + tl.arange(0, N), tl.reshape(y, (N,)).to(values_ptr.dtype.element_ty))
+    tl.store(scales_ptr + tl.arange(0, N // QB), scale)
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _write_index_keys_kernel(K, VALUES, SCALES, SLOTS, stride_k_t, stride_v_blk, stride_v_tok, stride_s_blk,
                              stride_s_tok, block_size, num_slots, fault_ptr, fault_flag_ptr,
@@ -229,12 +238,9 @@ def _write_index_keys_kernel(K, VALUES, SCALES, SLOTS, stride_k_t, stride_v_blk,
     elif slot >= 0:
         page = slot // block_size
         row = slot % block_size
-        offs = tl.arange(0, D)
-        x = tl.load(K + t * stride_k_t + offs).to(tl.float32)
-        y, scale = quantize_block_fp8(tl.reshape(x, (D // QB, QB)), INTERPRET)
-        tl.store(VALUES + page * stride_v_blk + row * stride_v_tok + offs,
-                 tl.reshape(y, (D,)).to(VALUES.dtype.element_ty))
-        tl.store(SCALES + page * stride_s_blk + row * stride_s_tok + tl.arange(0, D // QB), scale)
+        x = tl.load(K + t * stride_k_t + tl.arange(0, D)).to(tl.float32)
+        _store_fp8_blocks(x, VALUES + page * stride_v_blk + row * stride_v_tok,
+                          SCALES + page * stride_s_blk + row * stride_s_tok, D, QB, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -250,11 +256,9 @@ def _write_ds_latent_kernel(KV_C, K_PE, NOPE, SCALES, ROPE, SLOTS, stride_c_t, s
     elif slot >= 0:
         page = slot // block_size
         row = slot % block_size
-        offs = tl.arange(0, LKV)
-        x = tl.load(KV_C + t * stride_c_t + offs).to(tl.float32)
-        y, scale = quantize_block_fp8(tl.reshape(x, (LKV // 128, 128)), INTERPRET)
-        tl.store(NOPE + page * stride_blk + row * stride_tok + offs, tl.reshape(y, (LKV,)).to(NOPE.dtype.element_ty))
-        tl.store(SCALES + page * stride_s_blk + row * stride_s_tok + tl.arange(0, LKV // 128), scale)
+        x = tl.load(KV_C + t * stride_c_t + tl.arange(0, LKV)).to(tl.float32)
+        _store_fp8_blocks(x, NOPE + page * stride_blk + row * stride_tok,
+                          SCALES + page * stride_s_blk + row * stride_s_tok, LKV, 128, INTERPRET)
         offs_r = tl.arange(0, BLOCK_R)
         r = tl.load(K_PE + t * stride_pe_t + offs_r, mask=offs_r < R)
         tl.store(ROPE + page * stride_r_blk + row * stride_r_tok + offs_r, r.to(tl.bfloat16), mask=offs_r < R)
