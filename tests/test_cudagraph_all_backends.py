@@ -13,6 +13,7 @@ from attnbackends.interface import CudaGraphSupport
 from attnbackends.selection.registry import backend_names, get_backend_class
 from attnbackends.testing import SequenceShape, assert_close_to_oracle, make_random_batch, oracle_attention
 from attnbackends.testing import tolerance_for
+from attnbackends.testing.cuda_graphs import capture_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -76,14 +77,7 @@ def test_cuda_graph_replay_equals_eager(name, spec_name):
     )
     output = first.new_output()
     meta = builder.build_for_cudagraph_capture(static)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        impl.forward(query, key, value, kv_cache, meta, output)  # warm-up (compiles, validates) outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(query, key, value, kv_cache, meta, output)
+    graph = capture_forward(lambda: impl.forward(query, key, value, kv_cache, meta, output))
 
     for seed, contexts in enumerate(REPLAYS, start=1):
         batch = _batch(spec, contexts, seed, scales)

@@ -15,6 +15,7 @@ from attnbackends.testing import SequenceShape, make_random_batch
 from attnbackends.testing.masks import check_backend_on_masked_batch, expected_visibility, make_masked_batch
 from attnbackends.testing.oracle import oracle_attention
 from attnbackends.testing.tolerances import assert_close_to_oracle, tolerance_for
+from attnbackends.testing.cuda_graphs import capture_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -67,14 +68,7 @@ def test_triton_masked_decodes_replay_from_a_cuda_graph(name):
     query, key, value, kv_cache = (t.clone() for t in (first.query, first.key, first.value, first.kv_cache))
     output = first.new_output()
     meta = builder.build_for_cudagraph_capture(static)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        impl.forward(query, key, value, kv_cache, meta, output)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(query, key, value, kv_cache, meta, output)
+    graph = capture_forward(lambda: impl.forward(query, key, value, kv_cache, meta, output))
     for seed, contexts in enumerate([(900, 30, 1500, 200), (120, 700, 40, 1800)], start=2):
         shapes = [SequenceShape(1, c) for c in contexts]
         new_spans = [[(c - 50, c + 1)] for c in contexts] if spans is not None else None
@@ -115,14 +109,7 @@ def test_triton_custom_mask_decodes_replay_from_a_cuda_graph():
     query, key, value, kv_cache = (t.clone() for t in (first.query, first.key, first.value, first.kv_cache))
     output = first.new_output()
     meta = builder.build_for_cudagraph_capture(static)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        impl.forward(query, key, value, kv_cache, meta, output)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(query, key, value, kv_cache, meta, output)
+    graph = capture_forward(lambda: impl.forward(query, key, value, kv_cache, meta, output))
     for seed, contexts in enumerate([(900, 30, 1500, 200), (120, 700, 40, 1800)], start=2):
         shapes = [SequenceShape(1, c) for c in contexts]
         gen = torch.Generator().manual_seed(seed)

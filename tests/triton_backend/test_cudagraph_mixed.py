@@ -23,6 +23,7 @@ from attnbackends.interface import CudaGraphSupport  # noqa: E402
 from attnbackends.testing import SequenceShape, assert_close_to_oracle, make_random_batch  # noqa: E402
 from attnbackends.testing import oracle_attention, tolerance_for  # noqa: E402
 from attnbackends.triton.backend import TritonAttentionBackend, TritonImpl, TritonMetadataBuilder  # noqa: E402
+from attnbackends.testing.cuda_graphs import capture_forward  # noqa: E402
 
 
 def _split(rng: random.Random, num_reqs: int, num_tokens: int, max_context: int) -> list[SequenceShape]:
@@ -135,14 +136,7 @@ def test_mixed_step_graph_replays_bit_for_bit():
     first = _batch(spec, first_shapes, 0, num_blocks, "cuda", num_tokens)
     assert first.num_actual_tokens == num_tokens
     cap = _Captured(spec, first, builder, width)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        impl.forward(cap.query, cap.key, cap.value, cap.kv_cache, cap.meta, cap.output)  # compiles, validates
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(cap.query, cap.key, cap.value, cap.kv_cache, cap.meta, cap.output)
+    graph = capture_forward(lambda: impl.forward(cap.query, cap.key, cap.value, cap.kv_cache, cap.meta, cap.output))
     tol = tolerance_for(spec.torch_dtype)
     for step in range(200):
         shapes = _split(rng, num_reqs, num_tokens, max_context)
