@@ -50,6 +50,19 @@ class _Layer(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+def seeded_init_(model: nn.Module, gen: torch.Generator) -> None:
+    """Random weights from ``gen``, in parameter order: norm weights 1 + 0.1 N(0, 1) (norm biases 0.1 N(0, 1)), the
+    embedding N(0, 1), every other matrix N(0, 1 / fan_in) (its last dimension)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                base = 0.0 if name.endswith("bias") else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                scale = 1.0 if name == "embed.weight" else p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
 # attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,12 +78,7 @@ class TinyLlama(nn.Module):
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if "norm" in name:
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if name == "embed.weight" else p.shape[-1] ** -0.5))
+        seeded_init_(self, gen)
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2, dtype=torch.float32) / cfg.head_size))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..spec import AttentionSpec, SparseIndexerSpec
+from .model import seeded_init_
 
 __all__ = ["TinyDeepseekSparse", "TinyDeepseekSparseConfig", "hadamard_matrix"]
 
@@ -127,14 +128,7 @@ class TinyDeepseekSparse(nn.Module):
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if "norm" in name:
-                    base = 0.0 if name.endswith("bias") else 1.0
-                    p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
-                else:
-                    scale = 1.0 if name == "embed.weight" else p.shape[-1] ** -0.5
-                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        seeded_init_(self, gen)
         r = cfg.qk_rope_head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
