@@ -37,7 +37,6 @@ import json
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 
@@ -47,6 +46,8 @@ from attnbackends import AttentionSpec, PersistentBatch, build_common_metadata
 from attnbackends.interface import AttentionImpl, AttentionMetadataBuilder
 from attnbackends.metadata import CommonAttentionMetadata, MetadataOrigin
 from attnbackends.validation import check_batch_for_spec, check_forward_inputs
+
+from .report import write_rows
 
 __all__ = ["TARGET_US", "main", "measure", "measure_step"]
 
@@ -230,8 +231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = measure_step(args.batch_size, args.context, args.layers, args.device, calls=calls, repeats=repeats)
     rows += measure(args.batch_size, args.context, calls=calls, repeats=repeats)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        write_rows(args.out, rows)
     if args.smoke or not args.out:
         for row in rows:
             print(json.dumps(row))

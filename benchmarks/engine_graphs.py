@@ -29,6 +29,8 @@ import torch
 
 from attnbackends.engine import EngineConfig, PagedEngine, TinyLlama, TinyLlamaConfig
 
+from .report import write_rows
+
 __all__ = ["main", "measure"]
 
 
@@ -83,8 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         rows = [measure("cuda", torch.bfloat16, args.prompts, args.new_tokens)]
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        write_rows(args.out, rows)
     for r in rows:
         print(json.dumps(r), flush=True)
     return 0

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .report import write_rows
+
 __all__ = ["main", "timed_command"]
 
 
@@ -79,8 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 row["demo_seconds"] = round(seconds, 2)
             rows.append(row)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        write_rows(args.out, rows)
     for r in rows:
         print(json.dumps(r), flush=True)
     return 0 if all(r["rc"] == 0 for r in rows) else 1

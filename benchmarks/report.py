@@ -130,6 +130,13 @@ def library_versions() -> dict[str, Any]:
     return versions
 
 
+def write_rows(out: "str | Path", rows: list[dict[str, Any]]) -> None:
+    """A suite module's ``--out`` file, ``{"rows": [...]}`` (``benchmarks.run`` adds the header), folders made."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
 def write_json(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     path.write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
 

@@ -30,13 +30,14 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from attnbackends import PersistentBatch, build_common_metadata
+
+from .report import write_rows
 
 __all__ = ["main", "measure"]
 
@@ -197,8 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps, repeats, peer_calls = (10, 1, 1) if args.smoke else (200, 5, 5)
     rows = measure(args.batch_size, args.pages_per_req, args.block_size, args.device, steps, repeats, peer_calls)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        write_rows(args.out, rows)
     if args.smoke or not args.out:
         for row in rows:
             print(json.dumps(row))

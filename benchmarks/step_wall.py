@@ -45,6 +45,8 @@ from attnbackends.selection.registry import get_backend_class
 from benchmarks.decode import (LLAMA3_8B, PEER, SMOKE_LAYER, ApiRunner, Case, WrapperPeer, _load_flashinfer,
                                batch_defs, torch_paged_wrappers)
 
+from .report import write_rows
+
 __all__ = ["BATCHES", "main", "measure"]
 
 BATCHES = ("lognormal_1500", "mixed_chunks", "mixed_prompts")
@@ -187,8 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             adapter = None
         rows = measure(device, False, args.layers, args.steps, "triton", fi, adapter, args.batches)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        write_rows(args.out, rows)
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k not in ("params",)}), flush=True)
     return 0
