@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from attnbackends.triton.backend import TritonMetadataBuilder
+from attnbackends.testing.cuda_graphs import capture_forward
 from attnbackends.triton.decode_schedule import BalancedParams
 
 from .triton_api import Batch, do_bench_us, flashinfer_decode, host_us
@@ -53,14 +54,7 @@ def graph_us(batch: Batch, builder: TritonMetadataBuilder) -> float:
     meta = builder.build_for_cudagraph_capture(batch.common)
     out = torch.empty_like(batch.query)
     fwd = lambda: batch.impl.forward(batch.query, None, None, batch.kv, meta, out)  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd()
+    graph = capture_forward(fwd)
     builder.build(batch.common)  # a later step's build rewrites the captured schedule (as an engine's would)
     return do_bench_us(graph.replay)
 
