@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnbackends.triton.backend import TritonMetadataBuilder
 from attnbackends.testing.cuda_graphs import capture_forward
+from attnbackends.triton.backend import TritonMetadataBuilder
 from attnbackends.triton.decode_schedule import BalancedParams
 
 from .triton_api import Batch, do_bench_us, flashinfer_decode, host_us
