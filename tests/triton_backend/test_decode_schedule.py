@@ -50,6 +50,7 @@ from attnbackends.triton.launch import (  # noqa: E402
     plan_attention,
 )
 from attnbackends.platform import DeviceInfo  # noqa: E402
+from tests.triton_backend.test_kernels import reference_lse  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S = SequenceShape
@@ -303,27 +304,6 @@ def check_oracle(batch, out, what):
     assert_close_to_oracle(out[:n], oracle_attention(batch), tolerance_for(spec.torch_dtype, spec.kv_cache_dtype),
                            what)
     assert torch.isnan(out[n:].float()).all(), "padding rows must be left untouched"
-
-
-def reference_lse(batch):
-    """[num_heads, num_actual_tokens] float64 natural-log LSE of every query row (sinks, windows, trees)."""
-    from attnbackends.reference.functional import sequence_attention
-    from attnbackends.speculative.tree_mask import request_tree_mask
-
-    spec = batch.spec
-    lses, start = [], 0
-    for i, (shape, keys, values) in enumerate(zip(batch.shapes, batch.dense_keys, batch.dense_values)):
-        tree = request_tree_mask(batch.common, i)
-        q = batch.query[start:start + shape.query_len].double().cpu()
-        start += shape.query_len
-        _, lse = sequence_attention(
-            q, keys, values, torch.arange(shape.context_len, shape.seq_len), scale=spec.softmax_scale,
-            causal=spec.causal, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-            alibi_slopes=torch.tensor(spec.alibi_slopes) if spec.alibi_slopes is not None else None,
-            sinks=batch.sinks.cpu() if batch.sinks is not None else None, compute_dtype=torch.float64,
-            tree_mask=tree.cpu() if tree is not None else None)
-        lses.append(lse)
-    return torch.cat(lses, dim=1)
 
 
 # One long request beside short ones: the long one gets many units (19 of 16 keys with a cap of 32), the short ones
