@@ -594,6 +594,46 @@ def test_a_captured_table_rewritten_by_a_later_build_still_covers_every_key():
         check_oracle(batch, out, "a table rewritten by a later build")
 
 
+def test_captured_plan_replayed_over_a_later_batch_of_its_shape():
+    """What a CUDA-graph replay runs: the launch captured from the first batch (its plan, its buffers) over a later
+    batch of the same shape copied into those buffers, after the later build rewrote the captured unit table."""
+    spec = spec_for(has_sinks=True)
+    width, num_blocks = 64, 8 * 64
+
+    def batch_of(ctxs, seed):
+        batch = make_random_batch(spec, [S(1, c) for c in ctxs], seed=seed, device=DEVICE, num_blocks=num_blocks,
+                                  pad_tokens=2)
+        table = torch.zeros(len(ctxs), width, dtype=torch.int32, device=DEVICE)
+        table[:, :batch.common.block_table.shape[1]] = batch.common.block_table
+        return batch, dataclasses.replace(batch.common, block_table=table, block_table_cpu=table.cpu())
+
+    first, common = batch_of([70] * 6 + [300, 500], 40)
+    static = dataclasses.replace(common, query_start_loc=common.query_start_loc.clone(),
+                                 seq_lens=common.seq_lens.clone(), block_table=common.block_table.clone())
+    builder = tiny_scheduler(TritonMetadataBuilder(spec, DEVICE, decode_schedule="balanced", max_num_reqs=16))
+    impl = TritonImpl(spec, sinks=first.sinks)
+    captured = builder.build_for_cudagraph_capture(static)
+    assert captured.decode_schedule.num_split == 2
+    query, kv_cache = first.query.clone(), first.kv_cache.clone()
+    out = first.new_output()
+    impl.forward(query, first.key, first.value, kv_cache, captured, out)
+    check_oracle(first, out, "the captured batch")
+
+    later, new = batch_of([400] + [4] * 7, 41)
+    later = dataclasses.replace(later, sinks=first.sinks)
+    for dst, src in ((query, later.query), (static.query_start_loc, new.query_start_loc),
+                     (static.seq_lens, new.seq_lens), (static.block_table, new.block_table), (kv_cache, later.kv_cache)):
+        dst.copy_(src)
+    reshape_and_cache(later.key, later.value, kv_cache, new.slot_mapping)
+    rebuilt = builder.build(dataclasses.replace(new, query_start_loc=static.query_start_loc,
+                                                seq_lens=static.seq_lens, block_table=static.block_table))
+    assert rebuilt.decode_schedule.units.data_ptr() == captured.decode_schedule.units.data_ptr()
+    assert rebuilt.decode_schedule.num_split == 1
+    out = later.new_output()
+    impl.forward(query, None, None, kv_cache, captured, out)
+    check_oracle(later, out, "the captured plan over a later batch of its shape")
+
+
 def test_kernel_notes_say_how_decodes_are_scheduled():
     spec = spec_for()
     notes = TritonAttentionBackend.kernel_notes(spec, DeviceInfo.cuda(9, 0))
@@ -707,6 +747,7 @@ def test_gpu_cuda_graph_replays_bit_for_bit():
 
     for seed, ctxs in enumerate(([5000] + [40] * 31, [300 + 29 * i for i in range(32)], contexts[::-1]), start=31):
         batch, new = batch_of(ctxs, seed)
+        batch = dataclasses.replace(batch, sinks=first.sinks)  # the captured impl's sinks: the oracle's too
         for dst, src in ((query, batch.query), (static.query_start_loc, new.query_start_loc),
                          (static.seq_lens, new.seq_lens), (static.block_table, new.block_table)):
             dst.copy_(src)
