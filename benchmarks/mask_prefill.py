@@ -97,7 +97,7 @@ class Setup:
         from attnbackends.selection.registry import get_backend_class
 
         cls = get_backend_class(backend)
-        builder = cls.get_builder_cls()(self.spec, self.device)
+        builder = cls.get_builder_cls()(self.spec, self.device, max_num_tokens=max(8192, self.batch * self.seq))
         impl = cls.get_impl_cls()(self.spec)
         meta = builder.build(self.common)
         out = torch.empty_like(self.query)
@@ -157,7 +157,8 @@ class MaskSuiteRun:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    run = MaskSuiteRun(argv, __doc__, gpu_shapes=[dict(batch=1, seq=8192), dict(batch=4, seq=4096)], cpu_shapes=[dict(batch=2, seq=40)])
+    run = MaskSuiteRun(argv, __doc__, gpu_shapes=[dict(batch=1, seq=8192), dict(batch=4, seq=4096)],
+                       cpu_shapes=[dict(batch=2, seq=40)])
     from attnbackends.spec import AttentionMask
 
     cuda, device, shapes, layer, emit, rows = run.cuda, run.device, run.shapes, run.layer, run.emit, run.rows
