@@ -559,6 +559,13 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         self._validated = True
 
 
+#: What a CUDA graph of a Triton layer runs (the kernel notes' last line).
+CUDA_GRAPH_NOTE = ("CUDA graphs: a decode-only step replays build()'s plan (its balanced table rewritten in place); a "
+                   "mixed step replays one unified launch fixed by its shape, without the prefill kernels, KV splits "
+                   "or the balanced schedule, so it runs slower than eager where chunks are long: capture decode "
+                   "steps, run mixed steps eager")
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Our unified paged-attention kernels (Triton): mixed batches in one launch, split-KV decode, fp8 KV."""
 
@@ -590,8 +597,8 @@ class TritonAttentionBackend(AttentionBackend):
         """The prefill kernel a default builder runs for batches with prefills (the paged Gluon kernel for chunks
         on cached context and ``key=None`` steps, the fresh-prompt Gluon kernel for fresh prompts with keys), with
         the reason where a kernel is ruled out (a default builder's :class:`~.choices.TritonKernelChoices`); then how
-        a default builder schedules the decodes."""
-        return cls._prefill_notes(spec, device) + [decode_schedule_note(cuda=device.is_cuda)]
+        a default builder schedules the decodes; then what a CUDA graph captures."""
+        return cls._prefill_notes(spec, device) + [decode_schedule_note(cuda=device.is_cuda), CUDA_GRAPH_NOTE]
 
     @classmethod
     def _prefill_notes(cls, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
