@@ -58,6 +58,9 @@ SUITES: dict[str, Suite] = {
     "mla": Suite("benchmarks.mla", "MLA decode and prefill (DeepSeek-V3 dims) vs FlashInfer MLA", default=True),
     "sparse_mla": Suite("benchmarks.sparse_mla", "DeepSeek sparse attention (V3.2 dims, top-k 2048): sparse MLA "
                         "decode and prefill, the indexer, dense triton_mla at 128k context"),
+    "sparse_mla_tile_sweep": Suite("benchmarks.sparse_mla_tile_sweep", "tile configs of the sparse MLA attention "
+                                   "kernel on DeepSeek-V3.2 decodes: time, error against the default and an "
+                                   "oracle"),
     "phase_selection": Suite("benchmarks.phase_selection", "prefill per backend and an engine-like mixed workload "
                              "on each backend and on the measured composition"),
     "hybrid_decode": Suite("benchmarks.hybrid_decode", "a Gemma-3-shaped decode step (sliding + global layer "
