@@ -18,7 +18,7 @@ are per layer (step time / layers). Rows (PERF.md):
   keys and values 100x larger)): ``rel_err`` (relative Frobenius error of the output against the bf16 cache's; on
   outlier data the outlier heads' logits are so peaked that any rounding moves them), ``rel_err_ordinary_heads``
   (the other heads, which a per-tensor scale shares with the outliers), ``max_abs_err``.
-- ``kv_quant_greedy`` / ``triton`` / ``triton_bfloat16`` (field ``format``; in ``--mode accuracy``): the demo model's
+- ``kv_quant_greedy`` / ``triton`` / ``triton_bf16`` (field ``format``; in ``--mode accuracy``): the demo model's
   greedy tokens with each quantised cache against its 16-bit cache, teacher-forced: ``token_agreement``,
   ``positions``, ``first_divergence`` (``benchmarks/kv_quant_greedy.py``; ``--greedy-prompts``,
   ``--greedy-new-tokens``; with ``--smoke`` the reference backend in float32 on the CPU).

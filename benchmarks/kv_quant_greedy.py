@@ -35,6 +35,7 @@ def greedy_rows(formats: Sequence[str], device: torch.device, smoke: bool, num_p
     backend, dtype = ("reference", torch.float32) if smoke else ("triton", torch.bfloat16)
     config = AttentionConfig(backend=backend)
     dtype_name = str(dtype).replace("torch.", "")
+    peer = "reference_float32" if smoke else "triton_bf16"
     base = demo_engine(str(device), dtype, config, seed=0)
     prompts = demo_prompts(base.model.cfg.vocab_size, num_prompts, seed=0)
     reference = base.generate(prompts, new_tokens).tokens
@@ -45,7 +46,7 @@ def greedy_rows(formats: Sequence[str], device: torch.device, smoke: bool, num_p
         engine = base if fmt == "auto" else demo_engine(str(device), dtype, config, seed=0, kv_cache_dtype=fmt,
                                                         kv_scales=scales)
         agree = teacher_forced_agreement(engine, prompts, reference)
-        rows.append({"case": "kv_quant_greedy", "backend": engine.backend.name, "peer": f"{backend}_{dtype_name}",
+        rows.append({"case": "kv_quant_greedy", "backend": engine.backend.name, "peer": peer,
                      "format": fmt, "kv_dtype": fmt, "dtype": dtype_name, "prompts": len(prompts),
                      "new_tokens": new_tokens, "positions": agree.positions, "matches": agree.matches,
                      "token_agreement": agree.agreement, "first_divergence": agree.first_divergence,

@@ -25,7 +25,7 @@ def test_greedy_rows_smoke():
 @pytest.mark.parametrize("fmt,agreement,met", [("int8_per_token_head", 0.97, True),
                                                ("fp8_per_token_head", 0.9, False), ("int4_per_token_head", 0.5, None)])
 def test_greedy_target(fmt, agreement, met):
-    row = {"case": "kv_quant_greedy", "backend": "triton", "peer": "triton_bfloat16", "format": fmt,
+    row = {"case": "kv_quant_greedy", "backend": "triton", "peer": "triton_bf16", "format": fmt,
            "dtype": "bfloat16", "token_agreement": agreement}
     target = target_for(row)
     assert (target[1] if target else None) is met

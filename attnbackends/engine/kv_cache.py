@@ -73,7 +73,8 @@ def kv_scale_kwargs(spec: AttentionSpec, kv_scales: Optional[KVScales], layer: i
 
 def calibrated_kv_scales(kv_caches: Sequence[torch.Tensor], kv_cache_dtype: str) -> KVScales:
     """Per-tensor scales for ``kv_cache_dtype`` (fp8 per tensor or NVFP4) from the keys and values an engine with an
-    unquantised cache (``kv_cache_dtype`` "auto") has cached: per layer, (absmax of its keys, absmax of its values) over the largest magnitude the format stores.
+    unquantised cache (``kv_cache_dtype`` "auto") has cached: per layer, (absmax of its keys, absmax of its values)
+    over the largest magnitude the format stores.
 
     kv_caches : one cache per layer in the model dtype, [num_blocks, 2, block_size, num_kv_heads, head_size] (zeroed at
         allocation, so pages never written do not raise the absmax).
