@@ -18,6 +18,10 @@ are per layer (step time / layers). Rows (PERF.md):
   keys and values 100x larger)): ``rel_err`` (relative Frobenius error of the output against the bf16 cache's; on
   outlier data the outlier heads' logits are so peaked that any rounding moves them), ``rel_err_ordinary_heads``
   (the other heads, which a per-tensor scale shares with the outliers), ``max_abs_err``.
+- ``kv_quant_greedy`` / ``triton`` / ``triton_bf16`` (field ``format``; in ``--mode accuracy``): the demo model's
+  greedy tokens with each quantised cache against its 16-bit cache, teacher-forced: ``token_agreement``,
+  ``positions``, ``first_divergence`` (``benchmarks/kv_quant_greedy.py``; ``--greedy-prompts``,
+  ``--greedy-new-tokens``; with ``--smoke`` the reference backend in float32 on the CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ if SMOKE and not torch.cuda.is_available():
 from attnbackends import AttentionSpec, build_common_metadata  # noqa: E402
 from attnbackends.ops.kv_layout import kv_cache_bytes_per_token  # noqa: E402
 from attnbackends.selection.registry import get_backend_class  # noqa: E402
+from benchmarks.kv_quant_greedy import greedy_rows  # noqa: E402
 
 FORMATS = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4", "fp8")
 #: NVFP4's global scale for unit-normal data (the largest block scale stays well inside e4m3's range).
@@ -217,7 +222,7 @@ def run_accuracy(args, device) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
             del step
             _free()
-    return rows
+    return rows + greedy_rows(FORMATS, device, args.smoke, args.greedy_prompts, args.greedy_new_tokens)
 
 
 def main(argv=None) -> int:
@@ -232,10 +237,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--greedy-prompts", type=int, default=32, help="demo prompts of the kv_quant_greedy rows")
+    ap.add_argument("--greedy-new-tokens", type=int, default=64, help="greedy tokens per prompt of those rows")
     args = ap.parse_args(argv)
     args.dtype = "bfloat16"
     if args.smoke:
         args.num_heads, args.num_kv_heads, args.head_size, args.layers, args.dtype = 4, 2, 32, 1, "float16"
+        args.greedy_prompts, args.greedy_new_tokens = min(args.greedy_prompts, 3), min(args.greedy_new_tokens, 6)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         ap.error("the full-size benchmark needs a GPU; use --smoke on the CPU")

@@ -46,6 +46,10 @@ def _time_target(row: dict[str, Any], limit: float, what: str) -> tuple[str, boo
     return f"time <= {limit:g}x {what}", row["ratio"] <= limit
 
 
+#: The quantised KV caches whose greedy tokens must match the bf16 cache's (the others are recorded).
+_GREEDY_TARGET_FORMATS = ("int8_per_token_head", "fp8_per_token_head")
+
+
 def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
     """The PERF.md target a row is judged by and whether it is met; None for rows without one."""
     case, backend, peer, ratio = row.get("case"), row.get("backend"), row.get("peer"), row.get("ratio")
@@ -72,6 +76,8 @@ def target_for(row: dict[str, Any]) -> Optional[tuple[str, bool]]:
         if row.get("mode") == "eager" and ratio is not None:
             return _time_target(row, 0.95, "FlashInfer's own wrappers")
         return None
+    if case == "kv_quant_greedy" and row.get("dtype") == "bfloat16" and row.get("format") in _GREEDY_TARGET_FORMATS:
+        return "greedy tokens = bf16 cache's on >= 95% of positions", row["token_agreement"] >= 0.95
     if ratio is None or backend not in ("triton", "triton_mla", "auto"):
         return None
     if case == "decode" and peer == "flashinfer":

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from rich.console import Console
 
-from ..engine import TinyLlamaConfig
+from ..engine import TinyLlamaConfig, token_agreement
 from ..engine.demo_setup import BLOCK_SIZE, default_device as _default_device, default_dtype as _default_dtype
 from ..engine.demo_setup import demo_engine, demo_prompts
 from ..platform import DeviceInfo, check_device_available, is_triton_interpreted
@@ -69,23 +69,23 @@ def run_demo(
     engine.generate(prompts[:2], 2)  # a decode, a prefill and a mixed step: the timing below is steady-state
     warmup_seconds = time.perf_counter() - start
     result = engine.generate(prompts, max_new_tokens)
-    agree, total, worst = 0, 0, 0.0
+    dense_choices, worst = [], 0.0
     with torch.inference_mode():
         for prompt, out, logits in zip(prompts, result.tokens, result.logits):
             seq = torch.tensor(prompt + out, device=engine.device)
             dense = engine.model.forward_dense(seq)[len(prompt) - 1 : -1].cpu()  # logits that chose each new token
-            agree += int((dense.argmax(-1) == torch.tensor(out)).sum())
-            total += len(out)
+            dense_choices.append(dense.argmax(-1).tolist())
             worst = max(worst, float((dense - logits).abs().max()))
+    agreement = token_agreement(dense_choices, result.tokens)
     return DemoReport(
         backend=result.backend,
         device=str(engine.device),
         dtype=str(dtype).replace("torch.", ""),
         num_prompts=len(prompts),
-        new_tokens=total,
+        new_tokens=agreement.positions,
         steps=result.num_steps,
         tokens_per_second=result.tokens_per_second,
-        token_agreement=agree / max(total, 1),
+        token_agreement=agreement.agreement,
         max_logit_diff=worst,
         warmup_seconds=warmup_seconds,
     )

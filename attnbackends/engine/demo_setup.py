@@ -12,6 +12,7 @@ import torch
 from ..platform import check_device_available
 from ..spec import AttentionConfig, AttentionSpec, torch_dtype_of
 from .engine import EngineConfig, PagedEngine
+from .kv_cache import KVScales
 from .model import TinyLlama, TinyLlamaConfig
 
 __all__ = ["BLOCK_SIZE", "default_device", "default_dtype", "demo_engine", "demo_prompts", "demo_spec",
@@ -38,14 +39,16 @@ def demo_spec(device: Optional[str] = None, dtype: "str | torch.dtype | None" = 
     return TinyLlama(TinyLlamaConfig(), seed=0).attention_spec(dtype, BLOCK_SIZE)
 
 
-def demo_engine(device: str, dtype: torch.dtype, attention_config: Optional[AttentionConfig],
-                seed: int) -> PagedEngine:
-    """The demo's engine: its model (seeded random weights) on ``device`` in ``dtype``."""
+def demo_engine(device: str, dtype: torch.dtype, attention_config: Optional[AttentionConfig], seed: int,
+                kv_cache_dtype: str = "auto", kv_scales: Optional[KVScales] = None,
+                cuda_graphs: Optional[bool] = None) -> PagedEngine:
+    """The demo's engine: its model (seeded random weights) on ``device`` in ``dtype``, its KV cache stored as
+    ``kv_cache_dtype`` (with ``kv_scales`` where the format takes per-tensor scales; see ``EngineConfig``)."""
     model = TinyLlama(TinyLlamaConfig(), seed=seed)
-    return PagedEngine(
-        model, EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64), device=device, dtype=dtype,
-        attention_config=attention_config,
-    )
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype,
+                          kv_scales=kv_scales)
+    return PagedEngine(model, config, device=device, dtype=dtype, attention_config=attention_config,
+                       cuda_graphs=cuda_graphs)
 
 
 def demo_prompts(vocab_size: int, num_prompts: int, seed: int) -> list[list[int]]:

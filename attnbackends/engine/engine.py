@@ -27,6 +27,7 @@ from ..selection.registry import select
 from ..spec import AttentionConfig, AttentionSpec, MaskKind
 from ..speculative.tree_mask import with_tree_mask
 from .cuda_graphs import DecodeGraphs, capture_sizes
+from .kv_cache import KVScales, check_kv_cache_dtype, check_kv_scales, kv_scale_kwargs, with_kv_cache_dtype
 from .speculative import DraftTree, SpeculativeConfig, accept_greedy
 
 __all__ = [
@@ -54,6 +55,12 @@ class EngineConfig:
     cudagraph_capture_sizes : the padded batch sizes whose decode steps are captured in CUDA graphs (those up to
         ``max_num_reqs`` and ``max_num_batched_tokens``); None: 1, 2, 4, ..., 512
         (:data:`~attnbackends.engine.cuda_graphs.DEFAULT_CAPTURE_SIZES`).
+    kv_cache_dtype : how every layer's KV cache stores keys and values (``AttentionSpec.kv_cache_dtype``:
+        "int8_per_token_head", "nvfp4", "fp8", ...; docs/KV_FORMATS.md); "auto" keeps the model's spec (16 bits
+        for the built-in models). An unknown name is a ValueError listing the allowed ones.
+    kv_scales : per-tensor ``(k_scale, v_scale)`` for fp8 per tensor and NVFP4's global scale, one pair per layer
+        or one for every layer (:func:`~attnbackends.engine.kv_cache.calibrated_kv_scales` measures them); None:
+        the impls' 1.0. Per-token-head formats compute their scales on write and take none.
     """
 
     block_size: int = 16
@@ -61,6 +68,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 64
     max_num_reqs: int = 64
     cudagraph_capture_sizes: Optional[tuple[int, ...]] = None
+    kv_cache_dtype: str = "auto"
+    kv_scales: Optional[KVScales] = None
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        object.__setattr__(self, "kv_scales", check_kv_scales(self.kv_scales, self.kv_cache_dtype))
 
 
 def zero_cache(cache: Any) -> Any:
@@ -146,6 +159,7 @@ class _Request:
     blocks: list[int] = field(default_factory=list)
     step_logits: list[torch.Tensor] = field(default_factory=list)
     spans: tuple[tuple[int, int], ...] = ()  # bidirectional spans of the prompt (absolute positions)
+    forced: Optional[list[int]] = None  # teacher forcing: the tokens fed back instead of the greedy choices
 
     @property
     def tokens(self) -> list[int]:
@@ -251,7 +265,7 @@ class PagedEngine:
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.config = config
-        spec = model.attention_spec(dtype, config.block_size)
+        spec = with_kv_cache_dtype(model.attention_spec(dtype, config.block_size), config.kv_cache_dtype)
         self.speculative = speculative
         self.extra_tokens = 0  # positions a request may use past its longest sequence (rejected drafts)
         if speculative is not None:
@@ -263,6 +277,9 @@ class PagedEngine:
             if spec.is_sparse_mla:
                 raise NotImplementedError("speculative decoding with sparse MLA layers: the engine does not move "
                                           "accepted draft tokens' index-cache entries")
+            if spec.kv_cache_format.scales_in_pages:
+                raise NotImplementedError(f"speculative decoding with kv_cache_dtype {spec.kv_cache_dtype!r}: the "
+                                          "engine does not move accepted draft tokens' scales")
         self.spec = spec
         self.spec_stats = SpeculativeStats()
         self.backend: type[AttentionBackend] = select(self.spec, DeviceInfo.current(self.device), attention_config)
@@ -271,7 +288,12 @@ class PagedEngine:
             self.spec, self.device, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_batched_tokens,
             debug=debug, num_blocks=config.num_blocks, **(builder_options or {}),
         )
-        self.impls = [self.backend.get_impl_cls()(self.spec, **model.impl_kwargs(i)) for i in range(model.num_layers)]
+        self.impls = [
+            self.backend.get_impl_cls()(
+                self.spec, **model.impl_kwargs(i), **kv_scale_kwargs(self.spec, config.kv_scales, i, model.num_layers)
+            )
+            for i in range(model.num_layers)
+        ]
         self.kv_caches = [
             zero_cache(self.backend.allocate_kv_cache(config.num_blocks, self.spec, self.device))
             for _ in range(model.num_layers)
@@ -450,7 +472,7 @@ class PagedEngine:
             req.num_computed += n
             if req.num_computed == len(req.tokens):  # the whole known sequence is cached: greedy next token
                 req.step_logits.append(logits[at])
-                req.output.append(int(logits[at].argmax()))
+                req.output.append(int(logits[at].argmax()) if req.forced is None else req.forced[len(req.output)])
                 at += 1
         self.num_steps += 1
         self.scheduled_tokens.append(len(tokens))
@@ -537,6 +559,28 @@ class PagedEngine:
                     raise ValueError(f"spans[{req.index}] ends at {checked[-1][1]}, past its prompt of "
                                      f"{len(req.prompt)} tokens: spans lie inside the prompt")
                 req.spans = checked
+        return self._run(requests)
+
+    def generate_teacher_forced(self, prompts: list[list[int]], forced_tokens: list[list[int]]) -> GenerationResult:
+        """Run each prompt on, feeding ``forced_tokens[i]`` (e.g. another engine's greedy output) as its continuation
+        instead of this engine's greedy choices, so that one early disagreement does not change what follows.
+
+        The result's ``tokens`` are ``forced_tokens``; ``logits[i]`` ([len(forced_tokens[i]), vocab] float32) are
+        this engine's logits at each continuation position: their argmax is its own greedy choice there
+        (:func:`~attnbackends.engine.agreement.teacher_forced_agreement` compares them).
+        """
+        if len(forced_tokens) != len(prompts):
+            raise ValueError(f"forced_tokens holds {len(forced_tokens)} continuations for {len(prompts)} prompts")
+        if self.speculative is not None:
+            raise NotImplementedError("teacher forcing with speculative decoding: verify steps choose their own "
+                                      "tokens; build the engine without speculative=")
+        requests = []
+        for i, (prompt, forced) in enumerate(zip(prompts, forced_tokens)):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if not forced:
+                raise ValueError(f"forced_tokens[{i}] is empty; every prompt needs at least one forced token")
+            requests.append(_Request(i, list(prompt), len(forced), forced=[int(t) for t in forced]))
         return self._run(requests)
 
     def _run(self, requests: list[_Request]) -> GenerationResult:

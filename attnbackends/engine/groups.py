@@ -23,6 +23,7 @@ from ..metadata import build_common_metadata
 from ..platform import DeviceInfo
 from ..spec import AttentionConfig, AttentionSpec, AttentionType
 from .engine import BlockAllocator, EngineConfig, PagedEngine, SpeculativeStats, StepAttention, _Request, zero_cache
+from .kv_cache import kv_scale_kwargs, with_kv_cache_dtype
 
 __all__ = ["GroupedEngineModel", "GroupedPagedEngine", "GroupedStepAttention"]
 
@@ -79,8 +80,10 @@ class GroupedPagedEngine(PagedEngine):
 
     Parameters
     ----------
-    model, config, device, dtype : as for :class:`~attnbackends.engine.PagedEngine`.
-    attention_config : a :class:`~attnbackends.LayerGroupsConfig` (pins per group name or layer range) or one
+    model, config, device, dtype : as for :class:`~attnbackends.engine.PagedEngine` (``config.kv_cache_dtype``
+        applies to every layer).
+    attention_config : a :class:`~attnbackends.LayerGroupsConfig` (pins per group name or layer range; its
+        ``kv_cache_16bit_layers`` keep those layers' caches in 16 bits, in their own group) or one
         :class:`~attnbackends.AttentionConfig` for every group.
     """
 
@@ -102,7 +105,8 @@ class GroupedPagedEngine(PagedEngine):
         self.speculative = None  # speculative decoding runs on PagedEngine's single page pool only
         self.extra_tokens = 0
         self.spec_stats = SpeculativeStats()
-        self.layer_specs = list(model.layer_specs(dtype, config.block_size))
+        self.layer_specs = [with_kv_cache_dtype(s, config.kv_cache_dtype)
+                            for s in model.layer_specs(dtype, config.block_size)]
         if len(self.layer_specs) != model.num_layers:
             raise ValueError(f"layer_specs gave {len(self.layer_specs)} specs for {model.num_layers} layers")
         unserved = [i for i, s in enumerate(self.layer_specs) if s.attn_type not in self.served_attn_types]
@@ -133,7 +137,7 @@ class GroupedPagedEngine(PagedEngine):
                                               num_blocks={name: n for name, n in pages.items() if n})
         self.spec = self.groups.groups[self.sequence_groups[0]].spec
         self.backend = _BackendLabel(",".join(f"{g.name}={g.backend.name}" for g in self.groups.groups))
-        self.impls = self.groups.make_impls(model.impl_kwargs)
+        self.impls = self.groups.make_impls(self._impl_kwargs)
         self.pools = [BlockAllocator(n) for n in pool_sizes]
         self.allocator = self.pools[self.sequence_groups[0]]
         caches = self.groups.allocate_kv_caches(pages, self.device)
@@ -141,6 +145,13 @@ class GroupedPagedEngine(PagedEngine):
         self.num_steps = 0
         self.scheduled_tokens: list[int] = []
         self._pages_of: dict[int, list[list[Optional[int]]]] = {}  # request -> per group, page per logical index
+
+    def _impl_kwargs(self, layer: int) -> dict[str, Any]:
+        """The model's arguments of layer ``layer``'s impl plus its per-tensor KV scales where its group's cache
+        takes them (a layer that ``kv_cache_16bit_layers`` keeps in 16 bits takes none)."""
+        spec = self.groups.groups[self.groups.layer_group[layer]].spec
+        return {**self.model.impl_kwargs(layer),
+                **kv_scale_kwargs(spec, self.config.kv_scales, layer, self.model.num_layers)}
 
     def _group_need(self, g: int, req: _Request) -> int:
         """Pages of group ``g`` that ``req`` can hold at once: all of its longest sequence's, or a window's worth."""

@@ -93,6 +93,11 @@ class TinyLlama(nn.Module):
             block_size=block_size, **({} if cfg.mask is None else {"mask": cfg.mask}),
         )
 
+    def layer_specs(self, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+        """One spec per layer (all equal here), so that :class:`~attnbackends.engine.GroupedPagedEngine` serves
+        the model too (e.g. with some layers' caches kept in 16 bits)."""
+        return [self.attention_spec(dtype, block_size)] * self.cfg.num_layers
+
     def impl_kwargs(self, layer: int) -> dict[str, Any]:
         return {}
 
