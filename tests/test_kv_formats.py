@@ -1,7 +1,8 @@
 """KV-cache formats with scales beside their pages (per-token-head fp8 / int8 / int4, NVFP4): layout, quantise on
 write (torch and the Triton write kernel, bit for bit), the reference read against the float64 oracle (bounded by
-the format's quantisation error), the Triton reads against the reference over the same quantised cache, and what
-declines them. CPU: the reference, Triton interpreted at tiny shapes."""
+the format's quantisation error), the Triton reads against the reference over the same quantised cache, prefills
+over their pages dequantised into a 16-bit scratch (on the CPU the unified kernel over the scratch stands in for the
+paged Gluon kernel the GPU runs), and what declines them. CPU: the reference, Triton interpreted at tiny shapes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from attnbackends.reference.backend import ReferenceBackend
 from attnbackends.selection.registry import get_backend_class, has_native_fp4
 from attnbackends.spec import KVCacheFormat
 from attnbackends.triton.backend import TritonAttentionBackend
+from attnbackends.triton.choices import QuantisedPrefill
+from attnbackends.triton.kv_dequant import dequantise_pages_torch
+from attnbackends.triton.step_plan import LaunchKind
 
 FORMATS = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4")
 #: Relative Frobenius error of the reference over a quantised cache against the float64 oracle over the exact keys
@@ -256,6 +260,68 @@ def test_triton_reads_like_the_reference(kv_cache_dtype, case):
         assert torch.equal(_pages(cache_w), _pages(cache))
 
 
+def _context_slots(prefill, query_lens, context_lens):
+    """The slots of the requests' cached context (each request's first context_len tokens)."""
+    keep, at = [], 0
+    for q, c in zip(query_lens, context_lens):
+        keep += list(range(at, at + c))
+        at += q + c
+    return prefill.slot_mapping[torch.tensor(keep, dtype=torch.long, device=prefill.slot_mapping.device)]
+
+
+def _run_with_new_keys(spec, common, prefill, q, keys, values, num_blocks, query_lens, context_lens, **builder_kw):
+    """The context written through ``update_kv_cache``, then one forward bringing the step's keys and values (the
+    forward writes them): (output, cache, metadata)."""
+    impl = TritonAttentionBackend.get_impl_cls()(spec, **_scales(spec))
+    cache = TritonAttentionBackend.allocate_kv_cache(num_blocks, spec, q.device)
+    _pages(cache).fill_(0)
+    ctx_k = torch.cat([k[:c] for k, c in zip(keys, context_lens)])
+    ctx_v = torch.cat([v[:c] for v, c in zip(values, context_lens)])
+    impl.update_kv_cache(ctx_k, ctx_v, cache, _context_slots(prefill, query_lens, context_lens))
+    new_k = torch.cat([k[c:] for k, c in zip(keys, context_lens)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, context_lens)])
+    md = TritonAttentionBackend.get_builder_cls()(spec, q.device, **builder_kw).build(common)
+    out = torch.full_like(q, float("nan"))
+    impl.forward(q, new_k, new_v, cache, md, out)
+    return out.float(), cache, md
+
+
+#: Batches with prefills over dequantised pages: (query lens, context lens).
+DEQUANT_CASES = {
+    "mixed": ([1, 1, 5, 20], [40, 17, 10, 0]),  # decodes, a chunk ending mid-page, a fresh prompt
+    "chunks": ([7, 16], [25, 32]),
+}
+
+
+@pytest.mark.parametrize("new_keys", [True, False], ids=["new_keys", "key_none"])
+@pytest.mark.parametrize("case", sorted(DEQUANT_CASES))
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_dequantised_prefills_read_like_the_reference(kv_cache_dtype, case, new_keys):
+    """The prefills over the scratch (the unified kernel standing in for the Gluon kernel on the CPU) read the values
+    the quantised cache holds, the step's keys included: equal to the reference over the same cache and within the
+    format's bound of the oracle; the scratch holds the torch read of the planned pages."""
+    ql, cl = DEQUANT_CASES[case]
+    spec = _spec(kv_cache_dtype)
+    common, prefill, q, keys, values, nb = _batch(spec, ql, cl, seed=len(case) + 7)
+    if new_keys:
+        out_t, cache, md = _run_with_new_keys(spec, common, prefill, q, keys, values, nb, ql, cl,
+                                              dequant_prefill=True)
+    else:
+        out_t, cache = _run(TritonAttentionBackend, spec, common, prefill, q, keys, values, nb, dequant_prefill=True)
+        md = TritonAttentionBackend.get_builder_cls()(spec, "cpu", dequant_prefill=True).build(common)
+    assert md.step.paged_no_new_kv.kinds()[-2:] == (LaunchKind.DEQUANT_PAGES, LaunchKind.ATTENTION_SCRATCH)
+    out_r, _ = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb, cache=cache)
+    assert torch.isfinite(out_t).all()
+    assert _rel(out_t, out_r) < TRITON_REL
+    assert torch.allclose(out_t, out_r, atol=TRITON_ATOL, rtol=0)
+    assert _rel(out_t, _oracle(q, keys, values, ql, cl, spec.softmax_scale)) < ORACLE_BOUND[kv_cache_dtype]
+    pages = md.dequant_prefill
+    if new_keys:
+        g = (_scales(spec)["k_scale"], _scales(spec)["v_scale"]) if kv_cache_dtype == "nvfp4" else (1.0, 1.0)
+        want = dequantise_pages_torch(cache, kv_page_layout(spec), pages.pages, spec.torch_dtype, *g)
+        assert torch.equal(pages.scratch, want)  # float16: the interpreter's conversion rounds to nearest
+
+
 def test_outlier_heads_per_token_head_beats_per_tensor_fp8():
     """A KV head 100x larger than the others: per-token-head int8 and fp8 are at least as accurate as fp8 with one
     scale per tensor (calibrated on the whole cache), int8 far more."""
@@ -304,7 +370,7 @@ def test_backends_without_readers_decline_with_reasons(kv_cache_dtype):
     assert not TritonAttentionBackend.spec_reasons(spec)
     table = str(explain(spec, h100))
     assert "scales stored beside the pages" in table
-    assert any("unified kernel only" in n for n in TritonAttentionBackend.kernel_notes(spec, h100))
+    assert any("unified kernel, reading" in n for n in TritonAttentionBackend.kernel_notes(spec, DeviceInfo.cuda(8, 0)))
     mla = AttentionSpec.mla(16, kv_cache_dtype=kv_cache_dtype)
     assert any("not offered for MLA" in r for r in get_backend_class("reference_mla").spec_reasons(mla))
 
@@ -359,3 +425,51 @@ def test_gpu_triton_reads_like_the_reference(kv_cache_dtype, case):
     assert _rel(out_t.cpu(), want) < ORACLE_BOUND[kv_cache_dtype] + 6e-3
     out_w, cache_w = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb)
     assert torch.equal(_pages(cache_w), _pages(cache))  # the fused write and the torch write agree bit for bit
+
+
+#: Prefills over dequantised pages on the paged Gluon kernel: (query lens, context lens).
+GPU_DEQUANT_CASES = {
+    "chunks_on_context": ([512, 256, 100], [3584, 1792, 37]),
+    "mixed": ([1] * 24 + [300, 64], _lognormal_lens(24, 500, 0.9, 5, 4000) + [1000, 0]),
+    "fresh_prompts": ([700, 129, 16], [0, 0, 0]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("new_keys", [True, False], ids=["new_keys", "key_none"])
+@pytest.mark.parametrize("case", sorted(GPU_DEQUANT_CASES))
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_gpu_dequantised_prefills_on_the_paged_gluon_kernel(kv_cache_dtype, case, new_keys):
+    """Prefills over a quantised cache on the paged Gluon kernel over the dequantised scratch (the plan says so, and
+    the forward picks that program), the decodes on the unified kernel: against the reference over the same cache
+    and the float64 oracle."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the paged Gluon kernel runs on sm_90")
+    ql, cl = GPU_DEQUANT_CASES[case]
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                         block_size=16)
+    common, prefill, q, keys, values, nb = _batch(spec, ql, cl, seed=len(case), device="cuda")
+    if new_keys:
+        out_t, cache, md = _run_with_new_keys(spec, common, prefill, q, keys, values, nb, ql, cl)
+    else:
+        out_t, cache = _run(TritonAttentionBackend, spec, common, prefill, q, keys, values, nb)
+        md = TritonAttentionBackend.get_builder_cls()(spec, "cuda").build(common)
+    builder_choice = TritonAttentionBackend.get_builder_cls()(spec, "cuda").choices.quantised_prefill
+    assert builder_choice.kernel is QuantisedPrefill.DEQUANTISED_GLUON_PAGED, builder_choice
+    step = md.step
+    assert step.paged_no_new_kv.kinds()[-2:] == (LaunchKind.DEQUANT_PAGES, LaunchKind.GLUON_PAGED_PREFILL_SCRATCH)
+    k_new = torch.empty(common.num_actual_tokens, 8, 128, dtype=torch.bfloat16, device="cuda")
+    picked = step.program_for(q, k_new if new_keys else None, k_new if new_keys else None, torch.empty_like(q), cache,
+                              common.slot_mapping)
+    assert picked is (step.paged_new_kv if new_keys else step.paged_no_new_kv)
+    out_r, _ = _run(ReferenceBackend, spec, common, prefill, q, keys, values, nb, cache=cache)
+    assert torch.isfinite(out_t).all()
+    assert _rel(out_t, out_r) < 6e-3  # bfloat16 scratch and output rounding
+    assert torch.allclose(out_t, out_r, atol=1.5e-2, rtol=8e-3)
+    want = _oracle(q, keys, values, ql, cl, spec.softmax_scale)
+    assert _rel(out_t.cpu(), want) < ORACLE_BOUND[kv_cache_dtype] + 6e-3
+    g = (_scales(spec)["k_scale"], _scales(spec)["v_scale"]) if kv_cache_dtype == "nvfp4" else (1.0, 1.0)
+    pages = md.dequant_prefill
+    if new_keys:  # the scratch holds the exact read of the planned pages, rounded to nearest once
+        assert torch.equal(pages.scratch, dequantise_pages_torch(cache, kv_page_layout(spec), pages.pages,
+                                                                 torch.bfloat16, *g))

@@ -35,11 +35,14 @@ BACKENDS = [ReferenceBackend, TritonAttentionBackend]
 STEPS = {"decode": [S(1, 20), S(1, 47), S(1, 3)], "mixed": [S(1, 20), S(1, 47), S(6, 30), S(9, 0)]}
 
 
-def _snapshot(obj, depth=0, seen=None):
-    """``obj``'s state: a tensor's identity and a copy of its values, a scalar's value, a container's or object's
-    parts (by identity, then their own state), to a few levels deep."""
+def _snapshot(obj, depth=0, seen=None, workspaces=()):
+    """``obj``'s state: a tensor's identity and a copy of its values (a workspace's identity only: ``workspaces``
+    holds the ids of tensors the forward writes by design), a scalar's value, a container's or object's parts (by
+    identity, then their own state), to a few levels deep."""
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
+        if id(obj) in workspaces:
+            return ("workspace", id(obj))
         return ("tensor", id(obj), obj.detach().cpu().clone())
     if obj is None or isinstance(obj, (bool, int, float, str, enum.Enum, type, torch.device, torch.dtype)):
         return obj
@@ -47,11 +50,12 @@ def _snapshot(obj, depth=0, seen=None):
         return ("seen", id(obj))
     seen.add(id(obj))
     if isinstance(obj, (tuple, list)):
-        return (type(obj), id(obj), tuple(_snapshot(x, depth + 1, seen) for x in obj))
+        return (type(obj), id(obj), tuple(_snapshot(x, depth + 1, seen, workspaces) for x in obj))
     if isinstance(obj, dict):
-        return (dict, id(obj), tuple((k, _snapshot(v, depth + 1, seen)) for k, v in obj.items()))
+        return (dict, id(obj), tuple((k, _snapshot(v, depth + 1, seen, workspaces)) for k, v in obj.items()))
     fields = vars(obj) if hasattr(obj, "__dict__") else {}
-    return (type(obj), id(obj), tuple((k, _snapshot(v, depth + 1, seen)) for k, v in sorted(fields.items())))
+    return (type(obj), id(obj), tuple((k, _snapshot(v, depth + 1, seen, workspaces))
+                                      for k, v in sorted(fields.items())))
 
 
 def _same(a, b) -> bool:
@@ -105,6 +109,46 @@ def test_forward_over_two_layers_writes_nothing_to_the_metadata(backend, step, n
     if dataclasses.is_dataclass(metadata):
         with pytest.raises(dataclasses.FrozenInstanceError):
             metadata.debug = True
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "nvfp4"])
+def test_prefills_over_dequantised_pages_write_only_the_scratch(kv_cache_dtype, common_is_read_only):
+    """A quantised layer's mixed step with its prefills over the dequantised scratch (the unified kernel over it on
+    the CPU), over two layers: the plan (the pages, the rewritten block table, every launch) is unchanged, the
+    scratch (a workspace) excepted."""
+    from attnbackends.ops.kv_cache_write import reshape_and_cache_torch
+    from attnbackends.triton.step_plan import LaunchKind
+
+    spec = SPEC.model_copy(update={"kv_cache_dtype": kv_cache_dtype})
+    batch = make_random_batch(SPEC, STEPS["mixed"], seed=5, device=DEVICE, num_blocks=NUM_BLOCKS)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, DEVICE, num_blocks=NUM_BLOCKS, dequant_prefill=True)
+    metadata = builder.build(batch.common)
+    assert LaunchKind.DEQUANT_PAGES in metadata.step.paged_new_kv.kinds()
+    g = torch.Generator().manual_seed(6)
+    scales = dict(k_scale=0.01, v_scale=0.01) if kv_cache_dtype == "nvfp4" else {}
+    caches = []
+    for _ in range(2):
+        cache = TritonAttentionBackend.allocate_kv_cache(NUM_BLOCKS, spec, DEVICE)
+        tokens = torch.randn(NUM_BLOCKS * 16, 2, 32, generator=g).half().to(DEVICE)
+        reshape_and_cache_torch(tokens, tokens.flip(0), cache, torch.arange(NUM_BLOCKS * 16, device=DEVICE),
+                                kv_format=spec.kv_cache_format, **scales)
+        caches.append(cache)
+    impls = [TritonAttentionBackend.get_impl_cls()(spec, **scales) for _ in caches]
+    scratch = {id(metadata.step.dequant.scratch)}
+    before = _snapshot(metadata, workspaces=scratch), _snapshot(batch.common)
+    outputs = []
+    with common_is_read_only:
+        for impl, cache in zip(impls, caches):
+            out = batch.new_output()
+            impl.forward(batch.query, batch.key, batch.value, cache, metadata, out)
+            outputs.append(out)
+        for impl, cache in zip(impls, caches):
+            impl.forward(batch.query, None, None, cache, metadata, batch.new_output())
+    after = _snapshot(metadata, workspaces=scratch), _snapshot(batch.common)
+    assert _same(before, after), "forward changed the metadata, its plan or the common metadata"
+    n = batch.num_actual_tokens
+    assert torch.isfinite(outputs[0][:n].float()).all() and torch.isfinite(outputs[1][:n].float()).all()
+    assert not torch.equal(outputs[0][:n], outputs[1][:n])  # each layer read its own cache through the scratch
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)

@@ -60,13 +60,16 @@ from .choices import (
     MaskPath,
     PagedPrefill,
     PrefillSplit,
+    QuantisedPrefill,
     TritonBuilderOptions,
     TritonKernelChoices,
 )
 from .prefill_hopper import fresh_prefills, hopper_prefill_items, plan_hopper_prefill
-from .prefill_hopper_paged import PAGED_KERNEL_NOTE, plan_paged_split
+from .prefill_hopper_paged import PAGED_KERNEL_NOTE, plan_paged_decodes, plan_paged_split
+from .dequant_prefill import DequantPagesPlan, DequantScratch, collect_prefill_pages, plan_dequant_pages
+from .kv_dequant import dequant_config
 from .prefill_launch import plan_prefill_new_kv
-from .kv_load import dots_in_fp16, kernel_kv_format, launch_tensor_scales
+from .kv_load import KV_PLAIN, dots_in_fp16, kernel_kv_format, launch_tensor_scales
 from .runner import CacheViews, LayerArgs, TritonStepRunner
 from .step_plan import Launch, LaunchKind, TritonStepPlan, WritePolicy, make_step_plan
 from .write_beside import cache_write_bytes, cache_write_sms
@@ -125,6 +128,11 @@ class TritonMetadata:
         """(the decodes' plan or None, the paged Gluon prefill's plan) where the builder planned the batch's prefills
         on the paged kernel; None: not planned."""
         return self.step.paged
+
+    @property
+    def dequant_prefill(self) -> Optional[DequantPagesPlan]:
+        """The page dequantisation of a batch whose prefills run over the 16-bit scratch (None: not planned)."""
+        return self.step.dequant
 
     @property
     def overlap_streams(self) -> bool:
@@ -202,6 +210,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         (:func:`.heuristics.choose_num_kv_splits`), ``"auto"`` (default) balanced where the decodes' lengths are
         ragged (:func:`.decode_schedule.balanced_reason`). Also for the decodes of a mixed batch; needs the split-KV
         workspace (CUDA, or ``"balanced"`` on the CPU); deterministic mode keeps its fixed schedule.
+    dequant_prefill : for a layer whose cache has page scales (per-token-head fp8 / int8 / int4, NVFP4), run the
+        prefills of batches with prefills over their pages dequantised into a 16-bit scratch
+        (:mod:`attnbackends.triton.dequant_prefill`) on the prefill kernel that serves the layer with a 16-bit cache
+        (the paged Gluon Hopper kernel; fresh prompts too, so every prefill sees the values the cache holds), the
+        decodes on the unified kernel over the quantised cache. None (default): where the paged Gluon kernel serves
+        the layer; True: also elsewhere, the unified kernel then running over the scratch (correct, not faster: the
+        CPU's interpreter tests the path with it); False: never (the unified kernel reads the quantised pages).
+        ``choices.quantised_prefill`` says which and why.
+    dequant_prefill_max_pages : the most pages the scratch holds (grown on demand up to it, one per builder, shared
+        by its layers); a batch whose prefills read more runs them on the unified kernel. None:
+        :func:`.dequant_prefill.default_max_pages` (256k tokens' pages).
 
     The options are checked once, as a :class:`~.choices.TritonBuilderOptions` (``options``), and decided once, as
     :class:`~.choices.TritonKernelChoices` (``choices``: each decision an enum member with its reason). Every
@@ -216,13 +235,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def __init__(self, spec: AttentionSpec, device: "torch.device | str" = "cpu", *, deterministic: bool = False,
                  prefill_kernel: Optional[bool] = None, hopper_prefill: bool = True, overlap_decodes: bool = False,
                  hopper_cache_write: bool = True, cache_write_sms: Optional[int] = None,
-                 hopper_paged_prefill: Optional[bool] = None, decode_schedule: str = "auto", **kwargs) -> None:
+                 hopper_paged_prefill: Optional[bool] = None, decode_schedule: str = "auto",
+                 dequant_prefill: Optional[bool] = None, dequant_prefill_max_pages: Optional[int] = None,
+                 **kwargs) -> None:
         super().__init__(spec, device, **kwargs)
         self.options = TritonBuilderOptions(
             deterministic=deterministic, prefill_kernel=prefill_kernel, hopper_prefill=hopper_prefill,
             overlap_decodes=overlap_decodes, hopper_cache_write=hopper_cache_write, cache_write_sms=cache_write_sms,
             hopper_paged_prefill=hopper_paged_prefill,
-            decode_schedule=decode_schedule)
+            decode_schedule=decode_schedule, dequant_prefill=dequant_prefill,
+            dequant_prefill_max_pages=dequant_prefill_max_pages)
         self.kernel_config: Optional[KernelConfig] = deterministic_kernel_config(spec) if deterministic else None
         info = DeviceInfo.current(self.device)
         self.num_sms = info.sm_count if info.is_cuda else 1
@@ -231,6 +253,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
                                                   interpreted=interpreted, is_cuda=self.device.type == "cuda",
                                                   num_sms=self.num_sms)
         self._write_todo: Optional[torch.Tensor] = None  # [max_num_tokens] int8 to-do flags of the kernel's write
+        #: The 16-bit pages the prefills of a quantised layer read (None: its prefills never run over one).
+        self.dequant_scratch: Optional[DequantScratch] = None
+        if self.choices.quantised_prefill.kernel in _DEQUANTISED:
+            self.dequant_scratch = DequantScratch(self.choices.dequant_max_pages, spec.block_size, spec.num_kv_heads,
+                                                  spec.head_size, spec.torch_dtype, self.device)
+            self._dequant_config = dequant_config(spec.kv_cache_format, spec.head_size, spec.block_size)
         #: Runs the step plans of this builder's metadata for every layer; owns their side streams.
         self.runner = TritonStepRunner()
         self.workspace: Optional[SplitKVWorkspace] = None
@@ -285,10 +313,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             **self._plan_args)
         prefills = causal and split.num_prefills > 0 and tree is None  # a prefill kernel may serve them
         paged = None  # (decodes' plan, the paged Gluon prefill's plan): the prefills with keys from the pages
+        dequant = None  # (the page dequantisation, the scratch prefill's kind): the prefills over the scratch
         if prefills and self.choices.paged_prefill.kernel is PagedPrefill.GLUON_HOPPER_PAGED:
             paged = plan_paged_split(self, common, num_decodes, split.num_decode_tokens, causal)
-            if schedule is not None and paged[0] is not None:
-                paged = (self._scheduled_decode_plan(common, schedule, split.num_decode_tokens, causal), paged[1])
+        elif prefills and self.dequant_scratch is not None:
+            paged, dequant = self._plan_dequant(common, num_decodes, split.num_decode_tokens, causal)
+        if paged is not None and schedule is not None and paged[0] is not None:
+            paged = (self._scheduled_decode_plan(common, schedule, split.num_decode_tokens, causal), paged[1])
         rule = self.choices.prefill_split.kernel
         if prefills and (rule is PrefillSplit.EVERY_BATCH or (
                 rule is PrefillSplit.WHERE_IT_PAYS
@@ -296,8 +327,35 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             step = self._plan_split(common, plan, num_decodes, split.num_decode_tokens, causal, paged, schedule)
         else:
             step = make_step_plan(plan, tree_mask=tree.view(torch.uint8) if tree is not None else None, paged=paged,
-                                  span_key_end=key_end, custom_mask=custom)
+                                  span_key_end=key_end, custom_mask=custom, dequant=dequant)
         return TritonMetadata(common, plan, step, self.runner, self.debug, schedule)
+
+    def _plan_dequant(self, common: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int,
+                      causal: bool) -> tuple[Optional[tuple], Optional[tuple[DequantPagesPlan, LaunchKind]]]:
+        """The prefills of a quantised layer over their pages dequantised into the scratch
+        (:mod:`.dequant_prefill`): ((the decodes' plan or None, the scratch prefill's plan), (the page
+        dequantisation, the scratch prefill's kind)); (None, None) where the batch's prefills read more pages than
+        the scratch holds or the batch has no host block table (they run on the unified kernel)."""
+        table = common.block_table_cpu
+        if table is None:
+            return None, None
+        host = collect_prefill_pages(table.numpy(), common.seq_lens_cpu.numpy(), num_decodes, common.num_reqs,
+                                     self.spec.block_size)
+        scratch = self.dequant_scratch.view(host.pages.size)
+        if scratch is None:
+            return None, None
+        pages = plan_dequant_pages(host, scratch, self._dequant_config, num_decodes, self.device)
+        if self.choices.quantised_prefill.kernel is QuantisedPrefill.DEQUANTISED_GLUON_PAGED:
+            return (plan_paged_split(self, common, num_decodes, num_decode_tokens, causal),
+                    (pages, LaunchKind.GLUON_PAGED_PREFILL_SCRATCH))
+        decode = plan_paged_decodes(self, common, num_decodes, num_decode_tokens, causal)
+        qsl = common.query_start_loc_cpu
+        prefill = plan_attention(  # the unified kernel's prefill programs over the scratch's 16-bit pages
+            num_tokens=int(qsl[common.num_reqs] - qsl[num_decodes]), block_size=self.spec.block_size,
+            num_seqs=common.num_reqs - num_decodes, max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len, causal=causal, num_decodes=0, num_kv_splits=1,
+            **{**self._plan_args, "kv_fp8": False, "kv_format": KV_PLAIN})
+        return (decode, prefill), (pages, LaunchKind.ATTENTION_SCRATCH)
 
     def _batch_mask(self, common: CommonAttentionMetadata) -> "BatchMaskData":
         """The batch's mask on the unified kernel and the data it reads: the spans' per-token key ends, or a custom
@@ -458,6 +516,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return cache_write_sms(flops=flops, write_bytes=write_bytes, items=items, num_sms=self.num_sms)
 
 
+#: The quantised-prefill choices that run over the dequantised scratch.
+_DEQUANTISED = (QuantisedPrefill.DEQUANTISED_GLUON_PAGED, QuantisedPrefill.DEQUANTISED_UNIFIED)
+
+
 class TritonImpl(AttentionImpl[TritonMetadata]):
     """Runs the batch's step plan (:mod:`.step_plan`, made by the builder) through the builder's runner: the cache
     write and one unified-attention launch (plus a reduction launch for split-KV beside prefill programs; a
@@ -605,6 +667,9 @@ class TritonAttentionBackend(AttentionBackend):
         choices = TritonKernelChoices.decide(spec, TritonBuilderOptions(), device.compute_capability,
                                              interpreted=device.triton_interpreted, is_cuda=device.is_cuda,
                                              num_sms=device.sm_count if device.is_cuda else 1)
+        quantised = choices.quantised_prefill
+        if quantised.kernel is not QuantisedPrefill.NOT_QUANTISED:
+            return [cls._quantised_prefill_note(spec, quantised, choices.dequant_max_pages)]
         split, fresh, paged = choices.prefill_split, choices.fresh_prefill, choices.paged_prefill
         splits = split.kernel is not PrefillSplit.OFF
         gluon = fresh.kernel is FreshPrefillKernel.GLUON_HOPPER
@@ -631,6 +696,19 @@ class TritonAttentionBackend(AttentionBackend):
         if not gluon:
             return [f"prefill kernel: {triton}; not the Gluon Hopper kernel: {fresh.reason}; {not_paged}"]
         return [f"prefill kernel: {gluon_fresh}; {writes}; for others {triton}; {not_paged}"]
+
+    @staticmethod
+    def _quantised_prefill_note(spec: AttentionSpec, choice, max_pages: int) -> str:
+        """Which path the prefills of a layer whose cache has page scales take, and why."""
+        cache = f"the {spec.kv_cache_dtype} cache (scales beside its pages)"
+        if choice.kernel is QuantisedPrefill.UNIFIED:
+            return f"prefill kernel: the unified kernel, reading {cache} directly ({choice.reason})"
+        kernel = ("the paged Gluon Hopper kernel (every key from the scratch's pages by TMA)"
+                  if choice.kernel is QuantisedPrefill.DEQUANTISED_GLUON_PAGED else "the unified kernel")
+        return (f"prefill kernel: for {cache}, the pages a batch's prefills read are dequantised into a "
+                f"{spec.dtype} scratch (at most {max_pages} pages, dequant_prefill_max_pages) and the prefills, fresh "
+                f"prompts included, run on {kernel} over it ({choice.reason}); the decodes read the quantised pages "
+                "on the unified kernel, as do the prefills of a batch needing more pages or captured in a CUDA graph")
 
     @classmethod
     def get_builder_cls(cls) -> type[TritonMetadataBuilder]:

@@ -16,6 +16,7 @@ from typing import Generic, Optional, TypeVar
 
 from .kv_load import quantised_cache_reason
 from ..spec import AttentionSpec
+from .dequant_prefill import default_max_pages
 from .prefill_hopper import HopperPrefillConfig, cache_write_reason, hopper_prefill_reason
 from .prefill_hopper_paged import PAGED_PREFILL_DEFAULT, paged_prefill_reason
 from .prefill_launch import prefill_new_kv_unsupported_reason
@@ -28,6 +29,7 @@ __all__ = [
     "KernelChoice",
     "PagedPrefill",
     "PrefillSplit",
+    "QuantisedPrefill",
     "TritonBuilderOptions",
     "TritonKernelChoices",
 ]
@@ -75,6 +77,20 @@ class FreshPrefillCacheWrite(enum.Enum):
     IN_KERNEL = "in kernel"
     #: The write kernel: first, or beside the prefill on the SMs it leaves (:mod:`.write_beside`).
     WRITE_KERNEL = "write kernel"
+
+
+class QuantisedPrefill(enum.Enum):
+    """How the prefills of a layer whose cache has page scales run (:mod:`.dequant_prefill`)."""
+
+    #: The cache has no page scales: the choices above serve its prefills.
+    NOT_QUANTISED = "not quantised"
+    #: The pages they read dequantised into a 16-bit scratch, then the paged Gluon Hopper kernel over it.
+    DEQUANTISED_GLUON_PAGED = "dequantised pages, paged gluon hopper"
+    #: The pages they read dequantised into a 16-bit scratch, then the unified kernel over it (asked for where the
+    #: Gluon kernel does not serve the layer: the CPU's interpreter runs this path end to end).
+    DEQUANTISED_UNIFIED = "dequantised pages, unified"
+    #: The unified kernel over the quantised pages.
+    UNIFIED = "unified"
 
 
 class MaskPath(enum.Enum):
@@ -127,9 +143,10 @@ def _optional_bool(name: str, value: object) -> None:
 class TritonBuilderOptions:
     """The Triton builder's options (its keyword arguments; meanings in
     :class:`attnbackends.triton.backend.TritonMetadataBuilder`), checked when made: each a bool where a bool is
-    meant, ``prefill_kernel`` and ``hopper_paged_prefill`` also None (the default rule), ``cache_write_sms`` None (the
-    rule's choice per batch) or an int >= 0 (the device's SM count bounds it: :meth:`TritonKernelChoices.decide`),
-    ``decode_schedule`` one of :data:`~.decode_schedule.DECODE_SCHEDULE_MODES`."""
+    meant, ``prefill_kernel``, ``hopper_paged_prefill`` and ``dequant_prefill`` also None (the default rule),
+    ``cache_write_sms`` None (the rule's choice per batch) or an int >= 0 (the device's SM count bounds it:
+    :meth:`TritonKernelChoices.decide`), ``decode_schedule`` one of :data:`~.decode_schedule.DECODE_SCHEDULE_MODES`,
+    ``dequant_prefill_max_pages`` None (:func:`.dequant_prefill.default_max_pages`) or an int >= 0."""
 
     deterministic: bool = False
     prefill_kernel: Optional[bool] = None
@@ -139,6 +156,8 @@ class TritonBuilderOptions:
     cache_write_sms: Optional[int] = None
     hopper_paged_prefill: Optional[bool] = None
     decode_schedule: str = "auto"
+    dequant_prefill: Optional[bool] = None
+    dequant_prefill_max_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("deterministic", "hopper_prefill", "overlap_decodes", "hopper_cache_write"):
@@ -147,6 +166,11 @@ class TritonBuilderOptions:
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         _optional_bool("prefill_kernel", self.prefill_kernel)
         _optional_bool("hopper_paged_prefill", self.hopper_paged_prefill)
+        _optional_bool("dequant_prefill", self.dequant_prefill)
+        pages = self.dequant_prefill_max_pages
+        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int) or pages < 0):
+            raise ValueError(f"dequant_prefill_max_pages must be None or an int >= 0 (pages of the 16-bit scratch), "
+                             f"got {pages!r}")
         sms = self.cache_write_sms
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 0):
             raise ValueError(f"cache_write_sms must be None or an int >= 0 (SMs left to the cache write), got {sms!r}")
@@ -172,6 +196,9 @@ class TritonKernelChoices:
     cache_write_sms : SMs a batch of fresh prompts on the Gluon kernel leaves to a cache write beside it: None, the
         rule's choice per batch (:func:`.write_beside.cache_write_sms`); 0, the write runs first; k, k SMs.
     mask : which kernels serve the layer's mask (a masked layer: the unified kernel, decodes unscheduled).
+    quantised_prefill : how the prefills of a layer whose cache has page scales run.
+    dequant_max_pages : the most pages the dequantised prefills' scratch holds (a batch reading more runs its
+        prefills on the unified kernel).
     """
 
     prefill_split: KernelChoice[PrefillSplit]
@@ -181,6 +208,9 @@ class TritonKernelChoices:
     overlap_decodes: bool
     cache_write_sms: Optional[int]
     mask: KernelChoice[MaskPath] = KernelChoice(MaskPath.EVERY_KERNEL, "a causal mask")
+    quantised_prefill: KernelChoice[QuantisedPrefill] = KernelChoice(QuantisedPrefill.NOT_QUANTISED,
+                                                                     "a cache without page scales")
+    dequant_max_pages: int = 0
 
     @classmethod
     def decide(cls, spec: AttentionSpec, options: TritonBuilderOptions,
@@ -201,6 +231,9 @@ class TritonKernelChoices:
             cache_write_sms=options.cache_write_sms,
             mask=(KernelChoice(MaskPath.UNIFIED_ONLY, mask_reason(spec)) if mask_reason(spec)
                   else KernelChoice(MaskPath.EVERY_KERNEL, f"the layer's mask is {spec.mask.describe()}")),
+            quantised_prefill=_quantised_prefill(spec, options, compute_capability, interpreted),
+            dequant_max_pages=(options.dequant_prefill_max_pages if options.dequant_prefill_max_pages is not None
+                               else default_max_pages(spec.block_size)),
         )
 
 
@@ -270,3 +303,29 @@ def _fresh_cache_write(spec: AttentionSpec, options: TritonBuilderOptions) -> Ke
         return KernelChoice(FreshPrefillCacheWrite.WRITE_KERNEL, why)
     return KernelChoice(FreshPrefillCacheWrite.IN_KERNEL, f"pages of {spec.block_size} tokens divide the kernel's "
                                                           "key tiles")
+
+
+def _quantised_prefill(spec: AttentionSpec, options: TritonBuilderOptions,
+                       compute_capability: "tuple[int, int] | None",
+                       interpreted: bool) -> KernelChoice[QuantisedPrefill]:
+    if not spec.kv_cache_format.scales_in_pages:
+        return KernelChoice(QuantisedPrefill.NOT_QUANTISED, f"a {spec.kv_cache_dtype} cache has no page scales")
+    if options.dequant_prefill is False:
+        return KernelChoice(QuantisedPrefill.UNIFIED, "turned off (dequant_prefill=False)")
+    if not spec.attn_type.uses_kv_cache:
+        return KernelChoice(QuantisedPrefill.UNIFIED, "encoder attention")
+    if mask_reason(spec):
+        return KernelChoice(QuantisedPrefill.UNIFIED, mask_reason(spec))
+    if spec.block_size & (spec.block_size - 1):
+        return KernelChoice(QuantisedPrefill.UNIFIED, f"block_size {spec.block_size} (the page dequantisation "
+                                                      "needs a power of two)")
+    sixteen_bit = spec.model_copy(update={"kv_cache_dtype": "auto"})
+    paged = _paged_prefill(sixteen_bit, options, compute_capability, interpreted)
+    if paged.kernel is PagedPrefill.GLUON_HOPPER_PAGED:
+        return KernelChoice(QuantisedPrefill.DEQUANTISED_GLUON_PAGED,
+                            "the paged Gluon Hopper kernel serves the layer with a 16-bit cache")
+    if options.dequant_prefill:
+        return KernelChoice(QuantisedPrefill.DEQUANTISED_UNIFIED,
+                            f"asked for (dequant_prefill=True); not the paged Gluon Hopper kernel: {paged.reason}")
+    return KernelChoice(QuantisedPrefill.UNIFIED, f"the paged Gluon Hopper kernel, which dequantised prefills run, "
+                                                  f"does not serve the layer: {paged.reason}")

@@ -12,6 +12,9 @@ folds into the softmax weights before the PV dot (:func:`fold_v_scales`). The we
 ``PV_FOLD`` more, keeping them in float16's normal range, and the launch's per-tensor value scale is
 ``1 / PV_FOLD`` (:func:`launch_tensor_scales`). NVFP4 tiles are dequantised elementwise (correctness first).
 
+:func:`read_kv_tile` applies every scale to a tile's values instead (the keys and values a reader sees, in float32):
+the page dequantisation of :mod:`.kv_dequant` reads through it.
+
 Scales sit beside their pages (:mod:`attnbackends.ops.kv_layout`): from the key view's page start, the K scales
 at ``2 * BLOCK_SIZE * stride_ks`` bytes, the V scales right after them; token ``t`` of a page and head ``h`` at
 ``(t * num_kv_heads + h) * scale_bytes`` in each.
@@ -27,7 +30,8 @@ from ..spec import KVCacheFormat
 
 __all__ = [
     "KV_NVFP4", "KV_PLAIN", "KV_TOKEN_HEAD_8BIT", "KV_TOKEN_HEAD_INT4", "PV_FOLD", "dots_in_fp16", "fold_v_scales",
-    "kernel_kv_format", "launch_tensor_scales", "load_kv_tile", "quantised_cache_reason", "scale_scores",
+    "kernel_kv_format", "launch_tensor_scales", "load_kv_tile", "quantised_cache_reason", "read_kv_tile",
+    "scale_scores",
 ]
 
 KV_PLAIN = 0
@@ -61,11 +65,13 @@ def dots_in_fp16(spec) -> bool:
 
 def quantised_cache_reason(spec) -> "str | None":
     """Why the prefill kernels (Triton prefill, both Gluon Hopper prefills) do not read a layer's cache: a format
-    with page scales is read by the unified kernel only (None: they may)."""
+    with page scales is read directly by the unified kernel only; its prefills dequantise their pages into a 16-bit
+    scratch for the paged Gluon kernel, or run on the unified kernel (the builder's ``choices.quantised_prefill``
+    says which). None: they may read it."""
     fmt = spec.kv_cache_format
     if fmt.scales_in_pages:
-        return (f"a {spec.kv_cache_dtype} KV cache (scales beside its pages) is read by the unified kernel only; "
-                "its prefills run there")
+        return (f"a {spec.kv_cache_dtype} KV cache (scales beside its pages) is read directly by the unified kernel "
+                "only")
     return None
 
 
@@ -204,3 +210,28 @@ def fold_v_scales(p, v_sc, KV_FORMAT: tl.constexpr):
     if KV_FORMAT == 1 or KV_FORMAT == 2:
         p = p * (v_sc * PV_FOLD)[None, :]
     return p
+
+
+@triton.jit
+def read_kv_tile(
+    key_ptr, value_ptr, k_off, v_off, blk, slot, kv_head, n_ok, offs_d, stride_kb, stride_ks, stride_kh, stride_vh,
+    k_global, v_global,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, KV_FORMAT: tl.constexpr,
+):
+    """One tile's keys and values as read (:mod:`attnbackends.ops.kv_quant`'s exact read): k [HEAD_PAD, TILE_N]
+    and v [TILE_N, HEAD_PAD] float32, the stored values times their per-token-head scales, or (NVFP4) times their
+    block scales and then the global scales ``k_global``/``v_global``. Arguments as :func:`load_kv_tile`'s; a
+    format with page scales (``KV_FORMAT`` > 0)."""
+    k, v, k_sc, v_sc = load_kv_tile(key_ptr, value_ptr, k_off, v_off, blk, slot, kv_head, n_ok, offs_d, stride_kb,
+                                    stride_ks, stride_kh, stride_vh, HEAD_SIZE, HEAD_PAD, TILE_N, BLOCK_SIZE, MASKED,
+                                    KV_FORMAT)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    if KV_FORMAT == 3:
+        k = k * k_global
+        v = v * v_global
+    else:
+        k = k * k_sc[None, :]
+        v = v * v_sc[:, None]
+    return k, v

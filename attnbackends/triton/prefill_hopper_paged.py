@@ -52,7 +52,8 @@ from .prefill_hopper import BLOCK_M, CONSUMER_WARPS, ROWS_PER_WG, _LOG2E, Hopper
 from .prefill_hopper_common import hopper_device_reason, launch_plan
 
 __all__ = ["PAGED_KERNEL_NOTE", "PAGED_PREFILL_DEFAULT", "paged_default_reason", "PAGED_HEAD_SIZES", "plan_paged_split", "PagedPrefillConfig", "PagedPrefillPlan", "default_paged_config",
-           "launch_paged_prefill", "paged_prefill_args", "paged_prefill_reason", "plan_paged_prefill",
+           "launch_paged_prefill", "paged_prefill_args", "paged_prefill_reason", "plan_paged_decodes",
+           "plan_paged_prefill",
            "paged_cache_reason"]
 
 PAGED_HEAD_SIZES = (64, 128, 256)
@@ -371,6 +372,15 @@ def plan_paged_split(builder, common, num_decodes: int, num_decode_tokens: int, 
     The decodes run before the paged kernel on the same stream, so they have the GPU to themselves: their keys are
     split as a decode-only batch's are (the builder's ``decode_kv_splits`` over the decodes' longest sequence); a
     few decodes over long contexts beside a prompt chunk would otherwise run on a handful of SMs."""
+    plan = plan_paged_prefill(spec=builder.spec, num_seqs=common.num_reqs, first_seq=num_decodes,
+                              max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens,
+                              num_sms=builder.num_sms)
+    return plan_paged_decodes(builder, common, num_decodes, num_decode_tokens, causal), plan
+
+
+def plan_paged_decodes(builder, common, num_decodes: int, num_decode_tokens: int, causal: bool):
+    """The unified-kernel plan of the ``num_decodes`` decodes before a paged prefill (:func:`plan_paged_split`'s
+    first part; None without decodes)."""
     from .launch import plan_attention
 
     decode_plan = None
@@ -383,7 +393,4 @@ def plan_paged_split(builder, common, num_decodes: int, num_decode_tokens: int, 
             max_query_len=builder.reorder_batch_threshold, max_seq_len=decode_max_seq_len, causal=causal,
             num_decodes=num_decodes, num_kv_splits=num_kv_splits, workspace=builder.workspace,
             decode_query_len=builder.reorder_batch_threshold, **builder._plan_args)
-    plan = plan_paged_prefill(spec=builder.spec, num_seqs=common.num_reqs, first_seq=num_decodes,
-                              max_query_len=common.max_query_len, num_tokens=common.num_actual_tokens,
-                              num_sms=builder.num_sms)
-    return decode_plan, plan
+    return decode_plan

@@ -5,7 +5,8 @@ it builds); it owns the side streams the plans name, two per device at most, mad
 ``forward`` checks its inputs and calls :meth:`TritonStepRunner.run`; every launch decision was made in the
 builder, so the runner only picks the program for the forward's tensors (:meth:`.TritonStepPlan.program_for`) and
 issues each entry: a kernel launch through the kernel's launcher (:mod:`.launch`, :mod:`.prefill_launch`,
-:mod:`.prefill_hopper`, :mod:`attnbackends.ops.kv_cache_write`) or a fork / join between streams.
+:mod:`.prefill_hopper`, :mod:`.kv_dequant`, :mod:`attnbackends.ops.kv_cache_write`) or a fork / join between
+streams.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from ..metadata import CommonAttentionMetadata
 from ..spec import KVCacheFormat
 from ..ops.kv_cache_write import finish_cache_write, reshape_and_cache
+from .kv_dequant import dequantise_pages
 from .launch import launch_attention
 from .prefill_hopper import launch_hopper_prefill
 from .prefill_hopper_paged import launch_paged_prefill
@@ -140,6 +142,26 @@ def _gluon_paged_prefill(plan, step, query, key, value, kv_cache, output, common
                          layer.scale, layer.soft_cap, layer.sinks)
 
 
+def _dequant_pages(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    dequantise_pages(plan.config, views.key_cache, views.value_cache, plan.pages, plan.scratch, layer.k_scale,
+                     layer.v_scale)
+
+
+def _gluon_paged_prefill_scratch(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    pages = step.dequant
+    launch_paged_prefill(plan, query, output, pages.scratch, pages.block_table, common.seq_lens,
+                         common.query_start_loc, layer.scale, layer.soft_cap, layer.sinks)
+
+
+def _attention_scratch(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
+    pages = step.dequant
+    first = pages.first_seq
+    scratch = pages.scratch
+    launch_attention(plan, query, scratch[:, 0], scratch[:, 1], output, common.query_start_loc[first:],
+                     common.seq_lens[first:], pages.block_table[first:], layer.scale, layer.soft_cap, layer.alibi,
+                     layer.sinks)
+
+
 def _finish_cache_write(plan, step, query, key, value, kv_cache, output, common, layer, views) -> None:
     finish_cache_write(key, value, kv_cache, common.slot_mapping, step.write_todo, plan.num_tokens)
 
@@ -152,4 +174,7 @@ _CASES = {
     LaunchKind.GLUON_PREFILL: _gluon_prefill,
     LaunchKind.GLUON_PAGED_PREFILL: _gluon_paged_prefill,
     LaunchKind.FINISH_CACHE_WRITE: _finish_cache_write,
+    LaunchKind.DEQUANT_PAGES: _dequant_pages,
+    LaunchKind.GLUON_PAGED_PREFILL_SCRATCH: _gluon_paged_prefill_scratch,
+    LaunchKind.ATTENTION_SCRATCH: _attention_scratch,
 }

@@ -21,6 +21,13 @@ all made in ``build``; :meth:`TritonStepPlan.program_for` picks one with a few a
                             other than the fresh-prompt Gluon kernel's is not planned beside it); else ``new_kv``.
 ==========================  =========================================================================================
 
+A layer whose cache has page scales plans its prefills over dequantised pages (:mod:`.dequant_prefill`; the plan's
+``dequant``): its ``paged_*`` programs then run the decodes on the unified kernel over the quantised cache, the
+page dequantisation (``DEQUANT_PAGES``) and the prefill kernel over the builder's 16-bit scratch and the rewritten
+block table (``GLUON_PAGED_PREFILL_SCRATCH``, or ``ATTENTION_SCRATCH`` where the builder was asked for the path
+without the Gluon kernel); they are picked where the query / output rows fit the kernel's TMA views (the scratch
+always fits), else ``no_new_kv`` / ``new_kv`` (the unified kernel over the quantised cache).
+
 Each program is a tuple of :class:`Launch` es in issue order: a kernel launch (:class:`LaunchKind`) on the forward's
 stream or on one of the runner's two side streams (:class:`StreamRole`), or a fork (``FORK``: the side stream waits
 for the forward's) or join (``JOIN``: the forward's stream waits for the side stream). Its :class:`WritePolicy` says
@@ -44,6 +51,7 @@ from .prefill_hopper_paged import paged_cache_reason
 from .prefill_launch import tma_compatible
 
 if TYPE_CHECKING:
+    from .dequant_prefill import DequantPagesPlan
     from .launch import LaunchPlan
 
 __all__ = [
@@ -79,6 +87,14 @@ class LaunchKind(str, enum.Enum):
     GLUON_PREFILL = "gluon_prefill"
     #: The prefills on the paged Gluon Hopper kernel (:mod:`.prefill_hopper_paged`): every key from the pages.
     GLUON_PAGED_PREFILL = "gluon_paged_prefill"
+    #: The pages the prefills read, dequantised into the scratch (plan: :class:`.dequant_prefill.DequantPagesPlan`).
+    DEQUANT_PAGES = "dequant_pages"
+    #: The paged Gluon Hopper kernel over the scratch and block table of the step's ``dequant`` (plan:
+    #: :class:`.prefill_hopper_paged.PagedPrefillPlan`).
+    GLUON_PAGED_PREFILL_SCRATCH = "gluon_paged_prefill_scratch"
+    #: The unified kernel's prefill programs over the scratch and block table of the step's ``dequant`` (plan: a
+    #: :class:`.launch.LaunchPlan` of the prefills alone, requests ``dequant.first_seq`` onwards).
+    ATTENTION_SCRATCH = "attention_scratch"
     #: The entry's stream waits for the forward's stream (nothing launched).
     FORK = "fork"
     #: The forward's stream waits for the entry's stream (nothing launched).
@@ -87,6 +103,8 @@ class LaunchKind(str, enum.Enum):
 
 #: The kinds that are a prefill kernel (the plan's ``prefill`` launch is one of these).
 PREFILL_KINDS = frozenset({LaunchKind.TRITON_PREFILL, LaunchKind.GLUON_PREFILL, LaunchKind.GLUON_PAGED_PREFILL})
+#: The prefill kinds that read the dequantised scratch.
+SCRATCH_PREFILL_KINDS = frozenset({LaunchKind.GLUON_PAGED_PREFILL_SCRATCH, LaunchKind.ATTENTION_SCRATCH})
 
 
 class StreamRole(str, enum.Enum):
@@ -158,6 +176,8 @@ class TritonStepPlan:
     custom_mask, custom_mask_indptr : [sum_i ceil(Q_i L_i / 8)] uint8 packed bits and [num_reqs + 1] int32 byte
         offsets of the batch's custom masks for unified launches planned with the custom mask
         (:attr:`attnbackends.masks.BatchMasks.custom_mask`), else None.
+    dequant : the page dequantisation of a batch whose ``paged_*`` programs run the prefills over the 16-bit scratch
+        (:class:`.dequant_prefill.DequantPagesPlan`: the pages, the scratch, the rewritten block table), else None.
     """
 
     no_cache: StepProgram
@@ -174,6 +194,7 @@ class TritonStepPlan:
     span_key_end: Optional[torch.Tensor] = None
     custom_mask: Optional[torch.Tensor] = None
     custom_mask_indptr: Optional[torch.Tensor] = None
+    dequant: "Optional[DequantPagesPlan]" = None
 
     def program_for(self, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
                     output: torch.Tensor, kv_cache: Optional[torch.Tensor],
@@ -185,15 +206,22 @@ class TritonStepPlan:
             return self.no_cache
         if key is None:
             paged = self.paged_no_new_kv
-            return paged if paged is not None and paged_fits(query, output, kv_cache) else self.no_new_kv
+            return paged if paged is not None and self._paged_takes(query, output, kv_cache) else self.no_new_kv
         rows = self.new_kv_rows
         if rows is None or not tma_compatible(query, key, value, output):
             paged = self.paged_new_kv
-            return paged if paged is not None and paged_fits(query, output, kv_cache) else self.new_kv
+            return paged if paged is not None and self._paged_takes(query, output, kv_cache) else self.new_kv
         other = self.new_kv_rows_other_cache
         if other is not None and not kernel_write_fits(kv_cache, slot_mapping, self.kernel_write_tokens):
             return other
         return rows
+
+    def _paged_takes(self, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the ``paged_*`` programs take these rows and cache (:func:`paged_fits`; over the scratch, the
+        rows alone: the kernel reads the scratch, not ``kv_cache``)."""
+        if self.dequant is not None:
+            return tma_compatible(query, query, query, output)
+        return paged_fits(query, output, kv_cache)
 
     @property
     def split(self) -> Optional[StepProgram]:
@@ -226,7 +254,8 @@ class TritonStepPlan:
         if self.paged_no_new_kv is None:
             return None
         launches = self.paged_no_new_kv.launches
-        return (launches[0].plan if len(launches) == 2 else None), launches[-1].plan
+        decode = launches[0].plan if launches[0].kind is LaunchKind.ATTENTION else None
+        return decode, launches[-1].plan
 
     @property
     def overlapped(self) -> bool:
@@ -259,7 +288,8 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
                    tree_mask: Optional[torch.Tensor] = None,
                    paged: "Optional[tuple[Optional[LaunchPlan], Any]]" = None,
                    span_key_end: Optional[torch.Tensor] = None,
-                   custom_mask: "Optional[tuple[torch.Tensor, torch.Tensor]]" = None) -> TritonStepPlan:
+                   custom_mask: "Optional[tuple[torch.Tensor, torch.Tensor]]" = None,
+                   dequant: "Optional[tuple[DequantPagesPlan, LaunchKind]]" = None) -> TritonStepPlan:
     """The step plan of a batch whose unified launch is ``attention`` and, where the builder split it, whose
     decodes run ``decode`` (None: no decodes) and whose prefills run ``prefill`` (a launch of a prefill kind).
 
@@ -281,6 +311,9 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
         never splits).
     custom_mask : (packed bits, byte offsets) of the batch's custom masks for an ``attention`` planned with the
         custom mask (never split either).
+    dequant : (the page dequantisation, the scratch prefill's kind: one of :data:`SCRATCH_PREFILL_KINDS`) where the
+        ``paged`` prefill plan reads the dequantised scratch: the ``paged_*`` programs run the decodes, then
+        ``DEQUANT_PAGES``, then that prefill (never beside a ``prefill`` split).
     """
     if span_key_end is not None and (prefill is not None or paged is not None):
         raise ValueError("a batch with bidirectional spans runs unsplit (the prefill kernels serve causal masks)")
@@ -291,15 +324,24 @@ def make_step_plan(attention: "LaunchPlan", *, decode: "Optional[LaunchPlan]" = 
     no_cache = StepProgram((Launch(LaunchKind.ATTENTION_NO_CACHE, attention),), WritePolicy.NONE)
     no_new_kv = StepProgram((Launch(LaunchKind.ATTENTION, attention),), WritePolicy.NONE)
     new_kv = StepProgram((_WRITE, Launch(LaunchKind.ATTENTION, attention)), WritePolicy.FIRST)
-    paged_programs: dict[str, StepProgram] = {}
+    paged_programs: dict[str, Any] = {}
     if paged is not None:
         if tree_mask is not None:
             raise ValueError("a batch with a tree mask runs unsplit (the prefill kernels take no tree mask)")
         paged_decode, paged_plan = paged
-        launches = ((Launch(LaunchKind.ATTENTION, paged_decode),) if paged_decode is not None else ()) + (
-            Launch(LaunchKind.GLUON_PAGED_PREFILL, paged_plan),)
-        paged_programs = dict(paged_no_new_kv=StepProgram(launches, WritePolicy.NONE),
+        decodes = (Launch(LaunchKind.ATTENTION, paged_decode),) if paged_decode is not None else ()
+        if dequant is None:
+            launches = decodes + (Launch(LaunchKind.GLUON_PAGED_PREFILL, paged_plan),)
+        else:
+            pages, kind = dequant
+            if kind not in SCRATCH_PREFILL_KINDS or prefill is not None:
+                raise ValueError(f"the prefills over the scratch run a scratch prefill kind, unsplit; got {kind}")
+            launches = decodes + (Launch(LaunchKind.DEQUANT_PAGES, pages), Launch(kind, paged_plan))
+            paged_programs["dequant"] = pages
+        paged_programs.update(paged_no_new_kv=StepProgram(launches, WritePolicy.NONE),
                               paged_new_kv=StepProgram((_WRITE,) + launches, WritePolicy.FIRST))
+    elif dequant is not None:
+        raise ValueError("dequant goes with the paged prefill plan that reads the scratch (paged)")
     if prefill is None:
         if decode is not None or write is not WritePolicy.FIRST or overlap or cache_write_sms or unwritten_prefill:
             raise ValueError("decode, write, overlap, cache_write_sms and unwritten_prefill describe a split: "
