@@ -33,11 +33,12 @@ class SparseAttentionConfig(tuple):
 
 
 def default_attention_config(num_heads: int, interpreted: bool) -> SparseAttentionConfig:
-    """The tile config: small tiles under the interpreter, 16-head x 32-token tiles on a GPU (tl.dot needs 16 rows:
-    fewer heads are masked)."""
+    """The tile config: small tiles under the interpreter; on a GPU up to 64 heads x 64 tokens, 8 warps, unpipelined
+    (the most heads per gathered tile that fit the registers: each gathered latent row is read by fewer programs;
+    tl.dot needs 16 rows, fewer heads are masked). ``benchmarks.sparse_mla_tile_sweep`` measures the others."""
     if interpreted:
         return SparseAttentionConfig(min(4, next_power_of_2(num_heads)), 8, 1, 1)
-    return SparseAttentionConfig(16, 32, 4, 2)
+    return SparseAttentionConfig(min(64, max(16, next_power_of_2(num_heads))), 64, 8, 1)
 
 
 @triton.jit
