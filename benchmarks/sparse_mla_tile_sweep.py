@@ -117,9 +117,9 @@ def sweep(case: SweepCase, grid: Sequence[tuple], latent: str, oracle_tokens: in
     default_us = time_us(lambda: case.run(None), cuda)
     rows = []
     for cfg in [default] + [c for c in grid if tuple(c) != default]:
-        row = dict(case="sparse_attention_sweep", backend="triton_mla_sparse", latent=latent, B=case.tokens,
-                   topk=spec.sparse_indexer.topk, block_h=cfg[0], block_n=cfg[1], warps=cfg[2], stages=cfg[3],
-                   default=tuple(cfg) == default)
+        row = dict(case="sparse_attention_sweep", backend="triton_mla_sparse", peer=None, latent=latent,
+                   B=case.tokens, topk=spec.sparse_indexer.topk, block_h=cfg[0], block_n=cfg[1], warps=cfg[2],
+                   stages=cfg[3], default=tuple(cfg) == default)
         try:
             config = SparseAttentionConfig(*cfg)
             out = case.run(config)
