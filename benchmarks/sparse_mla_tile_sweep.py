@@ -30,6 +30,8 @@ from attnbackends.mla.sparse.attention import SparseAttentionConfig, default_att
 from attnbackends.ops.sparse_mla_cache import allocate_sparse_mla_cache, ds_latent_views, write_sparse_latent
 from attnbackends.platform import is_triton_interpreted
 
+from .report import write_rows
+
 __all__ = ["GRID", "main", "sweep"]
 
 #: (block_h, block_n, warps, stages) tried on the GPU; the first fp8 rows are the same grid.
@@ -156,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for latent in args.formats:
         case = SweepCase(spec_for(heads, topk, latent), tokens, max(blocks, math.ceil(topk / 64) + 1), device)
         rows += sweep(case, grid, latent, min(args.oracle_tokens, tokens), cuda)
-        args.out.write_text(json.dumps({"rows": rows}, indent=1))
+        write_rows(args.out, rows)
     return 0
 
 
