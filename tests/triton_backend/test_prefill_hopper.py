@@ -237,8 +237,8 @@ def test_builder_off_the_hopper():
 @needs_gluon
 def test_kernel_note_names_the_prefill_kernel():
     notes = TritonAttentionBackend.kernel_notes(SPEC, DeviceInfo.cuda(9, 0))
-    assert len(notes) == 2 and "Gluon warp-specialised Hopper kernel" in notes[0] and "no cached context" in notes[0]
-    assert notes[1].startswith("decode schedule:")
+    assert len(notes) == 3 and "Gluon warp-specialised Hopper kernel" in notes[0] and "no cached context" in notes[0]
+    assert notes[1].startswith("decode schedule:") and notes[2].startswith("CUDA graphs:")
     assert "writes the step's keys and values into the cache itself" in notes[0]
     odd_pages = TritonAttentionBackend.kernel_notes(SPEC.model_copy(update=dict(block_size=48)), DeviceInfo.cuda(9, 0))
     assert "not in it: block_size 48" in odd_pages[0]
