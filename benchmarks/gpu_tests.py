@@ -35,6 +35,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "catalogue": ("tests/test_bad_input_catalogue.py",),
 }
 INTEGRATION = "integration"
+#: The plugin that writes each failure's traceback when it happens (a group stopped at its limit still says why).
+FAILURES_NOW = "benchmarks.pytest_failures_now"
 
 
 def group_names() -> list[str]:
@@ -55,10 +57,12 @@ def pytest_command(name: str, keyword: Optional[str] = None, sanitize: bool = Fa
                    workers: Optional[int] = None, test_timeout_s: Optional[float] = None) -> list[str]:
     """The command line of one group; under ``sanitize``, compute-sanitizer's memcheck around pytest; ``workers``:
     pytest-xdist processes; ``test_timeout_s``: pytest-timeout's limit per test where the plugin is installed (a
-    hung test then fails with its traceback instead of the whole group running past its limit unsummarised)."""
+    hung test then fails with its traceback instead of the whole group running past its limit unsummarised); every
+    command loads :data:`FAILURES_NOW`."""
     timeout = (["--timeout", f"{test_timeout_s:g}"] if test_timeout_s and importlib.util.find_spec("pytest_timeout")
                else [])
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfE", *timeout,
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-p", FAILURES_NOW, "-rfE",
+           *timeout,
            *(["-n", str(workers)] if workers else []), *group_paths(name), *(["-k", keyword] if keyword else [])]
     if sanitize:
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "50", *cmd]

@@ -99,6 +99,26 @@ def test_gpu_test_groups(tmp_path):
     else:
         assert "--timeout" not in limited  # the flag would be an unknown option without the plugin
     assert r.failures == ["FAILED tests/a.py::t2 - AssertionError"]
+    assert cmd[cmd.index(gpu_tests.FAILURES_NOW) - 1] == "-p"
+
+
+def test_failures_are_written_when_they_happen(tmp_path):
+    """The GPU groups' plugin writes a failing test's traceback to stderr at once (pytest's own summary, on stdout,
+    comes only at the end of the session)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "test_one.py").write_text("def test_fails():\n    assert 1 + 1 == 3\n\n"
+                                          "def test_after():\n    pass\n")
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                          gpu_tests.FAILURES_NOW, str(tmp_path / "test_one.py")], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.returncode == 1
+    assert "FAILURE NOW test_one.py::test_fails (call)" in run.stderr and "assert 1 + 1 == 3" in run.stderr
+    assert "test_after" not in run.stderr
 
 
 def test_kept_results_follow_the_naming_and_format():
