@@ -12,7 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..spec import KV_CACHE_DTYPES, AttentionSpec, kv_cache_format
+from ..ops.kv_quant import E2M1_VALUES
+from ..ops.quant import fp8_max
+from ..spec import KV_CACHE_DTYPES, AttentionSpec, KVCacheFormat, kv_cache_format, kv_cache_torch_dtype
 
 __all__ = ["KVScales", "calibrated_kv_scales", "check_kv_cache_dtype", "check_kv_scales", "kv_scale_kwargs",
            "with_kv_cache_dtype"]
@@ -20,9 +22,6 @@ __all__ = ["KVScales", "calibrated_kv_scales", "check_kv_cache_dtype", "check_kv
 #: One ``(k_scale, v_scale)`` pair per layer, or one pair for every layer.
 KVScales = tuple[tuple[float, float], ...]
 
-#: The largest stored magnitude of each per-tensor format: fp8's largest finite value, NVFP4's e4m3 block scale
-#: times e2m1's largest value.
-_QMAX = {"fp8": 448.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "nvfp4": 448.0 * 6.0}
 _UNQUANTISED = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,7 +82,7 @@ def calibrated_kv_scales(kv_caches: Sequence[torch.Tensor], kv_cache_dtype: str)
     if not fmt.uses_tensor_scale:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} takes no per-tensor scales; calibrate 'fp8', "
                          f"'fp8_e4m3', 'fp8_e5m2' or 'nvfp4'")
-    qmax = _QMAX[kv_cache_dtype]
+    qmax = _stored_max(kv_cache_dtype)
     scales = []
     for i, cache in enumerate(kv_caches):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.dtype not in _UNQUANTISED:
@@ -92,3 +91,11 @@ def calibrated_kv_scales(kv_caches: Sequence[torch.Tensor], kv_cache_dtype: str)
         amax = cache.abs().amax(dim=(0, 2, 3, 4)).float().cpu()  # [2]: keys, values
         scales.append(tuple(max(float(a), 1e-12) / qmax for a in amax))
     return tuple(scales)
+
+
+def _stored_max(kv_cache_dtype: str) -> float:
+    """The largest magnitude a per-tensor format stores: its fp8 dtype's largest finite value; NVFP4's largest e4m3
+    block scale times e2m1's largest value."""
+    if kv_cache_format(kv_cache_dtype) is KVCacheFormat.NVFP4:
+        return fp8_max(torch.float8_e4m3fn) * max(E2M1_VALUES)
+    return fp8_max(kv_cache_torch_dtype(kv_cache_dtype, "bfloat16"))
