@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from attnbackends.engine import EngineConfig, PagedEngine, TinyLlama, TinyLlamaConfig
+from attnbackends.spec import dtype_name
 
 from .report import write_rows
 
@@ -57,7 +58,7 @@ def measure(device: str, dtype: torch.dtype, num_prompts: int, new_tokens: int) 
     engine = engines["graphs"]
     return {
         "case": "engine_graphs", "backend": "graphs", "peer": "eager", "backend_used": graphs.backend,
-        "device": device, "dtype": str(dtype).replace("torch.", ""), "prompts": num_prompts, "new_tokens": new_tokens,
+        "device": device, "dtype": dtype_name(dtype), "prompts": num_prompts, "new_tokens": new_tokens,
         "B": num_prompts, "us": round(graphs.seconds * 1e6, 1), "peer_us": round(eager.seconds * 1e6, 1),
         "tokens_per_s": round(graphs.tokens_per_second, 1), "peer_tokens_per_s": round(eager.tokens_per_second, 1),
         "speedup": round(graphs.tokens_per_second / eager.tokens_per_second, 3),

@@ -23,7 +23,7 @@ import torch
 from attnbackends import AttentionConfig
 from attnbackends.engine import calibrated_kv_scales, teacher_forced_agreement
 from attnbackends.engine.demo_setup import demo_engine, demo_prompts
-from attnbackends.spec import kv_cache_format
+from attnbackends.spec import dtype_name, kv_cache_format
 
 __all__ = ["greedy_rows"]
 
@@ -34,7 +34,6 @@ def greedy_rows(formats: Sequence[str], device: torch.device, smoke: bool, num_p
     its 16-bit cache; printed as JSON lines as they come."""
     backend, dtype = ("reference", torch.float32) if smoke else ("triton", torch.bfloat16)
     config = AttentionConfig(backend=backend)
-    dtype_name = str(dtype).replace("torch.", "")
     peer = "reference_float32" if smoke else "triton_bf16"
     base = demo_engine(str(device), dtype, config, seed=0)
     prompts = demo_prompts(base.model.cfg.vocab_size, num_prompts, seed=0)
@@ -47,7 +46,7 @@ def greedy_rows(formats: Sequence[str], device: torch.device, smoke: bool, num_p
                                                         kv_scales=scales)
         agree = teacher_forced_agreement(engine, prompts, reference)
         rows.append({"case": "kv_quant_greedy", "backend": engine.backend.name, "peer": peer,
-                     "format": fmt, "kv_dtype": fmt, "dtype": dtype_name, "prompts": len(prompts),
+                     "format": fmt, "kv_dtype": fmt, "dtype": dtype_name(dtype), "prompts": len(prompts),
                      "new_tokens": new_tokens, "positions": agree.positions, "matches": agree.matches,
                      "token_agreement": agree.agreement, "first_divergence": agree.first_divergence,
                      "kv_scales": "calibrated (absmax of the unquantised run's cache)" if calibrate else None})

@@ -127,7 +127,8 @@ class MaskedLayer:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    run = MaskSuiteRun(argv, __doc__, gpu_shapes=[dict(batch=64, context=4096), dict(batch=8, context=16384)], cpu_shapes=[dict(batch=2, context=40)])
+    run = MaskSuiteRun(argv, __doc__, gpu_shapes=[dict(batch=64, context=4096), dict(batch=8, context=16384)],
+                       cpu_shapes=[dict(batch=2, context=40)])
     from attnbackends.spec import AttentionMask
 
     cuda, device, shapes, layer, emit, rows = run.cuda, run.device, run.shapes, run.layer, run.emit, run.rows

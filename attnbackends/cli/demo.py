@@ -80,7 +80,7 @@ def run_demo(
     return DemoReport(
         backend=result.backend,
         device=str(engine.device),
-        dtype=str(dtype).replace("torch.", ""),
+        dtype=dtype_name(dtype),
         num_prompts=len(prompts),
         new_tokens=agreement.positions,
         steps=result.num_steps,
