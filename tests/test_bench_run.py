@@ -104,7 +104,7 @@ def test_gpu_test_groups(tmp_path):
 
 def test_failures_are_written_when_they_happen(tmp_path):
     """The GPU groups' plugin writes a failing test's traceback to stderr at once (pytest's own summary, on stdout,
-    comes only at the end of the session)."""
+    comes only when the run ends)."""
     import os
     import subprocess
     import sys
