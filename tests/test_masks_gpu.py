@@ -71,7 +71,7 @@ def test_triton_masked_decodes_replay_from_a_cuda_graph(name):
     graph = capture_forward(lambda: impl.forward(query, key, value, kv_cache, meta, output))
     for seed, contexts in enumerate([(900, 30, 1500, 200), (120, 700, 40, 1800)], start=2):
         shapes = [SequenceShape(1, c) for c in contexts]
-        new_spans = [[(c - 50, c + 1)] for c in contexts] if spans is not None else None
+        new_spans = [[(max(0, c - 50), c + 1)] for c in contexts] if spans is not None else None
         batch = make_random_batch(spec, shapes, seed=seed, device="cuda", num_blocks=400)
         new = batch.common if new_spans is None else with_spans(batch.common, new_spans)
         for dst, src in ((query, batch.query), (key, batch.key), (value, batch.value), (kv_cache, batch.kv_cache),

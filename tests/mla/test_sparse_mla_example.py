@@ -1,6 +1,7 @@
-"""examples/deepseek_sparse_generate.py on the CPU: the built-in engine serves a DeepSeek-V3.2-shaped model on a
-sparse MLA backend, token for token the same as a cache-free recompute through the reference's definition, and a
-top-k below the context changes what the model computes."""
+"""examples/deepseek_sparse_generate.py: on the CPU the built-in engine serves a DeepSeek-V3.2-shaped model on the
+reference sparse MLA backend token for token the same as a cache-free recompute through the reference's definition,
+and a top-k below the context changes what the model computes; on a GPU, on triton_mla_sparse, layer by layer the
+same as the reference impl."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 from attnbackends import AttentionConfig
 from attnbackends.engine import EngineConfig, PagedEngine, TinyDeepseekSparse, TinyDeepseekSparseConfig
 from attnbackends.engine.speculative import NgramDrafter, SpeculativeConfig
+from attnbackends.mla.sparse.backend import TritonSparseMLAImpl
 from attnbackends.ops.sparse_mla_cache import SparseMLACache
-from examples.deepseek_sparse_generate import main, run_sparse_generation
+from attnbackends.reference.backend import ReferenceMetadataBuilder
+from attnbackends.reference.sparse_mla import ReferenceSparseMLAImpl
+from attnbackends.testing.tolerances import Tolerance, tolerance_for
+from examples.deepseek_sparse_generate import MIN_AGREEMENT, main, run_sparse_generation
 
 # one prompt within the top-k (its selection drops nothing), two beyond it (one spanning two prefill chunks)
 PROMPTS = (40, 70, 5)
@@ -68,14 +73,55 @@ def test_the_script_exits_non_zero_on_a_mismatch(monkeypatch, capsys):
     assert "MISMATCH" in capsys.readouterr().err
 
 
+class LayerCheck:
+    """Wraps ``TritonSparseMLAImpl.forward``: each call also runs the reference impl on the same inputs and a copy of
+    the cache, and counts the query tokens whose output is outside ``tol`` of the reference's."""
+
+    def __init__(self, tol: Tolerance) -> None:
+        self.tol = tol
+        self.tokens = 0
+        self.outside: list[tuple[int, float]] = []  # (call, worst |diff| of a token outside tol)
+        self.calls = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        triton_forward = TritonSparseMLAImpl.forward
+        check = self
+
+        def forward(impl, q, kv_c_normed, k_pe, kv_cache, metadata, output, **indexer_inputs):
+            common = metadata.common
+            cache = SparseMLACache(kv_cache.latent.clone(), kv_cache.index.clone())
+            want = output.clone()
+            ReferenceSparseMLAImpl(impl.spec, kv_b_proj=impl.kv_b_proj).forward(
+                q, kv_c_normed, k_pe, cache, ReferenceMetadataBuilder(impl.spec, q.device).build(common), want,
+                **indexer_inputs)
+            got = triton_forward(impl, q, kv_c_normed, k_pe, kv_cache, metadata, output, **indexer_inputs)
+            n = common.num_actual_tokens
+            err = (got[:n].double() - want[:n].double()).abs()
+            bound = check.tol.atol + check.tol.rtol * want[:n].double().abs()
+            for worst in (err - bound).amax(dim=(1, 2)).cpu():
+                if worst > 0:
+                    check.outside.append((check.calls, float(worst)))
+            check.tokens += n
+            check.calls += 1
+            return got
+
+        monkeypatch.setattr(TritonSparseMLAImpl, "forward", forward)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("latent_format", ["auto", "fp8_ds_mla"])
-def test_the_example_on_a_gpu_serves_triton_mla_sparse(latent_format):
+def test_the_example_on_a_gpu_serves_triton_mla_sparse(latent_format, monkeypatch):
+    """Every layer call of the engine's triton_mla_sparse equals the reference impl on the same inputs and cache
+    (the rare token a near-tied top-k swaps aside); end to end, greedy tokens agree with the recompute at least as
+    the example demands (its docstring: a rounding-level difference can swap a near-tied top-k choice)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("triton_mla_sparse needs sm_89+")
-    report = run_sparse_generation("cuda", latent_format=latent_format)
+    check = LayerCheck(tolerance_for(torch.float16, "fp8_e4m3" if latent_format == "fp8_ds_mla" else "auto"))
+    check.install(monkeypatch)
+    report = run_sparse_generation("cuda", torch.float16, latent_format=latent_format)
     assert report.backend == "triton_mla_sparse"
     assert report.selected_fraction < 0.7
-    assert report.identical, (report.tokens, report.recompute_tokens, report.max_logit_diff)
+    assert check.calls > 0 and len(check.outside) <= 0.02 * check.tokens, (check.tokens, check.outside)
+    assert report.agreement >= MIN_AGREEMENT, (report.tokens, report.recompute_tokens, report.max_logit_diff)
