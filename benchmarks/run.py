@@ -126,7 +126,7 @@ def run_suite(name: str, outdir: Path, extra_args: Sequence[str] = (), plot: boo
     rows += fp8_speedup_rows(rows)
     command = " ".join(["python -m benchmarks.run --suite", name, *(["--", *extra_args] if extra_args else [])])
     header = {"gpu": gpu_name, "date": date, "suite": name, "command": command, **library_versions(),
-              "complete": not status}
+              "complete": not status, **({"world_size": suite.gpus} if suite.gpus > 1 else {})}
     write_json(outdir / f"{stem}.json", header, rows)
     write_markdown(outdir / f"{stem}.md", header, rows)
     if plot:

@@ -209,21 +209,25 @@ def test_needs_a_gpu_without_cpu_smoke(capsys):
     assert decode.DIFF_LIMIT == 2e-2
 
 
-def test_run_py_keeps_the_suite_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_run_py_keeps_the_suite_rows(tmp_path, monkeypatch, gpus):
     """benchmarks.run's path for the suite (rows file, result JSON, markdown table, RESULTS.md), with --cpu-smoke
-    standing in for the GPU run."""
+    standing in for the GPU run; a suite of several GPUs names its files and header by their count."""
     import dataclasses
 
     from benchmarks import run
+    from benchmarks.report import gpu_slug
 
     monkeypatch.setitem(run.SUITES, "decode", dataclasses.replace(
-        SUITES["decode"], args=("--cpu-smoke", "--batches", "b1_16384", "--no-adapter")))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        SUITES["decode"], args=("--cpu-smoke", "--batches", "b1_16384", "--no-adapter"), gpus=gpus))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     complete, line = run.run_suite("decode", tmp_path)
     assert complete, line
-    data = json.loads(next(tmp_path.glob("h100-decode-*.json")).read_text())
+    slug = "h100" if gpus == 1 else f"h100x{gpus}"
+    data = json.loads(next(tmp_path.glob(f"{slug}-decode-*.json")).read_text())
+    assert gpu_slug(data["gpu"], data.get("world_size", 1)) == slug
     assert data["suite"] == "decode" and data["complete"] and {r["case"] for r in data["rows"]} == {
         "copy_roof", "decode_ragged", "decode_host", "decode_roof"}
-    assert "| decode_ragged" in next(tmp_path.glob("h100-decode-*.md")).read_text()
+    assert "| decode_ragged" in next(tmp_path.glob(f"{slug}-decode-*.md")).read_text()
     assert "## decode (H100" in run.write_index(tmp_path).read_text()
