@@ -96,6 +96,14 @@ def _token_head_scales(base_ptr, blk, slot, kv_head, n_ok, stride_kb, region, nu
 
 
 @triton.jit
+def _biased_to_f16(biased, BIAS: tl.constexpr):
+    """int32 codes with ``biased = value + BIAS`` in [0, 1024) -> float16 values, exactly, without a conversion
+    instruction: the bits 0x6400 + biased are the float16 1024 + biased, from which 1024 + BIAS is subtracted
+    (int8 pages; int4's nibbles, already int32, keep their conversion, which measured faster there)."""
+    return (biased + 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
+
+
+@triton.jit
 def _unpack_rows(packed):
     """[N, P] uint8 -> [N, 2P] int32 nibbles (byte i's low nibble at 2i, high at 2i + 1)."""
     p = packed.to(tl.int32)
@@ -137,8 +145,8 @@ def load_kv_tile(
     ``k_off``/``v_off`` [TILE_N]: the keys' row offsets (page and slot) from ``key_ptr``/``value_ptr``; ``blk``,
     ``slot`` [TILE_N]: their pages and slots (only read by page-scaled formats); ``n_ok`` [TILE_N]: keys that exist
     (loads masked with ``MASKED``). Returns k [HEAD_PAD, TILE_N] and v [TILE_N, HEAD_PAD] in the cache's dtype
-    (``KV_PLAIN``, ``KV_TOKEN_HEAD_8BIT``) or float32 (int4 and NVFP4, already unpacked), and k_sc, v_sc [TILE_N]
-    float32 (per-token-head formats; ones otherwise)."""
+    (``KV_PLAIN``, fp8 e4m3 values), float16 (int8 codes, converted exactly by integer operations) or float32
+    (int4 and NVFP4, already unpacked), and k_sc, v_sc [TILE_N] float32 (per-token-head formats; ones otherwise)."""
     ones = tl.full([TILE_N], 1.0, tl.float32)
     if KV_FORMAT == 0 or KV_FORMAT == 1:
         k_ptrs = key_ptr + kv_head * stride_kh + k_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
@@ -159,6 +167,9 @@ def load_kv_tile(
             else:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
+        if k.dtype == tl.int8:
+            k = _biased_to_f16(k.to(tl.int32) + 128, 128)
+            v = _biased_to_f16(v.to(tl.int32) + 128, 128)
         k_sc = ones
         v_sc = ones
     else:
