@@ -99,7 +99,7 @@ def _token_head_scales(base_ptr, blk, slot, kv_head, n_ok, stride_kb, region, nu
 def _biased_to_f16(biased, BIAS: tl.constexpr):
     """int32 codes with ``biased = value + BIAS`` in [0, 1024) -> float16 values, exactly, without a conversion
     instruction: the bits 0x6400 + biased are the float16 1024 + biased, from which 1024 + BIAS is subtracted
-    (int8 pages; int4's nibbles, already int32, keep their conversion, which measured faster there)."""
+    (int8 pages; int4's nibbles keep their int32-to-float conversion: benchmarks/NOTES.md)."""
     return (biased + 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
 
 
